@@ -1,0 +1,112 @@
+"""The convert kernel (Triton): request-local top-k token indices -> global KV slot ids.
+
+Column-preserving: output column j is input column j mapped through the block table, or -1
+where the input is negative or its block column is past the table width. Int32 arithmetic.
+Optionally writes each row's count of valid entries. Runs on a GPU, and on CPU under
+``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_COLS = 128
+
+
+@triton.jit
+def _convert_kernel(
+    topk_ptr,
+    topk_stride,
+    table_ptr,
+    table_stride,
+    table_width,
+    req_ptr,
+    out_ptr,
+    out_stride,
+    counts_ptr,
+    width,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WITH_COUNTS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    req = tl.load(req_ptr + row)
+    count = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        in_row = cols < width
+        tok = tl.load(topk_ptr + row * topk_stride + cols, mask=in_row, other=-1)
+        blk = tok // BLOCK_SIZE
+        valid = (tok >= 0) & (blk < table_width) & in_row
+        phys = tl.load(table_ptr + req * table_stride + blk, mask=valid, other=0)
+        slot = tl.where(valid, phys * BLOCK_SIZE + tok % BLOCK_SIZE, -1)
+        tl.store(out_ptr + row * out_stride + cols, slot, mask=in_row)
+        count += valid.to(tl.int32)
+    if WITH_COUNTS:
+        tl.store(counts_ptr + row, tl.sum(count, axis=0))
+
+
+def convert_topk_to_slots(
+    topk_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    req_id: torch.Tensor,
+    block_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    with_counts: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Map ``topk_indices [T, W]`` (int32, -1 invalid) to slot ids ``[T, W]`` int32.
+
+    ``req_id [T]`` gives each row's request (padded rows: 0). ``out`` may be a reused buffer
+    (any int32 ``[T, W]`` view, e.g. a row-strided view of the plan's kv_indices). With
+    ``with_counts`` also returns each row's count of valid entries (int32 ``[T]``).
+    """
+    if topk_indices.dim() != 2 or topk_indices.dtype != torch.int32:
+        raise ValueError(f"topk_indices: expected int32 [T, W], got {topk_indices.dtype} {tuple(topk_indices.shape)}")
+    rows, width = topk_indices.shape
+    if width % BLOCK_COLS:
+        raise ValueError(f"topk_indices: width {width} is not a multiple of {BLOCK_COLS}")
+    if req_id.shape != (rows,):
+        raise ValueError(f"req_id: expected [{rows}] (one per token row), got {tuple(req_id.shape)}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table: expected int32 [num_reqs, blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    if topk_indices.stride(1) != 1 or block_table.stride(1) != 1:
+        raise ValueError("topk_indices and block_table need unit column stride")
+    devices = {t.device for t in (topk_indices, block_table, req_id)}
+    if len(devices) != 1:
+        raise ValueError(f"inputs on several devices: {devices}")
+    if out is None:
+        out = torch.empty_like(topk_indices)
+    elif out.shape != (rows, width) or out.dtype != torch.int32 or out.stride(1) != 1:
+        raise ValueError(f"out: expected int32 [{rows}, {width}] with unit column stride, got {out.dtype} {tuple(out.shape)}")
+    counts = torch.empty(rows, dtype=torch.int32, device=topk_indices.device) if with_counts else out
+    if rows:
+        _convert_kernel[(rows,)](
+            topk_indices,
+            topk_indices.stride(0),
+            block_table,
+            block_table.stride(0),
+            block_table.shape[1],
+            req_id.to(torch.int32),
+            out,
+            out.stride(0),
+            counts,
+            width,
+            BLOCK_SIZE=block_size,
+            BLOCK=BLOCK_COLS,
+            WITH_COUNTS=with_counts,
+        )
+    return (out, counts) if with_counts else out
+
+
+def request_ids(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Request id of each of ``num_rows`` rows on the device of ``query_start_loc``; rows past
+    the last query token (CUDA-graph padding) map to request 0."""
+    qsl = query_start_loc.to(torch.int64)
+    counts = (qsl[1:] - qsl[:-1]).clamp(min=0)
+    ids = torch.repeat_interleave(torch.arange(counts.numel(), device=qsl.device), counts)
+    out = torch.zeros(num_rows, dtype=torch.int32, device=qsl.device)
+    out[: ids.numel()] = ids[:num_rows].to(torch.int32)
+    return out

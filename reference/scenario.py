@@ -1,0 +1,299 @@
+"""The one scenario builder every tier uses: a batch spec + a seed -> a step's tensors.
+
+A :class:`BatchSpec` lists requests (decode first) and the model/cache configuration. From it
+and a seed, :func:`build_scenario` derives everything on the host: the block table (permuted
+physical blocks, physical block 0 never allocated, a table wider than any allocation with
+stale entries past each allocation), the indexer rows, the metadata the production builder
+reads, and each row's context and regime. :func:`build_attention_inputs` then materialises q
+and the KV cache on a device. Every random draw comes from NumPy generators seeded from
+``(seed, component)``, so the same spec and seed give the same tensors on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .indexer import buffer_width, decode_rows_use_identity, indexer_rows, prefill_rows_use_identity
+from .rules import classify_rows, convert_rule, request_ids_per_row, route_prefills_to_mha, row_context
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+DEEPSEEK_V32_SM_SCALE = 0.1352  # DeepSeek-V3.2 with YaRN mscale; GLM-5.3-Flash uses 256**-0.5
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the step: ``seq_len`` tokens after the step, ``q_len`` of them queried now."""
+
+    seq_len: int
+    q_len: int = 1
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    requests: tuple[Request, ...]
+    topk: int = 2048
+    kpool: int = 1
+    width: int | None = None  # topk_indices_buffer width; default roundup(topk + kpool - 1, 128)
+    block_size: int = 64
+    rope: bool = True  # R = 64; False: NoPE (R = 0)
+    kv_dtype: str = "bfloat16"  # or "float8_e4m3fn"
+    k_scale: float = 1.0
+    num_heads: int = 16
+    sm_scale: float = DEEPSEEK_V32_SM_SCALE
+    async_scheduling: bool = False
+    host_bound_slack: int = 0  # tokens the host upper bound over-counts on spec-decode requests (async only)
+    decode_threshold: int = 1  # requests with q_len <= this are decodes (1 + num speculative tokens)
+    padded_rows: int = 0  # CUDA-graph padding rows past the last query token
+    table_slack: int = 2  # block-table columns past the longest allocation (stale entries)
+    spare_blocks: int = 3  # physical blocks nobody owns
+    min_block_id: int = 1  # first physical block id handed out (push slot ids past 2**23)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", tuple(self.requests))
+        for i, r in enumerate(self.requests):
+            if r.q_len < 1 or r.seq_len < r.q_len:
+                raise ValueError(f"request {i}: need 1 <= q_len <= seq_len, got {r}")
+        kinds = [r.q_len <= self.decode_threshold for r in self.requests]
+        if kinds != sorted(kinds, reverse=True):
+            raise ValueError(f"decode requests (q_len <= {self.decode_threshold}) must come first: {self.requests}")
+        if self.kpool < 1 or self.topk % self.kpool:
+            raise ValueError(f"topk={self.topk} must be a positive multiple of kpool={self.kpool}")
+        width = self.resolved_width
+        if width % 128 or width < self.topk + self.kpool - 1:
+            raise ValueError(f"width={width} must be a multiple of 128 and >= topk + kpool - 1")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.host_bound_slack and not self.async_scheduling:
+            raise ValueError("host_bound_slack needs async_scheduling: without it the host bound is exact")
+        if self.min_block_id < 1:
+            raise ValueError("physical block 0 is reserved (slot 0 is what a -1 clamps to)")
+
+    @property
+    def resolved_width(self) -> int:
+        return self.width if self.width is not None else buffer_width(self.topk, self.kpool)
+
+    @property
+    def rope_dim(self) -> int:
+        return ROPE_DIM if self.rope else 0
+
+    @property
+    def head_dim(self) -> int:
+        return KV_LORA_RANK + self.rope_dim
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype]
+
+    def replace(self, **changes) -> "BatchSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def batch(*pairs: tuple[int, int], **config) -> BatchSpec:
+    """Shorthand: ``batch((seq_len, q_len), ..., topk=2048, kpool=4)``."""
+    return BatchSpec(requests=tuple(Request(s, q) for s, q in pairs), **config)
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """The fields of the engine's common attention metadata that the builder reads."""
+
+    num_reqs: int
+    query_start_loc_cpu: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs] (a device tensor in the engine)
+    seq_lens_cpu_upper_bound: torch.Tensor | None  # int32 [num_reqs]; optimistic under async spec decode
+    positions: torch.Tensor | None  # int64 [num_rows + padded rows] (a device tensor in the engine)
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_actual_tokens: int
+
+
+@dataclass
+class Scenario:
+    """A step's host-side tensors and the truth about every row."""
+
+    spec: BatchSpec
+    seed: int
+    meta: StepMetadata
+    block_table: torch.Tensor  # int32 [num_reqs, table_width]
+    allocations: list[torch.Tensor]  # physical block ids of each request, in logical order
+    num_blocks: int
+    topk_indices: torch.Tensor  # int32 [num_rows + padded_rows, width]
+    row_ctx: torch.Tensor  # int64 [num_rows]
+    row_identity: torch.Tensor  # bool [num_rows]
+    row_regime: list[str]
+    prefills_to_mha: bool
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return self.meta.num_actual_tokens
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.spec.block_size
+
+    @property
+    def planned_rows(self) -> int:
+        """Rows handed to the sparse kernel: the decode prefix when prefills go to MHA."""
+        return self.meta.num_decode_tokens if self.prefills_to_mha else self.num_rows
+
+    def request_ids(self) -> torch.Tensor:
+        return request_ids_per_row(self.meta.query_start_loc_cpu, self.topk_indices.shape[0])
+
+    def intended_slots(self) -> torch.Tensor:
+        """The convert rule applied to the indexer rows: ``[rows incl. padding, width]``."""
+        return convert_rule(self.topk_indices, self.block_table, self.request_ids(), self.spec.block_size)
+
+    def referenced_slots(self) -> torch.Tensor:
+        """Slot ids of every token of every request (the only slots holding real data)."""
+        bs = self.spec.block_size
+        parts = [
+            (blocks.to(torch.int64).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[: r.seq_len]
+            for blocks, r in zip(self.allocations, self.spec.requests)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def describe(self) -> str:
+        s = self.spec
+        reqs = ", ".join(f"({r.seq_len},{r.q_len})" for r in s.requests[:6]) + (" ..." if len(s.requests) > 6 else "")
+        return (
+            f"seed={self.seed} topk={s.topk} kpool={s.kpool} W={s.resolved_width} bs={s.block_size} "
+            f"R={s.rope_dim} kv={s.kv_dtype} H={s.num_heads} async={s.async_scheduling} "
+            f"requests(seq,q)=[{reqs}]"
+        )
+
+
+def component_seed(seed: int, component: str) -> int:
+    """A stable 63-bit seed for one random component of a scenario."""
+    digest = hashlib.sha256(f"{seed}:{component}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _allocate_blocks(spec: BatchSpec, rng: np.random.Generator) -> tuple[list[np.ndarray], int]:
+    needed = [math.ceil(r.seq_len / spec.block_size) for r in spec.requests]
+    total = sum(needed)
+    num_blocks = spec.min_block_id + total + spec.spare_blocks
+    pool = spec.min_block_id + rng.permutation(total + spec.spare_blocks)
+    bounds = np.cumsum([0] + needed)
+    return [pool[bounds[i] : bounds[i + 1]] for i in range(len(needed))], num_blocks
+
+
+def _block_table(allocs: list[np.ndarray], table_width: int, num_blocks: int, rng) -> np.ndarray:
+    """Allocated blocks first, then stale ids (anything but block 0) up to the table width."""
+    table = rng.integers(1, num_blocks, size=(len(allocs), table_width), dtype=np.int64)
+    for i, blocks in enumerate(allocs):
+        table[i, : blocks.size] = blocks
+    return table.astype(np.int32)
+
+
+def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
+    """Host-side tensors of one step (no q, no KV cache: see :func:`build_attention_inputs`)."""
+    reqs = spec.requests
+    seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
+    q_lens = torch.tensor([r.q_len for r in reqs], dtype=torch.int32)
+    qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(q_lens, 0)
+    num_rows = int(qsl[-1])
+    is_decode = [r.q_len <= spec.decode_threshold for r in reqs]
+    num_decodes = sum(is_decode)
+    num_decode_tokens = int(qsl[num_decodes])
+
+    ctx = row_context(seq_lens, qsl)
+    row_is_decode = torch.arange(num_rows) < num_decode_tokens
+    prefill_seq_lens = seq_lens[num_decodes:]
+    decode_identity = decode_rows_use_identity(int(seq_lens.max()) if reqs else 0, spec.topk)
+    prefill_identity = prefill_rows_use_identity(int(prefill_seq_lens.max()) if num_decodes < len(reqs) else 0, spec.topk)
+    identity = torch.where(row_is_decode, torch.tensor(decode_identity), torch.tensor(prefill_identity))
+
+    rng = np.random.default_rng(component_seed(seed, "blocks"))
+    allocs, num_blocks = _allocate_blocks(spec, rng)
+    table_width = max((a.size for a in allocs), default=0) + spec.table_slack
+    table = _block_table(allocs, max(table_width, 1), num_blocks, rng)
+
+    topk_indices = indexer_rows(
+        ctx, identity, spec.topk, spec.kpool, spec.resolved_width, component_seed(seed, "indexer"), spec.padded_rows
+    )
+    upper = seq_lens.clone()
+    spec_decode = torch.tensor([d and r.q_len > 1 for d, r in zip(is_decode, reqs)], dtype=torch.bool)
+    upper[spec_decode] += spec.host_bound_slack
+    positions = torch.zeros(num_rows + spec.padded_rows, dtype=torch.int64)
+    positions[:num_rows] = ctx - 1
+    meta = StepMetadata(
+        num_reqs=len(reqs),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        seq_lens_cpu_upper_bound=upper,
+        positions=positions,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        num_prefills=len(reqs) - num_decodes,
+        num_actual_tokens=num_rows,
+    )
+    return Scenario(
+        spec=spec,
+        seed=seed,
+        meta=meta,
+        block_table=torch.from_numpy(table),
+        allocations=[torch.from_numpy(a.astype(np.int64)) for a in allocs],
+        num_blocks=num_blocks,
+        topk_indices=topk_indices,
+        row_ctx=ctx,
+        row_identity=identity,
+        row_regime=classify_rows(ctx, identity, spec.topk, spec.kpool),
+        prefills_to_mha=route_prefills_to_mha(prefill_seq_lens, spec.topk),
+    )
+
+
+@dataclass
+class AttentionInputs:
+    q_nope: torch.Tensor  # [rows incl. padding, H, 512] bf16
+    q_pe: torch.Tensor  # [rows incl. padding, H, R] bf16
+    kv_cache: torch.Tensor  # [num_blocks, block_size, 512 + R] bf16 or float8_e4m3fn
+
+    @property
+    def ckv(self) -> torch.Tensor:
+        """``[num_slots, 1, 512]`` view of the cache."""
+        return self.kv_cache.view(-1, 1, self.kv_cache.shape[-1])[..., :KV_LORA_RANK]
+
+    @property
+    def kpe(self) -> torch.Tensor:
+        """``[num_slots, 1, R]`` view of the cache."""
+        return self.kv_cache.view(-1, 1, self.kv_cache.shape[-1])[..., KV_LORA_RANK:]
+
+
+_NAN_BITS = {"bfloat16": (torch.int16, 0x7FC0), "float8_e4m3fn": (torch.uint8, 0x7F)}
+
+
+def _normal(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(size=shape, dtype=np.float32))
+
+
+def build_attention_inputs(
+    scenario: Scenario, device: torch.device | str = "cpu", *, poison: bool = True, q_seed_component: str = "q"
+) -> AttentionInputs:
+    """q and the KV cache on ``device``. Only slots of real tokens get data; with ``poison``
+    every other slot (slot 0 included) holds NaN, so reading one shows in the output."""
+    spec = scenario.spec
+    rows = scenario.topk_indices.shape[0]
+    q = _normal(component_seed(scenario.seed, q_seed_component), (rows, spec.num_heads, spec.head_dim))
+    q = q.to(torch.bfloat16).to(device)
+    cache = torch.empty((scenario.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=device)
+    if poison:
+        bits, pattern = _NAN_BITS[spec.kv_dtype]
+        cache.view(bits).fill_(pattern)
+    slots = scenario.referenced_slots()
+    values = _normal(component_seed(scenario.seed, "kv"), (slots.numel(), spec.head_dim))
+    if not poison:
+        others = _normal(component_seed(scenario.seed, "kv-unreferenced"), (scenario.num_slots, spec.head_dim))
+        cache.view(-1, spec.head_dim).copy_(others.to(spec.torch_kv_dtype))
+    cache.view(-1, spec.head_dim)[slots.to(device)] = values.to(spec.torch_kv_dtype).to(device)
+    return AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=cache)
