@@ -107,3 +107,10 @@ def valid_is_prefix(slots: torch.Tensor) -> torch.Tensor:
 def route_prefills_to_mha(prefill_seq_lens: torch.Tensor, topk: int) -> bool:
     """On Hopper, prefills go to dense MHA when every prefill has seq_len <= topk."""
     return prefill_seq_lens.numel() > 0 and int(prefill_seq_lens.max()) <= topk
+
+
+def valid_first(slots: torch.Tensor) -> torch.Tensor:
+    """Each row's valid entries moved to the front in column order (-1 after): the row as a
+    compacting layout reads it."""
+    order = torch.sort((slots == INVALID).to(torch.int8), dim=1, stable=True).indices
+    return torch.gather(slots, 1, order)

@@ -1,0 +1,25 @@
+"""Wires the suite's command-line options; the hooks live in ``tests/plugin.py``."""
+
+import os
+
+from tests.gpu_env import count_gpus_without_cuda
+
+# The convert kernel is Triton: without a GPU it runs in Triton's interpreter, which has to be
+# chosen before the kernel is defined (on import of fast.convert).
+if "TRITON_INTERPRET" not in os.environ and count_gpus_without_cuda() == 0:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from fast.impl import DEFAULT_IMPL_SPEC  # noqa: E402
+
+pytest_plugins = ("tests.plugin",)
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("sparse-mla", "sparse MLA differential tester")
+    group.addoption(
+        "--impl",
+        default=DEFAULT_IMPL_SPEC,
+        metavar="MODULE:FACTORY",
+        help="implementation under test: a factory returning an object with the fast.impl.SparseMLAImpl "
+        f"methods (default: {DEFAULT_IMPL_SPEC})",
+    )

@@ -1,0 +1,144 @@
+"""kv_len against the convert kernel's count of valid entries, and the prefix invariant, in
+every context regime (SPEC §3–§5), for kpool 1 and 4 and every kv_indices layout.
+
+Where the production layouts are wrong (regime C under strided and packed), the case is a
+strict xfail naming SPEC §6 #3: CI stays green while the finding stands, and the day it is
+fixed the xfail turns into a failure that asks for the marker to go.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fast.layouts import LAYOUTS
+from reference import BatchSpec, Request, build_scenario, kv_len_rule, valid_counts
+from tests.cases import all_regime_cases, situation_cases
+from tests.pipeline import describe_rows, prepare_step, selection_mismatches
+
+REGIME_C_FINDING = (
+    "SPEC §6 #3: pooled rows with ctx < topk and ctx % kpool != 0 (regime C) are not a prefix; "
+    "the {layout} layout plans them as one"
+)
+
+CASES = all_regime_cases() + situation_cases(1) + situation_cases(4)
+
+
+def has_regime_c(case) -> bool:
+    scenario = build_scenario(case.spec, seed=0)
+    return "C" in scenario.row_regime[: scenario.planned_rows]
+
+
+def layout_params():
+    params = []
+    for case in CASES:
+        c_rows = has_regime_c(case)
+        for layout in LAYOUTS:
+            marks = []
+            if c_rows and layout != "compacted":
+                marks.append(pytest.mark.xfail(reason=REGIME_C_FINDING.format(layout=layout), strict=True))
+            params.append(pytest.param(case, layout, id=f"{case.id}-{layout}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_kv_len_equals_valid_count(impl, case, regime_log):
+    """Every planned row's kv_len equals the convert kernel's count of valid entries, and the
+    planned rows are exactly the rows q hands to the kernel."""
+    scenario = build_scenario(case.spec, seed=1)
+    step = prepare_step(impl, scenario, "compacted")
+    regime_log.record(step.regimes(), focus=case.focus or None)
+    counts = step.counts[: step.num_planned].cpu()
+    bad = (counts != step.planned_lens).nonzero().flatten().tolist()
+    assert step.num_planned == scenario.planned_rows, (
+        f"{step.num_planned} rows planned but q has {scenario.planned_rows} rows "
+        f"(prefills to MHA: {scenario.prefills_to_mha}); {step.context()}"
+    )
+    assert not bad, f"kv_len != valid count on {len(bad)} rows; {step.context()}\n" + describe_rows(step, bad)
+
+
+@pytest.mark.parametrize(("case", "layout"), layout_params())
+def test_plan_reads_the_intended_slots(impl, case, layout, regime_log):
+    """Invariants hold and the plan makes the kernel read exactly the valid slots of each
+    indexer row (as-implemented selection == intended selection)."""
+    scenario = build_scenario(case.spec, seed=2)
+    step = prepare_step(impl, scenario, layout)
+    regime_log.record(step.regimes(), focus=case.focus or None)
+    assert not step.violations, f"invariant violations; {step.context()}\n" + "\n".join(map(str, step.violations[:8]))
+    bad = selection_mismatches(step)
+    assert not bad, f"planned slots != intended slots on {len(bad)} rows; {step.context()}\n" + describe_rows(step, bad)
+
+
+@pytest.mark.parametrize("layout", ["strided", "packed"])
+def test_regime_c_reads_slot_zero_or_minus_one(impl, layout):
+    """The consequence of the regime C finding, shown exactly: under packed the row attends
+    slot 0 for its r newest tokens; under strided its planned span holds -1."""
+    scenario = build_scenario(batch_regime_c(), seed=3)
+    step = prepare_step(impl, scenario, layout)
+    row = 0
+    assert scenario.row_regime[row] == "C"
+    ctx, kpool = int(scenario.row_ctx[row]), scenario.spec.kpool
+    r = ctx % kpool
+    start = int(step.kv_indptr[row])
+    span = step.kv_indices[start : start + int(step.planned_lens[row])].cpu()
+    expected_bad = 0 if layout == "packed" else -1
+    assert int((span == expected_bad).sum()) == r, f"{layout}: row ctx={ctx} expected {r} entries == {expected_bad}"
+
+
+def batch_regime_c() -> BatchSpec:
+    return BatchSpec(requests=(Request(1001, 1), Request(100_003, 1)), topk=2048, kpool=4)
+
+
+# --- random batches ------------------------------------------------------------------------
+
+TOPKS = (128, 256, 2048)
+
+
+@st.composite
+def batch_specs(draw) -> BatchSpec:
+    topk = draw(st.sampled_from(TOPKS))
+    kpool = draw(st.sampled_from((1, 4)))
+    near = st.sampled_from([1, kpool - 1, kpool, kpool + 1, topk - kpool - 1, topk - 1, topk, topk + 1,
+                            topk + kpool - 1, topk + kpool, 2 * topk + 1])
+    ctx = st.one_of(near.filter(lambda c: c >= 1), st.integers(1, 3 * topk), st.integers(3 * topk, 200_000))
+    num_decodes = draw(st.integers(0, 5))
+    spec_k = draw(st.sampled_from((0, 0, 3)))
+    decodes = []
+    for _ in range(num_decodes):
+        seq = draw(ctx)
+        decodes.append(Request(max(seq, spec_k + 1), spec_k + 1))
+    prefills = []
+    for _ in range(draw(st.integers(0, 3))):
+        seq = draw(ctx)
+        q = draw(st.integers(spec_k + 2, max(spec_k + 2, min(seq, 96))))
+        prefills.append(Request(max(seq, q), q))
+    async_ = draw(st.booleans())
+    return BatchSpec(
+        requests=tuple(decodes + prefills), topk=topk, kpool=kpool, decode_threshold=spec_k + 1,
+        async_scheduling=async_, host_bound_slack=draw(st.integers(0, 3)) if async_ else 0,
+        block_size=draw(st.sampled_from((1, 16, 64))), padded_rows=draw(st.integers(0, 3)),
+    )
+
+
+@given(spec=batch_specs(), seed=st.integers(0, 2**31 - 1))
+def test_random_batches_plan_intended_slots_compacted(impl, spec, seed):
+    """Random batches: kv_len == valid count, and the compacted plan reads the intended slots."""
+    scenario = build_scenario(spec, seed)
+    step = prepare_step(impl, scenario, "compacted")
+    assert torch.equal(step.counts[: scenario.num_rows].cpu(), valid_counts(scenario.intended_slots())[: scenario.num_rows])
+    assert torch.equal(step.lens.to(torch.int64), kv_len_rule(scenario.row_ctx, spec.topk, spec.kpool)), step.context()
+    assert not step.violations, step.context() + "\n" + "\n".join(map(str, step.violations[:8]))
+    bad = selection_mismatches(step)
+    assert not bad, step.context() + "\n" + describe_rows(step, bad)
+
+
+@given(spec=batch_specs(), seed=st.integers(0, 2**31 - 1))
+def test_random_batches_packed_fails_only_on_regime_c(impl, spec, seed):
+    """The packed layout's only mismatches are regime C rows (and every regime C row mismatches)."""
+    scenario = build_scenario(spec, seed)
+    step = prepare_step(impl, scenario, "packed")
+    bad = set(selection_mismatches(step))
+    c_rows = {r for r, g in enumerate(scenario.row_regime[: step.num_planned]) if g == "C"}
+    assert bad == c_rows, step.context() + "\n" + describe_rows(step, sorted(bad ^ c_rows))

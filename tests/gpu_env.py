@@ -1,0 +1,72 @@
+"""GPU discovery and per-worker pinning that never initialises CUDA (safe to import first).
+
+Under pytest-xdist each worker gets ``CUDA_VISIBLE_DEVICES`` = one GPU, worker index mod GPU
+count, among the devices the user already made visible; this has to happen before anything
+touches CUDA, which is why this module imports neither torch nor triton.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def worker_index(worker_id: str | None) -> int | None:
+    """``gw3`` -> 3; None (no xdist) -> None."""
+    if not worker_id or not worker_id.startswith("gw"):
+        return None
+    return int(worker_id[2:])
+
+
+def pick_gpu(worker_id: str | None, visible_devices: str | None, gpu_count: int) -> str | None:
+    """The CUDA_VISIBLE_DEVICES value for one xdist worker: worker index mod the number of
+    GPUs, chosen among the devices the user already made visible. None: leave it as is."""
+    index = worker_index(worker_id)
+    if index is None:
+        return None
+    if visible_devices is not None and visible_devices.strip() != "":
+        devices = [d.strip() for d in visible_devices.split(",") if d.strip()]
+    else:
+        devices = [str(i) for i in range(gpu_count)]
+    if len(devices) <= 1:
+        return None
+    return devices[index % len(devices)]
+
+
+def count_gpus_without_cuda() -> int:
+    """Number of NVIDIA GPUs, asked of NVML or nvidia-smi so that CUDA stays uninitialised."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+            return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            return 0
+    return 0
+
+
+def pin_worker_gpu(config) -> None:
+    worker_id = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker_index(worker_id) is None:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = 0 if visible else count_gpus_without_cuda()
+    choice = pick_gpu(worker_id, visible, count)
+    if choice is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = choice
+    config.stash[GPU_CHOICE] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+GPU_CHOICE = pytest.StashKey[str]()

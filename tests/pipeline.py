@@ -1,0 +1,115 @@
+"""One step of the production path, driven through the implementation under test, plus the
+checks every tier shares: invariants before launch and the two selections (a) and (b).
+
+:func:`prepare_step` runs what happens on the host and device before the kernel (convert,
+kv_len, planned rows, kv_indptr, kv_indices) for one scenario and layout; the GPU tier adds
+plan + run on top of the same :class:`Step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fast.layouts import indices_capacity
+from reference import Scenario, Violation, check_plan_invariants, intended_selection, planned_selection
+from reference.invariants import same_multisets
+from reference.rules import valid_first
+
+
+@dataclass
+class Step:
+    scenario: Scenario
+    layout: str
+    max_rows: int
+    slots: torch.Tensor  # convert output [rows incl. padding, W] (device)
+    counts: torch.Tensor  # convert's valid counts [rows incl. padding] (device)
+    lens: torch.Tensor  # host int32, every query row
+    planned_lens: torch.Tensor  # host int32, planned rows only
+    kv_indptr: torch.Tensor  # host int32 [max_rows + 1]
+    kv_indices: torch.Tensor  # device int32 [capacity]
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def num_planned(self) -> int:
+        return self.planned_lens.numel()
+
+    def regimes(self, rows=None) -> list[str]:
+        regimes = self.scenario.row_regime[: self.num_planned]
+        return regimes if rows is None else [regimes[r] for r in rows]
+
+    def context(self) -> str:
+        return f"layout={self.layout} {self.scenario.describe()}"
+
+
+def prepare_step(impl, scenario: Scenario, layout: str, device="cpu", max_rows: int | None = None) -> Step:
+    """Convert, compute lens, lay out kv_indices, and check the invariants (no kernel)."""
+    spec, meta = scenario.spec, scenario.meta
+    rows = scenario.topk_indices.shape[0]
+    max_rows = max(rows, 1) if max_rows is None else max_rows
+    width = spec.resolved_width
+    req = impl.request_ids(meta.query_start_loc_cpu.to(device), rows)
+    slots, counts = impl.convert(
+        scenario.topk_indices.to(device), scenario.block_table.to(device), req, spec.block_size, with_counts=True
+    )
+    lens = impl.kv_lens(meta, topk=spec.topk, kpool=spec.kpool, async_scheduling=spec.async_scheduling)
+    planned = impl.planned_lens(meta, lens, topk=spec.topk).to(torch.int32)
+    indptr = impl.kv_indptr(layout, planned, max_rows, width)
+    lens_all = torch.zeros(rows, dtype=torch.int32)
+    lens_all[: planned.numel()] = planned[:rows]
+    kv_indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=device)
+    impl.write_kv_indices(layout, slots, lens_all.to(device), indptr[: rows + 1].to(device), kv_indices)
+    # The rows as the layout reads them: compacted reads the valid entries, front first.
+    rows_read = valid_first(slots) if layout == "compacted" else slots
+    violations = check_plan_invariants(
+        converted=rows_read,
+        lens=planned,
+        q_rows=scenario.planned_rows,
+        num_slots=scenario.num_slots,
+        max_tokens=max_rows,
+        width=width,
+        regimes=scenario.row_regime,
+    )
+    return Step(scenario, layout, max_rows, slots, counts, lens, planned, indptr, kv_indices, violations)
+
+
+def intended(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a): the valid entries of the reference-converted indexer rows of the planned rows."""
+    return intended_selection(step.scenario.intended_slots(), step.scenario.planned_rows)
+
+
+def as_planned(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b): ``(slots, mask)`` the plan makes the kernel read."""
+    slots, lens = planned_selection(step.kv_indptr, step.kv_indices, step.planned_lens, step.num_planned)
+    mask = torch.arange(slots.shape[1]).unsqueeze(0) < lens.unsqueeze(1)
+    return slots, mask
+
+
+def selection_mismatches(step: Step) -> list[int]:
+    """Rows whose planned selection (b) is not the intended multiset (a): a plan/layout bug."""
+    a_slots, a_mask = intended(step)
+    b_slots, b_mask = as_planned(step)
+    n = min(a_slots.shape[0], b_slots.shape[0])
+    rows = (~same_multisets(a_slots[:n].cpu(), a_mask[:n].cpu(), b_slots[:n], b_mask[:n])).nonzero().flatten().tolist()
+    if a_slots.shape[0] != b_slots.shape[0]:
+        rows.append(n)
+    return rows
+
+
+def describe_rows(step: Step, rows: list[int], limit: int = 6) -> str:
+    """Human-readable lines for failing rows: regime, ctx, planned len, valid count."""
+    sc = step.scenario
+    lines = []
+    counts = step.counts.cpu()
+    for r in rows[:limit]:
+        if r >= sc.num_rows:
+            lines.append(f"  row {r}: beyond the {sc.num_rows} query rows")
+            continue
+        plen = int(step.planned_lens[r]) if r < step.num_planned else None
+        lines.append(
+            f"  row {r}: regime {sc.row_regime[r]} ctx {int(sc.row_ctx[r])} planned len {plen} valid {int(counts[r])}"
+        )
+    if len(rows) > limit:
+        lines.append(f"  ... and {len(rows) - limit} more rows")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""The suite's pytest plugin: the implementation under test, GPU gating and pinning, hypothesis
+profiles, and the per-regime summary printed at the end of a run (xdist included).
+
+Options are declared in the root ``conftest.py``; this module implements them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from fast.impl import load_impl
+
+from .gpu_env import GPU_CHOICE, pin_worker_gpu
+from reference import REGIMES
+
+# Fixed, derandomised examples by default so every run (CI included) checks the same cases;
+# `--hypothesis-profile=thorough` explores.
+settings.register_profile(
+    "ci", derandomize=True, max_examples=30, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("thorough", max_examples=400, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("ci")
+
+REGIME_KEY = "sparse_mla_regimes"
+
+
+# --- GPU gating --------------------------------------------------------------------------
+
+
+def gpu_tier_unavailable_reason() -> str | None:
+    """Why the GPU tier cannot run here, or None when it can (SM90 GPU + FlashInfer)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"GPU is sm_{major}{minor} ({torch.cuda.get_device_name()}), the fa3 path needs sm_90"
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # ImportError and broken installs alike
+        return f"flashinfer is not importable: {exc!r}"
+    return None
+
+
+# --- hooks -------------------------------------------------------------------------------
+
+
+def pytest_configure(config):
+    pin_worker_gpu(config)
+    config.stash[IMPL_SPEC] = config.getoption("--impl")
+    config.stash[TALLY] = RegimeTally()
+
+
+IMPL_SPEC = pytest.StashKey[str]()
+TALLY = pytest.StashKey["RegimeTally"]()
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = gpu_tier_unavailable_reason()
+    config.stash[GPU_REASON] = reason or ""
+    if reason:
+        skip = pytest.mark.skip(reason=f"GPU tier: {reason}")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+GPU_REASON = pytest.StashKey[str]()
+
+
+@pytest.fixture(scope="session")
+def impl(pytestconfig):
+    """The implementation under test (``--impl module:factory``; default: fast/)."""
+    return load_impl(pytestconfig.stash[IMPL_SPEC])
+
+
+class RegimeLog:
+    """Per-test record of the rows a test checked, by regime, and which regimes it targets."""
+
+    def __init__(self, node):
+        self._node = node
+        self.rows: Counter[str] = Counter()
+        self.focus: set[str] = set()
+
+    def record(self, regimes, focus=None) -> None:
+        self.rows.update(regimes)
+        self.focus.update(focus if focus is not None else set(regimes))
+        self._node.user_properties[:] = [p for p in self._node.user_properties if p[0] != REGIME_KEY]
+        self._node.user_properties.append((REGIME_KEY, {"rows": dict(self.rows), "focus": sorted(self.focus)}))
+
+
+@pytest.fixture
+def regime_log(request) -> RegimeLog:
+    """Call ``regime_log.record(row_regimes, focus=...)`` to count checked rows per regime."""
+    return RegimeLog(request.node)
+
+
+class RegimeTally:
+    def __init__(self):
+        self.rows: Counter[str] = Counter()
+        self.outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+
+    def add(self, report) -> None:
+        props = dict(report.user_properties).get(REGIME_KEY)
+        if not props:
+            return
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            outcome = "xfailed" if hasattr(report, "wasxfail") and report.outcome == "skipped" else report.outcome
+            outcome = "xpassed" if hasattr(report, "wasxfail") and report.outcome == "passed" else outcome
+            self.rows.update(props["rows"] if outcome != "skipped" else {})
+            for regime in props["focus"]:
+                self.outcomes[regime][outcome] += 1
+
+    def lines(self) -> list[str]:
+        out = [f"{'regime':<7}{'rows checked':>13}{'passed':>8}{'failed':>8}{'xfailed':>9}{'skipped':>9}  meaning"]
+        for regime, meaning in REGIMES.items():
+            o = self.outcomes.get(regime, Counter())
+            out.append(
+                f"{regime:<7}{self.rows.get(regime, 0):>13}{o['passed']:>8}{o['failed'] + o['xpassed']:>8}"
+                f"{o['xfailed']:>9}{o['skipped']:>9}  {meaning}"
+            )
+        return out
+
+
+def pytest_runtest_logreport(report):
+    config = _CONFIG.get("config")
+    if config is None or hasattr(config, "workerinput"):
+        return
+    config.stash[TALLY].add(report)
+
+
+_CONFIG: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    _CONFIG["config"] = session.config
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):
+        return
+    tally = config.stash.get(TALLY, None)
+    if tally is not None and (tally.rows or tally.outcomes):
+        terminalreporter.section("sparse-MLA rows and outcomes per context regime")
+        for line in tally.lines():
+            terminalreporter.write_line(line)
+    reason = config.stash.get(GPU_REASON, None)
+    if reason:
+        terminalreporter.write_line(f"GPU tier skipped: {reason}")
+    impl_spec = config.stash.get(IMPL_SPEC, None)
+    if impl_spec:
+        terminalreporter.write_line(f"implementation under test: {impl_spec}")
