@@ -26,26 +26,34 @@ def _convert_kernel(
     out_ptr,
     out_stride,
     counts_ptr,
+    num_rows,
     width,
     BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     WITH_COUNTS: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    req = tl.load(req_ptr + row)
-    count = tl.zeros((BLOCK,), dtype=tl.int32)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    req = tl.load(req_ptr + rows, mask=row_ok, other=0)
+    count = tl.zeros((ROWS, BLOCK), dtype=tl.int32)
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        in_row = cols < width
-        tok = tl.load(topk_ptr + row * topk_stride + cols, mask=in_row, other=-1)
+        live = row_ok[:, None] & (cols < width)[None, :]
+        tok = tl.load(topk_ptr + rows[:, None] * topk_stride + cols[None, :], mask=live, other=-1)
         blk = tok // BLOCK_SIZE
-        valid = (tok >= 0) & (blk < table_width) & in_row
-        phys = tl.load(table_ptr + req * table_stride + blk, mask=valid, other=0)
+        valid = (tok >= 0) & (blk < table_width) & live
+        phys = tl.load(table_ptr + req[:, None] * table_stride + blk, mask=valid, other=0)
         slot = tl.where(valid, phys * BLOCK_SIZE + tok % BLOCK_SIZE, -1)
-        tl.store(out_ptr + row * out_stride + cols, slot, mask=in_row)
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], slot, mask=live)
         count += valid.to(tl.int32)
     if WITH_COUNTS:
-        tl.store(counts_ptr + row, tl.sum(count, axis=0))
+        tl.store(counts_ptr + rows, tl.sum(count, axis=1), mask=row_ok)
+
+
+def _rows_per_program(device: torch.device) -> int:
+    """Rows per program: a few on a GPU; many in the interpreter, whose cost is per operation."""
+    return 64 if device.type == "cpu" else 4
 
 
 def convert_topk_to_slots(
@@ -72,18 +80,19 @@ def convert_topk_to_slots(
         raise ValueError(f"req_id: expected [{rows}] (one per token row), got {tuple(req_id.shape)}")
     if block_table.dim() != 2 or block_table.dtype != torch.int32:
         raise ValueError(f"block_table: expected int32 [num_reqs, blocks], got {block_table.dtype} {tuple(block_table.shape)}")
-    if topk_indices.stride(1) != 1 or block_table.stride(1) != 1:
+    if rows and (topk_indices.stride(1) != 1 or block_table.stride(1) != 1):
         raise ValueError("topk_indices and block_table need unit column stride")
     devices = {t.device for t in (topk_indices, block_table, req_id)}
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {devices}")
     if out is None:
         out = torch.empty_like(topk_indices)
-    elif out.shape != (rows, width) or out.dtype != torch.int32 or out.stride(1) != 1:
+    elif out.shape != (rows, width) or out.dtype != torch.int32 or (rows and out.stride(1) != 1):
         raise ValueError(f"out: expected int32 [{rows}, {width}] with unit column stride, got {out.dtype} {tuple(out.shape)}")
     counts = torch.empty(rows, dtype=torch.int32, device=topk_indices.device) if with_counts else out
     if rows:
-        _convert_kernel[(rows,)](
+        rows_per_program = _rows_per_program(topk_indices.device)
+        _convert_kernel[(triton.cdiv(rows, rows_per_program),)](
             topk_indices,
             topk_indices.stride(0),
             block_table,
@@ -93,8 +102,10 @@ def convert_topk_to_slots(
             out,
             out.stride(0),
             counts,
+            rows,
             width,
             BLOCK_SIZE=block_size,
+            ROWS=rows_per_program,
             BLOCK=BLOCK_COLS,
             WITH_COUNTS=with_counts,
         )
