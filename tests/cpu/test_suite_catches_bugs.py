@@ -1,0 +1,58 @@
+"""Tests of the suite itself: each CPU-visible production bug of SPEC §6, re-created in
+``tests/bugs.py`` and plugged in with ``--impl``, must make the suite fail, with a message
+that names what broke."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KVLEN = "tests/cpu/test_kvlen_regimes.py"
+CONVERT = "tests/cpu/test_convert.py"
+
+# (SPEC §6 entry, re-creation, tests that must catch it, -k selection, message the failure shows)
+BUG_CASES = [
+    ("#1", "KpoolFromWrongSpec", KVLEN, "test_kv_len_equals_valid_count and kpool4", r"kv_len != valid count on \d+ rows"),
+    ("#2", "PrefillsStillPlanned", KVLEN, "test_kv_len_equals_valid_count and to-mha", r"rows planned but q has \d+ rows"),
+    ("#3", "CompactionPlansPrefix", KVLEN, "test_plan_reads_the_intended_slots and compacted and kpool4",
+     r"planned slots != intended slots .*regime C"),
+    ("#5", "PackedWithMaxTailLength", KVLEN, "test_plan_reads_the_intended_slots and packed and kpool4",
+     r"\[len==valid\] row \d+: planned len \d+ != \d+ valid entries"),
+    ("#9 ctx", "ContextIsPosition", KVLEN, "test_kv_len_equals_valid_count", r"kv_len != valid count on \d+ rows"),
+    ("#9 async", "OptimisticBoundAsExact", KVLEN, "test_kv_len_equals_valid_count and async",
+     r"kv_len != valid count on \d+ rows"),
+    ("#10 width", "ConvertWithoutTableBound", CONVERT, "", r"FAILED tests/cpu/test_convert.py"),
+    ("#10 req_id", "ConvertAcceptsMismatchedReqIds", CONVERT, "", r"FAILED tests/cpu/test_convert.py"),
+]
+
+
+def run_suite(impl: str, path: str, select: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    cmd = [sys.executable, "-m", "pytest", path, f"--impl={impl}", "-q", "-p", "no:cacheprovider", "-x",
+           "-o", "addopts=-ra", "--no-header"]
+    if select:
+        cmd += ["-k", select]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.suite_self_test
+@pytest.mark.parametrize(("entry", "bug", "path", "select", "message"), BUG_CASES, ids=[c[1] for c in BUG_CASES])
+def test_suite_fails_on_recreated_bug(entry, bug, path, select, message):
+    result = run_suite(f"tests.bugs:{bug}", path, select)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, (
+        f"SPEC §6 {entry}: the suite did not fail on tests.bugs:{bug} (exit {result.returncode})\n{output[-3000:]}"
+    )
+    assert re.search(message, output, flags=re.S), f"SPEC §6 {entry}: expected /{message}/ in\n{output[-3000:]}"
+
+
+def test_bad_impl_spec_is_a_clear_usage_error():
+    result = run_suite("tests.bugs:NoSuchThing", KVLEN, "identity")
+    assert result.returncode != 0
+    assert "cannot load the factory" in result.stdout + result.stderr
