@@ -91,8 +91,18 @@ class RegimeLog:
         self.focus: set[str] = set()
 
     def record(self, regimes, focus=None) -> None:
+        """Count checked rows; the test's outcome is credited to ``focus`` (default: all)."""
         self.rows.update(regimes)
         self.focus.update(focus if focus is not None else set(regimes))
+        self._save()
+
+    def blame(self, regimes) -> None:
+        """A check failed on rows of these regimes: credit the outcome to them alone."""
+        if regimes:
+            self.focus = set(regimes)
+            self._save()
+
+    def _save(self) -> None:
         self._node.user_properties[:] = [p for p in self._node.user_properties if p[0] != REGIME_KEY]
         self._node.user_properties.append((REGIME_KEY, {"rows": dict(self.rows), "focus": sorted(self.focus)}))
 

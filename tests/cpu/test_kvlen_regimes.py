@@ -52,6 +52,7 @@ def test_kv_len_equals_valid_count(impl, case, regime_log):
     regime_log.record(step.regimes(), focus=case.focus or None)
     counts = step.counts[: step.num_planned].cpu()
     bad = (counts != step.planned_lens).nonzero().flatten().tolist()
+    regime_log.blame(step.regimes(bad))
     assert step.num_planned == scenario.planned_rows, (
         f"{step.num_planned} rows planned but q has {scenario.planned_rows} rows "
         f"(prefills to MHA: {scenario.prefills_to_mha}); {step.context()}"
@@ -66,8 +67,10 @@ def test_plan_reads_the_intended_slots(impl, case, layout, regime_log):
     scenario = build_scenario(case.spec, seed=2)
     step = prepare_step(impl, scenario, layout)
     regime_log.record(step.regimes(), focus=case.focus or None)
+    regime_log.blame(step.regimes([v.row for v in step.violations if v.row is not None]))
     assert not step.violations, f"invariant violations; {step.context()}\n" + "\n".join(map(str, step.violations[:8]))
     bad = selection_mismatches(step)
+    regime_log.blame(step.regimes(bad))
     assert not bad, f"planned slots != intended slots on {len(bad)} rows; {step.context()}\n" + describe_rows(step, bad)
 
 
