@@ -23,3 +23,16 @@ def pytest_addoption(parser):
         help="implementation under test: a factory returning an object with the fast.impl.SparseMLAImpl "
         f"methods (default: {DEFAULT_IMPL_SPEC})",
     )
+    group.addoption(
+        "--replay",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="replay recorded fixtures (files or folders; repeatable) instead of running the suite",
+    )
+    group.addoption(
+        "--dump-failures",
+        default=None,
+        metavar="DIR",
+        help="write a fixture for every failing differential case into DIR",
+    )

@@ -8,11 +8,15 @@ Optionally writes each row's count of valid entries. Runs on a GPU, and on CPU u
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_COLS = 128
+# Triton picks compiled or interpreted kernels when they are defined, i.e. at this import.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -85,6 +89,9 @@ def convert_topk_to_slots(
     devices = {t.device for t in (topk_indices, block_table, req_id)}
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {devices}")
+    if topk_indices.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("the convert kernel runs on CPU tensors only in Triton's interpreter: "
+                           "set TRITON_INTERPRET=1 before fast.convert is imported")
     if out is None:
         out = torch.empty_like(topk_indices)
     elif out.shape != (rows, width) or out.dtype != torch.int32 or (rows and out.stride(1) != 1):

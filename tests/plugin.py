@@ -61,7 +61,7 @@ IMPL_SPEC = pytest.StashKey[str]()
 TALLY = pytest.StashKey["RegimeTally"]()
 
 
-def pytest_collection_modifyitems(config, items):
+def _skip_gpu_items_without_gpu(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -74,6 +74,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 GPU_REASON = pytest.StashKey[str]()
+
+
+def pytest_collection_modifyitems(config, items):
+    _keep_only_replay_items(config, items)
+    _skip_gpu_items_without_gpu(config, items)
 
 
 @pytest.fixture(scope="session")
@@ -145,6 +150,8 @@ def pytest_runtest_logreport(report):
     if config is None or hasattr(config, "workerinput"):
         return
     config.stash[TALLY].add(report)
+    if report.when == "call":
+        config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
 
 
 _CONFIG: dict = {}
@@ -163,9 +170,80 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("sparse-MLA rows and outcomes per context regime")
         for line in tally.lines():
             terminalreporter.write_line(line)
+    if config.getoption("--replay"):
+        texts = config.stash.get(REPLAYS, [])
+        if texts:
+            terminalreporter.section("fixture replay diagnostics")
+            for text in texts:
+                terminalreporter.write_line(text)
     reason = config.stash.get(GPU_REASON, None)
     if reason:
         terminalreporter.write_line(f"GPU tier skipped: {reason}")
     impl_spec = config.stash.get(IMPL_SPEC, None)
     if impl_spec:
         terminalreporter.write_line(f"implementation under test: {impl_spec}")
+
+
+# --- fixtures: replay and failure dumps ------------------------------------------------------
+
+REPLAY_KEY = "sparse_mla_replay"
+REPLAYS = pytest.StashKey[list]()
+
+
+def _keep_only_replay_items(config, items):
+    """With ``--replay`` only the replay tests run."""
+    if not config.getoption("--replay"):
+        return
+    keep = [item for item in items if item.get_closest_marker("replay")]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
+
+
+
+class FailureDump:
+    """Tests arm it with a function that builds the case's fixture; when the test fails and
+    ``--dump-failures DIR`` is set, the fixture is written to DIR."""
+
+    def __init__(self, directory: str | None, node):
+        self.directory = directory
+        self.node = node
+        self._build = None
+
+    def arm(self, build) -> None:
+        self._build = build
+
+    def dump(self) -> str | None:
+        if not self.directory or self._build is None:
+            return None
+        from reference.fixture import save_fixture
+
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
+        fixture = self._build()
+        fixture.meta.setdefault("name", safe)
+        fixture.meta.setdefault("nodeid", self.node.nodeid)
+        return str(save_fixture(f"{self.directory}/{safe}.safetensors", fixture))
+
+
+@pytest.fixture
+def failure_dump(request) -> FailureDump:
+    dump = FailureDump(request.config.getoption("--dump-failures"), request.node)
+    request.node.stash[DUMP] = dump
+    return dump
+
+
+DUMP = pytest.StashKey[FailureDump]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    dump = item.stash.get(DUMP, None)
+    if dump is not None and report.when == "call" and report.failed and not hasattr(report, "wasxfail"):
+        try:
+            path = dump.dump()
+        except Exception as exc:  # a broken dump must not hide the failure itself
+            path = f"(could not write the fixture: {exc!r})"
+        if path:
+            report.sections.append(("fixture", f"failing case written to {path}\nreplay: pytest --replay={path}"))

@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fast.layouts import LAYOUTS
-from reference import BatchSpec, Request, build_scenario, kv_len_rule, valid_counts
+from reference import BatchSpec, Request, build_attention_inputs, build_scenario, kv_len_rule, valid_counts
 from tests.cases import all_regime_cases, situation_cases
-from tests.pipeline import describe_rows, prepare_step, selection_mismatches
+from tests.pipeline import describe_rows, fixture_from_step, prepare_step, selection_mismatches
 
 REGIME_C_FINDING = (
     "SPEC §6 #3: pooled rows with ctx < topk and ctx % kpool != 0 (regime C) are not a prefix; "
@@ -61,11 +61,12 @@ def test_kv_len_equals_valid_count(impl, case, regime_log):
 
 
 @pytest.mark.parametrize(("case", "layout"), layout_params())
-def test_plan_reads_the_intended_slots(impl, case, layout, regime_log):
+def test_plan_reads_the_intended_slots(impl, case, layout, regime_log, failure_dump):
     """Invariants hold and the plan makes the kernel read exactly the valid slots of each
     indexer row (as-implemented selection == intended selection)."""
     scenario = build_scenario(case.spec, seed=2)
     step = prepare_step(impl, scenario, layout)
+    failure_dump.arm(lambda: fixture_from_step(step, build_attention_inputs(scenario), focus=list(case.focus)))
     regime_log.record(step.regimes(), focus=case.focus or None)
     regime_log.blame(step.regimes([v.row for v in step.violations if v.row is not None]))
     assert not step.violations, f"invariant violations; {step.context()}\n" + "\n".join(map(str, step.violations[:8]))

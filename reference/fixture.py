@@ -1,0 +1,213 @@
+"""Recorded cases: one safetensors file per case (tensors kept bit-exact, no pickle ever
+loaded) with JSON metadata under the key ``sparse_mla_fixture``.
+
+A fixture holds what one kernel launch consumed and what it returned:
+
+- ``q_nope [T,H,512]``, ``q_pe [T,H,R]``;
+- ``ckv [M,512]``, ``kpe [M,R]``: only the KV slots the case references, remapped to local
+  ids ``0..M-1`` (``slot_ids [M]`` keeps the original ids);
+- ``kv_indptr [T+1]``, ``kv_indices``, ``kv_len [T]``: the plan as handed to the kernel
+  (local ids; -1 kept where the plan has it);
+- ``intended [T,W]``: the converted indexer rows (local ids, -1 invalid), for reference (a);
+- ``out/<version>``, ``lse/<version>`` (natural log): the fast path's outputs, per FlashInfer
+  version that recorded them.
+
+Metadata: schema version, scenario spec and seed, layout, plan arguments, per-row regimes and
+contexts, and per recorded version the FlashInfer / torch / CUDA / driver versions and GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SCHEMA_VERSION = 1
+METADATA_KEY = "sparse_mla_fixture"
+REQUIRED_TENSORS = ("q_nope", "q_pe", "ckv", "kpe", "slot_ids", "kv_indptr", "kv_indices", "kv_len", "intended")
+
+
+class FixtureError(ValueError):
+    """A fixture file that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass
+class Fixture:
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+    path: Path | None = None
+    outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # version -> (out, lse)
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name") or (self.path.stem if self.path else "<unsaved>")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tensors["kv_len"].numel())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+def remap_slots(*selections: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Map the slot ids used by the given tensors (-1 = none) to local ids ``0..M-1``.
+    Returns the original ids ``[M]`` (sorted) and each tensor with local ids."""
+    used = torch.cat([s[s >= 0].to(torch.int64).flatten() for s in selections]) if selections else torch.empty(0)
+    ids = torch.unique(used)
+    remapped = []
+    for s in selections:
+        local = torch.searchsorted(ids, s.to(torch.int64).clamp(min=0))
+        remapped.append(torch.where(s >= 0, local, torch.full_like(local, -1)).to(torch.int32))
+    return ids, remapped
+
+
+def save_fixture(path: str | Path, fixture: Fixture) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    missing = [k for k in REQUIRED_TENSORS if k not in fixture.tensors]
+    if missing:
+        raise FixtureError(f"{path}: cannot save, missing tensors {missing}")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in fixture.tensors.items()}
+    for version, (out, lse) in fixture.outputs.items():
+        tensors[f"out/{version}"] = out.detach().contiguous().cpu()
+        tensors[f"lse/{version}"] = lse.detach().contiguous().cpu()
+    meta = dict(fixture.meta, schema_version=SCHEMA_VERSION)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    tmp.replace(path)
+    return path
+
+
+def _expected_shapes(meta: dict, t: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    rows, heads = int(meta["num_rows"]), int(meta["num_heads"])
+    d_ckv, d_pe, width = int(meta["head_dim_ckv"]), int(meta["head_dim_kpe"]), int(meta["width"])
+    m = t["slot_ids"].shape[0] if "slot_ids" in t else None
+    shapes = {
+        "q_nope": (rows, heads, d_ckv), "q_pe": (rows, heads, d_pe), "kv_indptr": (rows + 1,), "kv_len": (rows,),
+        "intended": (rows, width),
+    }
+    if m is not None:
+        shapes.update(ckv=(m, d_ckv), kpe=(m, d_pe))
+    return shapes
+
+
+def load_fixture(path: str | Path) -> Fixture:
+    """Read and validate one fixture; any problem raises :class:`FixtureError` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FixtureError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw_meta = (f.metadata() or {}).get(METADATA_KEY)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        size = path.stat().st_size
+        raise FixtureError(f"{path}: not a readable safetensors file ({size} bytes; truncated or another format): {exc}") from exc
+    if raw_meta is None:
+        raise FixtureError(f"{path}: safetensors file without '{METADATA_KEY}' metadata (not a sparse-MLA fixture)")
+    try:
+        meta = json.loads(raw_meta)
+    except json.JSONDecodeError as exc:
+        raise FixtureError(f"{path}: metadata is not valid JSON: {exc}") from exc
+    version = meta.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise FixtureError(f"{path}: unknown schema version {version!r} (this tool reads {SCHEMA_VERSION})")
+    missing = [k for k in REQUIRED_TENSORS if k not in tensors]
+    if missing:
+        raise FixtureError(f"{path}: missing tensors {missing}")
+    for key in ("num_rows", "num_heads", "head_dim_ckv", "head_dim_kpe", "width", "sm_scale", "k_scale", "layout"):
+        if key not in meta:
+            raise FixtureError(f"{path}: metadata lacks '{key}'")
+    for name, shape in _expected_shapes(meta, tensors).items():
+        if tuple(tensors[name].shape) != shape:
+            raise FixtureError(f"{path}: tensor '{name}' has shape {tuple(tensors[name].shape)}, expected {shape}")
+    outputs = {}
+    for key in [k for k in tensors if k.startswith("out/")]:
+        version = key[len("out/"):]
+        lse_key = f"lse/{version}"
+        if lse_key not in tensors:
+            raise FixtureError(f"{path}: '{key}' recorded without '{lse_key}'")
+        out, lse = tensors.pop(key), tensors.pop(lse_key)
+        if tuple(out.shape) != tuple(tensors["q_nope"].shape) or tuple(lse.shape) != tuple(tensors["q_nope"].shape[:2]):
+            raise FixtureError(f"{path}: outputs of {version} have shapes {tuple(out.shape)}/{tuple(lse.shape)}")
+        outputs[version] = (out, lse)
+    return Fixture(meta=meta, tensors=tensors, path=path, outputs=outputs)
+
+
+def fixture_paths(paths) -> list[Path]:
+    """Expand files and folders (recursively, ``*.safetensors``) into a sorted list of files."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found.extend(sorted(p.rglob("*.safetensors")))
+        else:
+            found.append(p)
+    return found
+
+
+def build_fixture(
+    *,
+    meta: dict,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_len: torch.Tensor,
+    intended: torch.Tensor | None = None,
+    outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> Fixture:
+    """A fixture of one launch over ``kv_len.numel()`` rows, keeping only referenced slots.
+
+    ``ckv``/``kpe`` are the whole cache (``[N,D]`` or ``[N,1,D]``); ``kv_indices`` the plan's
+    buffer; ``intended`` the converted indexer rows (defaults to the planned spans)."""
+    from .oracle import flatten_slots_view
+
+    rows = kv_len.numel()
+    indptr = kv_indptr[: rows + 1].to(torch.int64).cpu()
+    lens = kv_len.to(torch.int64).cpu()
+    used_end = int((indptr[:-1] + lens).max()) if rows else 0
+    indices = kv_indices.cpu()[:used_end].to(torch.int64)
+    if intended is None:
+        width = int(lens.max()) if rows else 0
+        cols = torch.arange(width)
+        pos = indptr[:-1].unsqueeze(1) + cols
+        intended = torch.where(cols < lens.unsqueeze(1), indices[pos.clamp(max=max(used_end - 1, 0))], -1) if used_end else torch.full((rows, width), -1)
+    intended = intended[:rows].cpu()
+    # Only the planned spans are read: entries outside them are kept as -1.
+    in_span = torch.zeros(used_end, dtype=torch.bool)
+    for r in range(rows):
+        in_span[int(indptr[r]) : int(indptr[r] + lens[r])] = True
+    planned = torch.where(in_span, indices, torch.full_like(indices, -1))
+    slot_ids, (planned_local, intended_local) = remap_slots(planned, intended)
+    ckv2, kpe2 = flatten_slots_view(ckv, "ckv"), flatten_slots_view(kpe, "kpe")
+    ids_dev = slot_ids.to(ckv2.device)
+    meta = dict(
+        meta,
+        num_rows=rows,
+        num_heads=int(q_nope.shape[1]),
+        head_dim_ckv=int(q_nope.shape[2]),
+        head_dim_kpe=int(q_pe.shape[2]),
+        width=int(intended.shape[1]),
+        num_slots_original=int(ckv2.shape[0]),
+    )
+    tensors = {
+        "q_nope": q_nope[:rows],
+        "q_pe": q_pe[:rows],
+        "ckv": ckv2[ids_dev],
+        "kpe": kpe2[ids_dev],
+        "slot_ids": slot_ids,
+        "kv_indptr": indptr.to(torch.int32),
+        "kv_indices": planned_local,
+        "kv_len": lens.to(torch.int32),
+        "intended": intended_local,
+    }
+    return Fixture(meta=meta, tensors={k: v.cpu() for k, v in tensors.items()}, outputs=dict(outputs or {}))

@@ -1,0 +1,163 @@
+"""The fixture format: round trip, small files, replay diagnostics, corrupt files, and the
+--replay / --dump-failures options end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference import batch, build_attention_inputs, build_scenario, sparse_mla_reference
+from reference.fixture import METADATA_KEY, FixtureError, load_fixture, save_fixture
+from reference.replay import replay
+from tests.pipeline import as_planned, fixture_from_step, intended, prepare_step
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_step(impl, layout="compacted", kv_dtype="bfloat16", kpool=4):
+    spec = batch((1001, 1), (2051, 1), (132, 1), (5000, 1), topk=2048, kpool=kpool, num_heads=2, kv_dtype=kv_dtype,
+                 k_scale=0.5 if kv_dtype != "bfloat16" else 1.0, block_size=16)
+    scenario = build_scenario(spec, seed=11)
+    return prepare_step(impl, scenario, layout), build_attention_inputs(scenario)
+
+
+def stand_in_kernel(step, inputs):
+    """The low-precision reference over the planned slots stands in for a kernel output."""
+    from tests.pipeline import as_planned
+
+    slots, mask = as_planned(step)
+    n = step.num_planned
+    mask = mask & (slots >= 0)
+    out, lse = sparse_mla_reference(inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots, mask=mask,
+                                    sm_scale=step.scenario.spec.sm_scale, k_scale=step.scenario.spec.k_scale, mode="lowp")
+    return out, lse
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_round_trip_is_bit_exact_and_keeps_only_referenced_slots(impl, tmp_path, kv_dtype):
+    step, inputs = small_step(impl, kv_dtype=kv_dtype)
+    fx = fixture_from_step(step, inputs, outputs={"stand-in": stand_in_kernel(step, inputs)}, name="rt")
+    back = load_fixture(save_fixture(tmp_path / "rt.safetensors", fx))
+    for key, value in fx.tensors.items():
+        assert back[key].dtype == value.dtype, key
+        assert torch.equal(back[key].view(torch.uint8) if value.dtype.itemsize == 1 else back[key], value.view(torch.uint8) if value.dtype.itemsize == 1 else value), key
+    assert back.meta["regimes"] == step.scenario.row_regime
+    assert back.meta["spec"]["kv_dtype"] == kv_dtype
+    a_slots, a_mask = intended(step)
+    b_slots, b_mask = as_planned(step)
+    read = set(a_slots[a_mask].tolist()) | set(b_slots[b_mask].tolist())
+    assert set(back["slot_ids"].tolist()) == read, "the fixture must store exactly the slots the case reads"
+    assert len(read) < step.scenario.num_slots
+    assert torch.equal(back["ckv"].view(torch.uint8) if kv_dtype != "bfloat16" else back["ckv"],
+                       inputs.ckv[back["slot_ids"], 0].view(torch.uint8) if kv_dtype != "bfloat16" else inputs.ckv[back["slot_ids"], 0])
+
+
+def test_replay_passes_a_good_case_and_names_the_row_of_a_bad_one(impl, tmp_path):
+    step, inputs = small_step(impl)
+    out, lse = stand_in_kernel(step, inputs)
+    assert replay(fixture_from_step(step, inputs, outputs={"good": (out, lse)})).kernel_ok
+    bad = out.clone()
+    bad[1] += 0.25
+    report = replay(fixture_from_step(step, inputs, outputs={"bad": (bad, lse)}))
+    assert not report.kernel_ok
+    text = report.render("cmd")
+    assert "row 1 head" in text and f"regime {step.scenario.row_regime[1]}" in text and "reproduce: cmd" in text
+
+
+def test_replay_shows_the_regime_c_finding_of_the_packed_layout(impl):
+    step, inputs = small_step(impl, layout="packed")
+    report = replay(fixture_from_step(step, inputs, outputs={"stand-in": stand_in_kernel(step, inputs)}))
+    c_rows = [r for r, g in enumerate(step.scenario.row_regime) if g == "C"]
+    assert c_rows and report.plan_mismatch_rows == c_rows
+    assert report.poisoned_rows == c_rows, "packed regime C rows read the poisoned slot 0"
+    assert report.kernel_ok, "rows reading poison are left out of the kernel check"
+
+
+# --- corrupt files -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def good_file(impl, tmp_path) -> Path:
+    step, inputs = small_step(impl, kpool=1)
+    return save_fixture(tmp_path / "good.safetensors", fixture_from_step(step, inputs, outputs={"v": stand_in_kernel(step, inputs)}))
+
+
+def rewrite(path: Path, tensors=None, meta=None) -> Path:
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        old_meta = json.loads(f.metadata()[METADATA_KEY])
+    t = load_file(str(path))
+    t = tensors(t) if tensors else t
+    m = meta(old_meta) if meta else old_meta
+    out = path.with_name("bad.safetensors")
+    save_file(t, str(out), metadata={METADATA_KEY: json.dumps(m)})
+    return out
+
+
+CORRUPTIONS = {
+    "truncated": (lambda p: _overwrite(p, p.read_bytes()[: len(p.read_bytes()) // 2]), "truncated or another format"),
+    "not-safetensors": (lambda p: _overwrite(p, b'{"hello": 1}'), "not a readable safetensors file"),
+    "unknown-schema": (lambda p: rewrite(p, meta=lambda m: dict(m, schema_version=99)), "unknown schema version 99"),
+    "missing-tensor": (lambda p: rewrite(p, tensors=lambda t: {k: v for k, v in t.items() if k != "kv_len"}), r"missing tensors \['kv_len'\]"),
+    "shape-mismatch": (lambda p: rewrite(p, tensors=lambda t: dict(t, q_pe=t["q_pe"][:, :1].contiguous())), "tensor 'q_pe' has shape"),
+    "no-metadata": (lambda p: _strip_metadata(p), "without 'sparse_mla_fixture' metadata"),
+}
+
+
+def _overwrite(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _strip_metadata(path: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    out = path.with_name("bad.safetensors")
+    save_file(load_file(str(path)), str(out))
+    return out
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_file_gets_a_clear_error_naming_the_file(good_file, corruption):
+    corrupt, message = CORRUPTIONS[corruption]
+    path = corrupt(good_file)
+    with pytest.raises(FixtureError, match=message) as info:
+        load_fixture(path)
+    assert str(path) in str(info.value)
+
+
+def run_pytest(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_replay_option_runs_each_file_and_a_corrupt_one_affects_no_other(good_file, tmp_path):
+    folder = tmp_path / "cases"
+    folder.mkdir()
+    (folder / "good.safetensors").write_bytes(good_file.read_bytes())
+    (folder / "zz-broken.safetensors").write_bytes(good_file.read_bytes()[:100])
+    result = run_pytest(f"--replay={folder}", "-rA")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    assert "1 failed, 1 passed" in out and "zz-broken.safetensors: not a readable safetensors file" in out, out[-3000:]
+    assert "fixture replay diagnostics" in out and "reproduce: pytest --replay" in out, out[-3000:]
+
+
+def test_dump_failures_writes_a_replayable_fixture(tmp_path):
+    dump = tmp_path / "dumps"
+    result = run_pytest("tests/cpu/test_kvlen_regimes.py", "--impl=tests.bugs:CompactionPlansPrefix",
+                        "-k", "test_plan_reads_the_intended_slots and ctx1-kpool4-compacted", f"--dump-failures={dump}")
+    assert result.returncode == 1, result.stdout[-3000:]
+    files = list(dump.glob("*.safetensors"))
+    assert len(files) == 1, result.stdout[-3000:]
+    report = replay(load_fixture(files[0]))
+    assert report.plan_mismatch_rows == [0] and report.regimes[0] == "C"
