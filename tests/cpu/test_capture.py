@@ -1,0 +1,94 @@
+"""The capture context manager, on a program that drives an MLA wrapper the way the
+production state does (reserved buffers, convert into kv_indices, plan every step, run).
+On CPU the wrapper is a stand-in with FlashInfer's 0.6 flat signatures that computes with
+the reference; the GPU tier repeats this with the real wrapper."""
+
+from __future__ import annotations
+
+import torch
+
+from fast.capture import capture_mla
+from reference import batch, build_attention_inputs, build_scenario, lse_to_base2, sparse_mla_reference
+from reference.fixture import load_fixture
+from reference.replay import replay
+
+
+class StandInWrapper:
+    """FlashInfer-0.6-shaped MLA wrapper computing with the float32 reference."""
+
+    def __init__(self, kv_indices: torch.Tensor):
+        self.kv_indices = kv_indices
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, use_profiler=False):
+        self._plan = (qo_indptr.clone(), kv_indptr.clone(), kv_len_arr.clone(), sm_scale)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False):
+        qo, kv_indptr, kv_len, sm_scale = self._plan
+        rows = int(qo[-1])
+        width = int(kv_len[:rows].max()) if rows else 0
+        pos = kv_indptr[:rows, None] + torch.arange(width)
+        mask = torch.arange(width) < kv_len[:rows, None]
+        slots = torch.where(mask, self.kv_indices[pos.clamp(max=self.kv_indices.numel() - 1)], 0)
+        o, l = sparse_mla_reference(q_nope[:rows], q_pe[:rows], ckv_cache, kpe_cache, slots, mask=mask, sm_scale=sm_scale,
+                                    mode="float32")
+        o = o.to(q_nope.dtype)
+        l = l if return_lse_base_on_e else lse_to_base2(l)
+        return (o, l) if return_lse else o
+
+
+def seed_style_program(impl, steps: list, max_rows: int, width: int) -> list[torch.Tensor]:
+    """Reserved buffers; per step: convert into kv_indices (strided), plan with exact lens, run."""
+    kv_indices = torch.full((max_rows * width + 1,), -1, dtype=torch.int32)
+    wrapper = StandInWrapper(kv_indices)
+    outputs = []
+    for scenario, inputs in steps:
+        n = scenario.num_rows
+        lens = impl.kv_lens(scenario.meta, topk=scenario.spec.topk, kpool=scenario.spec.kpool, async_scheduling=False)
+        qo = torch.arange(max_rows + 1, dtype=torch.int32).clamp(max=n)
+        wrapper.plan(qo, qo * width, kv_indices, torch.cat([lens, torch.full((max_rows - n,), width, dtype=torch.int32)]),
+                     scenario.spec.num_heads, 512, 64, 1, False, scenario.spec.sm_scale)
+        rows = kv_indices[: max_rows * width].view(max_rows, width)
+        req = impl.request_ids(scenario.meta.query_start_loc_cpu, max_rows)
+        topk = torch.full((max_rows, width), -1, dtype=torch.int32)
+        topk[:n] = scenario.topk_indices[:n]
+        impl.convert(topk, scenario.block_table, req, scenario.spec.block_size, out=rows)
+        out, lse = wrapper.run(inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, return_lse=True)
+        outputs.append(torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1))
+    return outputs
+
+
+def program_steps():
+    steps = []
+    for i, pairs in enumerate([((70, 1), (3000, 1)), ((2050, 1), (9, 1), (300, 1)), ((5000, 1),)]):
+        scenario = build_scenario(batch(*pairs, topk=256, num_heads=2, block_size=16), seed=40 + i)
+        steps.append((scenario, build_attention_inputs(scenario)))
+    return steps
+
+
+def test_capture_records_replayable_fixtures_without_changing_results(impl, tmp_path):
+    steps = program_steps()
+    plain = seed_style_program(impl, steps, max_rows=4, width=256)
+    with capture_mla(tmp_path, every=1, max_cases=10, wrapper_cls=StandInWrapper) as log:
+        captured = seed_style_program(impl, steps, max_rows=4, width=256)
+    assert all(torch.equal(a, b) for a, b in zip(plain, captured)), "capturing changed the program's results"
+    assert StandInWrapper.plan.__name__ == "plan" and "capture" not in StandInWrapper.run.__qualname__
+    assert len(log.written) == 3, log.skipped
+    for path, (scenario, _) in zip(log.written, steps):
+        fx = load_fixture(path)
+        assert fx.num_rows == scenario.num_rows
+        report = replay(fx)
+        assert report.plan_ok and report.kernel_ok, report.render()
+
+
+def test_capture_respects_sampling_and_caps(impl, tmp_path):
+    steps = program_steps() * 3  # nine runs
+    with capture_mla(tmp_path / "every", every=4, wrapper_cls=StandInWrapper) as log:
+        seed_style_program(impl, steps, max_rows=4, width=256)
+    assert [load_fixture(p).meta["run_index"] for p in log.written] == [1, 5, 9]
+    with capture_mla(tmp_path / "count", max_cases=2, wrapper_cls=StandInWrapper) as log:
+        seed_style_program(impl, steps, max_rows=4, width=256)
+    assert len(log.written) == 2
+    with capture_mla(tmp_path / "bytes", max_bytes=1, wrapper_cls=StandInWrapper) as log:
+        seed_style_program(impl, steps, max_rows=4, width=256)
+    assert not log.written and log.skipped.get("byte cap reached") == 9
