@@ -36,3 +36,21 @@ def pytest_addoption(parser):
         metavar="DIR",
         help="write a fixture for every failing differential case into DIR",
     )
+    group.addoption(
+        "--record-baseline",
+        default=None,
+        metavar="DIR",
+        help="record every GPU-tier case's outputs, error ratios, times and FlashInfer warnings into DIR",
+    )
+    group.addoption(
+        "--compare-baseline",
+        default=None,
+        metavar="DIR",
+        help="compare the installed FlashInfer against a recorded baseline; report into --baseline-out",
+    )
+    group.addoption(
+        "--baseline-out",
+        default="baseline-compare",
+        metavar="DIR",
+        help="where --compare-baseline records this run and writes report.md / report.json (default: baseline-compare)",
+    )

@@ -179,6 +179,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     reason = config.stash.get(GPU_REASON, None)
     if reason:
         terminalreporter.write_line(f"GPU tier skipped: {reason}")
+    if BASELINE_REPORT in config.stash:
+        path, ok = config.stash[BASELINE_REPORT]
+        terminalreporter.write_line(f"upgrade report: {path} ({'no regression' if ok else 'REGRESSIONS: exit status 1'})")
     impl_spec = config.stash.get(IMPL_SPEC, None)
     if impl_spec:
         terminalreporter.write_line(f"implementation under test: {impl_spec}")
@@ -235,10 +238,92 @@ def failure_dump(request) -> FailureDump:
 DUMP = pytest.StashKey[FailureDump]()
 
 
+# --- baselines (upgrade validation) ----------------------------------------------------------
+
+WARNINGS_PROPERTY = "flashinfer_warnings"
+
+
+def baseline_directory(config):
+    """Where this run's case records go, or None when no baseline option is given."""
+    from pathlib import Path
+
+    if config.getoption("--record-baseline"):
+        return Path(config.getoption("--record-baseline"))
+    if config.getoption("--compare-baseline"):
+        return Path(config.getoption("--baseline-out")) / "current"
+    return None
+
+
+class BaselineNote:
+    """What a GPU-tier case measured, kept for ``--record-baseline`` / ``--compare-baseline``."""
+
+    def __init__(self):
+        self.fields: dict = {}
+        self.outputs: dict = {}
+
+    def note(self, *, outputs=None, **fields) -> None:
+        self.fields.update({k: v for k, v in fields.items() if v is not None})
+        self.outputs.update({k: v.detach().cpu() for k, v in (outputs or {}).items()})
+
+
+@pytest.fixture
+def baseline(request) -> BaselineNote:
+    """``baseline.note(ratios=..., kernel_us=..., plan_us=..., error=..., outputs={...})``."""
+    note = BaselineNote()
+    request.node.stash[BASELINE] = note
+    return note
+
+
+BASELINE = pytest.StashKey[BaselineNote]()
+OUTCOME = pytest.StashKey[str]()
+
+
+def _write_baseline_record(item, report, outcome: str) -> None:
+    """Called with the teardown report, which carries every property the test attached."""
+    from tests.baseline import CaseRecord, write_record
+
+    directory = baseline_directory(item.config)
+    note = item.stash.get(BASELINE, None)
+    if directory is None or note is None:
+        return
+    warnings = [w for k, v in report.user_properties if k == WARNINGS_PROPERTY for w in v]
+    from fast.environment import flashinfer_version
+
+    record = CaseRecord(case=item.nodeid, outcome=outcome, flashinfer=flashinfer_version(), warnings=warnings,
+                        **{k: v for k, v in note.fields.items() if k in ("error", "ratios", "kernel_us", "plan_us")})
+    write_record(directory, record, note.outputs)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    base = config.getoption("--compare-baseline")
+    if not base or hasattr(config, "workerinput"):
+        return
+    from pathlib import Path
+
+    from tests.baseline import compare_directories, read_records, write_report
+
+    current = baseline_directory(config)
+    before = {r.flashinfer for r in read_records(Path(base)).values()} - {None}
+    after = {r.flashinfer for r in read_records(current).values()} - {None} if current.exists() else set()
+    ok = write_report(compare_directories(Path(base), current), current.parent, ",".join(sorted(before)) or "?",
+                      ",".join(sorted(after)) or "?")
+    config.stash[BASELINE_REPORT] = (str(current.parent / "report.md"), ok)
+    if not ok and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+BASELINE_REPORT = pytest.StashKey[tuple]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        item.stash[OUTCOME] = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+    elif report.when == "teardown" and OUTCOME in item.stash:
+        _write_baseline_record(item, report, item.stash[OUTCOME])
     dump = item.stash.get(DUMP, None)
     if dump is not None and report.when == "call" and report.failed and not hasattr(report, "wasxfail"):
         try:
