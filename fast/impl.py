@@ -13,9 +13,11 @@ Every method has the semantics of the production path it names:
 - ``convert(topk_indices, block_table, req_id, block_size, out=, with_counts=)``: the
   convert kernel;
 - ``kv_indptr(layout, lens, max_rows, width)`` and
-  ``write_kv_indices(layout, slots, lens, indptr, out)``: the kv_indices layouts.
-
-The GPU tier adds the attention state (plan + run) to this protocol.
+  ``write_kv_indices(layout, slots, lens, indptr, out)``: the kv_indices layouts;
+- ``make_attention_state(config, device)`` (GPU tier): the attention state of one step,
+  with the methods of :class:`AttentionState` (plan on the host, then convert -> layout ->
+  run on the device, capturable in a CUDA graph). ``config`` is a
+  :class:`fast.sm90.AttentionConfig`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,24 @@ class SparseMLAImpl(Protocol):
     def write_kv_indices(self, layout: str, slots, lens, indptr, out) -> None: ...
 
 
+@runtime_checkable
+class AttentionState(Protocol):
+    """What the GPU tier drives: ``num_rows`` planned rows, the reserved device buffers
+    (``kv_indices``, ``kv_indptr``, ``kv_len``), the host staging of the last plan
+    (``planned_kv_indptr``, ``planned_kv_len``), and ``features`` (a
+    :class:`fast.flashinfer_compat.Features`)."""
+
+    num_rows: int
+
+    def plan(self, num_rows: int, lens: torch.Tensor) -> None: ...
+
+    def write_indices(self, topk_indices, block_table, req_id) -> None: ...
+
+    def attend(self, q_nope, q_pe, ckv, kpe, out, lse) -> None: ...
+
+    def step(self, topk_indices, block_table, req_id, q_nope, q_pe, ckv, kpe, out, lse) -> None: ...
+
+
 class FastImpl:
     """The project's production path (``fast/``)."""
 
@@ -69,6 +89,11 @@ class FastImpl:
 
     def write_kv_indices(self, layout, slots, lens, indptr, out):
         _layouts.write_kv_indices(layout, slots, lens, indptr, out)
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from .sm90 import make_attention_state  # FlashInfer is imported only here
+
+        return make_attention_state(self, config, device, **kwargs)
 
 
 def default_impl() -> FastImpl:

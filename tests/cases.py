@@ -79,3 +79,79 @@ def all_regime_cases(topk: int = TOPK, **config) -> list[Case]:
         cases.append(identity_case(kpool, topk, **config))
         cases += [context_case(ctx, kpool, topk, **config) for ctx in regime_contexts(topk, kpool)]
     return cases
+
+
+# --- kernel configurations for the GPU tier (a covering design, not a cross product) --------
+
+GLM_NOPE_SM_SCALE = 256 ** -0.5
+LONG_CTX_128K = 131_072
+MIN_BLOCK_ID_PAST_2_23 = (1 << 23) // 64 + 1  # with block_size 64 every slot id is >= 2**23
+HEADS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What selects a kernel variant (kv dtype x rope: each one JIT-builds separately) plus
+    the per-launch knobs that do not (heads, sm_scale, k_scale)."""
+
+    kv_dtype: str
+    rope: bool
+    num_heads: int
+    k_scale: float = 1.0
+
+    @property
+    def sm_scale(self) -> float:
+        return DEEPSEEK_SM_SCALE if self.rope else GLM_NOPE_SM_SCALE
+
+    @property
+    def variant(self) -> str:
+        return f"{'fp8' if self.kv_dtype == 'float8_e4m3fn' else 'bf16'}-{'rope64' if self.rope else 'nope'}"
+
+    @property
+    def id(self) -> str:
+        scale = f"-k{self.k_scale:g}" if self.k_scale != 1.0 else ""
+        return f"{self.variant}-h{self.num_heads}{scale}"
+
+    def apply(self, spec: BatchSpec) -> BatchSpec:
+        return spec.replace(kv_dtype=self.kv_dtype, rope=self.rope, num_heads=self.num_heads,
+                            k_scale=self.k_scale, sm_scale=self.sm_scale)
+
+
+DEEPSEEK_SM_SCALE = 0.1352
+#: The three kernel variants the tier builds: bf16 and fp8 KV with rope 64, bf16 NoPE.
+VARIANTS = (("bfloat16", True, 1.0), ("float8_e4m3fn", True, 0.5), ("bfloat16", False, 1.0))
+
+
+def covering_config(index: int) -> KernelConfig:
+    """The ``index``-th of 12 configurations cycling variants (period 3) and heads (period 4)
+    together: any 12 consecutive indices hold every variant x heads pair once, and any 3
+    consecutive indices (the layouts of one case) hold the 3 variants."""
+    kv_dtype, rope, k_scale = VARIANTS[index % len(VARIANTS)]
+    return KernelConfig(kv_dtype, rope, HEADS[index % len(HEADS)], k_scale)
+
+
+def large_batch_cases() -> list[Case]:
+    """About 66 and 132 rows, contexts up to 128k, slot ids >= 2**23."""
+    short = [c for c in regime_contexts(TOPK, 4) if c < LONG_CTX]
+    decodes = [(short[i % len(short)], 1) for i in range(58)] + [(LONG_CTX_128K, 1), (65_537, 1)]
+    rows66 = batch(*decodes, (4_099, 6), topk=TOPK, kpool=4)
+    seqs = [4, 9, 2047, 2048, 2049, 2050, 2051, 3000, 4096, 9000, 20_001]
+    rows132 = batch(*[(seqs[i % len(seqs)] + i, 4) for i in range(33)], topk=TOPK, kpool=1, decode_threshold=4,
+                    min_block_id=MIN_BLOCK_ID_PAST_2_23)
+    return [
+        Case("batch66-kpool4-ctx128k", rows66, ("A", "B", "C", "D", "E", "F", "G")),
+        Case("batch132-kpool1-spec4-slots-past-2p23", rows132, ("H",)),
+    ]
+
+
+def graph_replay_sequence(kpool: int, topk: int = TOPK, **config) -> list[Case]:
+    """Batches replayed through one CUDA graph captured at the first (largest) one: fewer rows,
+    other lengths and slots, larger again, then empty."""
+    k = f"kpool{kpool}"
+    return [
+        Case(f"graph-max-{k}", batch((LONG_CTX, 1), (topk + 3, 1), (40, 1), (topk + 9, 8), (900, 12), (5, 2),
+                                     topk=topk, kpool=kpool, **config)),
+        Case(f"graph-smaller-{k}", batch((topk - 1, 1), (topk + kpool, 1), (7, 1), topk=topk, kpool=kpool, **config)),
+        Case(f"graph-mid-{k}", batch((3 * topk + 1, 1), (topk, 1), (topk + 2, 10), topk=topk, kpool=kpool, **config)),
+        Case(f"graph-empty-{k}", batch(topk=topk, kpool=kpool, **config)),
+    ]

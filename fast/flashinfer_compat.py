@@ -1,0 +1,262 @@
+"""One compatibility layer over FlashInfer's ``BatchMLAPagedAttentionWrapper``, 0.5.3 to 0.7.x.
+
+What differs between versions, detected from the installed version and the wrapper's
+signatures (never assumed from the version alone where a signature can tell):
+
+- 0.7.0+: canonical ``plan(metadata=MLAPlanMetadata.csr(...), query_layout="split",
+  kv_cache_layout="split", lse_mode=...)`` and ``run(query=(q_nope, q_pe),
+  kv_cache=(ckv, kpe))``; the flat forms still work there but warn (DeprecationWarning).
+  Before: flat positional metadata and separate tensors.
+- LSE: FlashInfer returns base 2 unless asked for natural log (``return_lse_base_on_e``,
+  and ``lse_mode="basee"`` at plan time on 0.7+). This layer always hands back natural-log
+  LSE: it asks for base e where it can, else converts base 2 in place (capturable).
+- NoPE (``head_dim_kpe == 0``) needs >= 0.6.18; fp8 KV needs >= 0.6.14 (bf16 q, per-tensor
+  ``ckv_scale``/``kpe_scale`` at run). An fp8 cache is planned as ``torch.float8_e4m3fn``,
+  never as its storage dtype.
+
+Every warning FlashInfer raises inside a call made here is recorded (and not re-emitted)
+so that reports can show deprecations: see :func:`recorded_warnings`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+NOPE_MIN_VERSION = (0, 6, 18)
+FP8_KV_MIN_VERSION = (0, 6, 14)
+CANONICAL_MIN_VERSION = (0, 7, 0)
+SUPPORTED_RANGE = ((0, 5, 3), (0, 8, 0))  # [low, high)
+LN_2 = math.log(2.0)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"0.6.18.post1"`` -> ``(0, 6, 18)``; trailing tags (post, rc, dev, +local) ignored."""
+    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise ValueError(f"cannot parse a FlashInfer version from {text!r}")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the installed FlashInfer offers for the sparse-MLA path."""
+
+    version: str
+    canonical_plan: bool  # plan(metadata=MLAPlanMetadata.csr(...), query_layout=, kv_cache_layout=)
+    structural_run: bool  # run(query=(q_nope, q_pe), kv_cache=(ckv, kpe))
+    plan_lse_mode: bool  # plan(lse_mode="basee")
+    run_lse_base_e: bool  # run(return_lse_base_on_e=True)
+    run_kv_scales: bool  # run(ckv_scale=, kpe_scale=)
+    nope: bool
+    fp8_kv: bool
+    csr_page_count_check: bool  # plan rejects kv_indptr page counts != ceil(kv_len / page_size)
+
+    @property
+    def version_tuple(self) -> tuple[int, int, int]:
+        return parse_version(self.version)
+
+    def describe(self) -> str:
+        on = [name for name in ("canonical_plan", "structural_run", "plan_lse_mode", "run_lse_base_e",
+                                "run_kv_scales", "nope", "fp8_kv", "csr_page_count_check") if getattr(self, name)]
+        return f"flashinfer {self.version}: " + ", ".join(on)
+
+
+def features_from(version: str, plan_params, run_params, has_plan_metadata: bool) -> Features:
+    """Features from a version string and the parameter names of ``plan``/``run`` (pure)."""
+    v = parse_version(version)
+    plan_params, run_params = set(plan_params), set(run_params)
+    run_kv_scales = {"ckv_scale", "kpe_scale"} <= run_params
+    return Features(
+        version=version,
+        canonical_plan=has_plan_metadata and {"metadata", "query_layout", "kv_cache_layout"} <= plan_params,
+        structural_run={"query", "kv_cache"} <= run_params,
+        plan_lse_mode="lse_mode" in plan_params,
+        run_lse_base_e="return_lse_base_on_e" in run_params,
+        run_kv_scales=run_kv_scales,
+        nope=v >= NOPE_MIN_VERSION,
+        fp8_kv=v >= FP8_KV_MIN_VERSION and run_kv_scales,
+        csr_page_count_check=v >= CANONICAL_MIN_VERSION,
+    )
+
+
+def detect_features() -> Features:
+    """Features of the FlashInfer importable here (raises ImportError without one)."""
+    with recording():
+        import flashinfer
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+        import flashinfer.mla as mla
+    return features_from(
+        flashinfer.__version__,
+        inspect.signature(BatchMLAPagedAttentionWrapper.plan).parameters,
+        inspect.signature(BatchMLAPagedAttentionWrapper.run).parameters,
+        hasattr(mla, "MLAPlanMetadata"),
+    )
+
+
+def unsupported_reason(features: Features, *, rope_dim: int, kv_dtype: torch.dtype) -> str | None:
+    """Why this FlashInfer cannot run a configuration (a skip reason), or None."""
+    v = features.version_tuple
+    if not SUPPORTED_RANGE[0] <= v < SUPPORTED_RANGE[1]:
+        return f"flashinfer {features.version} is outside the supported range 0.5.3 to 0.7.x"
+    if rope_dim == 0 and not features.nope:
+        return f"NoPE (head_dim_kpe = 0) needs flashinfer >= 0.6.18, found {features.version}"
+    if kv_dtype in FP8_KV_DTYPES and not features.fp8_kv:
+        return f"fp8 KV needs flashinfer >= 0.6.14 with run(ckv_scale=, kpe_scale=), found {features.version}"
+    return None
+
+
+def planning_kv_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype to plan with: an fp8 cache (stored as float8_e4m3fn or as raw uint8) is
+    planned as float8_e4m3fn, never as its storage dtype."""
+    if kv_dtype in FP8_KV_DTYPES:
+        return torch.float8_e4m3fn
+    if kv_dtype in (torch.bfloat16, torch.float16):
+        return kv_dtype
+    raise ValueError(f"unsupported KV cache dtype {kv_dtype}")
+
+
+def kernel_kv_view(cache_part: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernel must see it: raw uint8 fp8 storage reinterpreted as e4m3."""
+    return cache_part.view(torch.float8_e4m3fn) if cache_part.dtype == torch.uint8 else cache_part
+
+
+# --- warnings ------------------------------------------------------------------------------
+
+_RECORDED: list[tuple[str, str]] = []
+
+
+@contextmanager
+def recording():
+    """Record (not re-emit) every warning raised inside the block."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        _RECORDED.append((w.category.__name__, str(w.message)))
+
+
+def recorded_warnings() -> list[tuple[str, str]]:
+    """Every warning recorded so far in this process, in order, duplicates included."""
+    return list(_RECORDED)
+
+
+def distinct_warnings(since: int = 0) -> list[str]:
+    """``"Category: message"`` of the warnings recorded from index ``since`` on, deduplicated."""
+    return list(dict.fromkeys(f"{c}: {m}" for c, m in _RECORDED[since:]))
+
+
+# --- the wrapper ---------------------------------------------------------------------------
+
+
+class MLAWrapper:
+    """``BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, backend="fa3")`` with
+    reserved metadata buffers, called the way the installed version wants."""
+
+    def __init__(
+        self,
+        workspace: torch.Tensor,
+        *,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_len_arr: torch.Tensor,
+        features: Features | None = None,
+        lse_base_e: bool = True,
+    ):
+        self.features = features or detect_features()
+        self.lse_base_e = lse_base_e  # False: read FlashInfer's base-2 LSE raw (no normalisation)
+        with recording():
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+            self._wrapper = BatchMLAPagedAttentionWrapper(
+                workspace,
+                use_cuda_graph=True,
+                qo_indptr=qo_indptr,
+                kv_indptr=kv_indptr,
+                kv_indices=kv_indices,
+                kv_len_arr=kv_len_arr,
+                backend="fa3",
+            )
+        self._kv_dtype: torch.dtype | None = None
+        self._kernel_lse_base_e = False
+
+    @property
+    def asks_natural_lse(self) -> bool:
+        """Whether FlashInfer itself is asked for natural-log LSE."""
+        return self.lse_base_e and self.features.run_lse_base_e
+
+    def plan(
+        self,
+        *,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_len_arr: torch.Tensor,
+        num_heads: int,
+        head_dim_ckv: int,
+        head_dim_kpe: int,
+        sm_scale: float,
+        kv_dtype: torch.dtype,
+        q_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """Plan page_size 1, non-causal. ``kv_dtype`` may be a storage dtype (uint8)."""
+        reason = unsupported_reason(self.features, rope_dim=head_dim_kpe, kv_dtype=kv_dtype)
+        if reason:
+            raise NotImplementedError(reason)
+        planned_kv = planning_kv_dtype(kv_dtype)
+        common = dict(
+            num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe, page_size=1,
+            causal=False, sm_scale=float(sm_scale), q_data_type=q_dtype, kv_data_type=planned_kv,
+        )
+        with recording():
+            if self.features.canonical_plan:
+                from flashinfer.mla import MLAPlanMetadata
+
+                lse_mode = "basee" if self.asks_natural_lse else "base2"
+                self._wrapper.plan(
+                    metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr),
+                    query_layout="split", kv_cache_layout="split", lse_mode=lse_mode, **common,
+                )
+            else:
+                self._wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, **common)
+        self._kv_dtype = planned_kv
+        self._kernel_lse_base_e = self.asks_natural_lse
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        ckv: torch.Tensor,
+        kpe: torch.Tensor,
+        *,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        k_scale: float = 1.0,
+    ) -> None:
+        """Attention into ``out`` and ``lse``; ``lse`` is natural log (unless ``lse_base_e``
+        was turned off). Launches device work only: capturable."""
+        if self._kv_dtype is None:
+            raise RuntimeError("run() before plan()")
+        ckv, kpe = kernel_kv_view(ckv), kernel_kv_view(kpe)
+        kwargs = dict(out=out, lse=lse, return_lse=True)
+        if self.features.run_lse_base_e:
+            kwargs["return_lse_base_on_e"] = self._kernel_lse_base_e
+        if self._kv_dtype == torch.float8_e4m3fn:
+            kwargs.update(ckv_scale=float(k_scale), kpe_scale=float(k_scale))
+        elif k_scale != 1.0:
+            raise ValueError(f"k_scale={k_scale} with a {self._kv_dtype} cache (only fp8 is scaled)")
+        with recording():
+            if self.features.structural_run:
+                self._wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), **kwargs)
+            else:
+                self._wrapper.run(q_nope, q_pe, ckv, kpe, **kwargs)
+        if self.lse_base_e and not self._kernel_lse_base_e:
+            lse.mul_(LN_2)

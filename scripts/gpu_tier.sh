@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU tier on a Hopper machine, once per FlashInfer version, with a short table last.
+#
+#   scripts/gpu_tier.sh [VERSION ...]        (default: 0.6.18.post1 0.7.4)
+#
+# For each version: install it from .whl (eval "$(bash .gpu/install-wheels.sh .whl V)"), restore
+# a JIT cache tarball if one is given (JIT_CACHE_IN=DIR holding jit-V.tar.gz), build or load
+# every kernel variant once and time it (tests.gpu.prebuild), run `pytest -n auto -m gpu` with
+# junit xml, then save the JIT cache as a tarball and time a restore of it into an empty cache.
+# Environment: OUT (default ./out) for logs, junit, reports and tarballs; CPU_TIER=1 also runs
+# the CPU tier once; WORKERS (default auto); TIER_TIMEOUT seconds per version (default 420);
+# JIT_RESTORE_CHECK=0 skips the timed restore.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/out}
+mkdir -p "$out"
+if [ $# -gt 0 ]; then versions=("$@"); else versions=(0.6.18.post1 0.7.4); fi
+workers=${WORKERS:-auto}
+export PYTHONUNBUFFERED=1
+base_pythonpath=${PYTHONPATH:-}
+summary=$(mktemp)
+
+if [ "${CPU_TIER:-0}" = 1 ]; then
+  start=$(date +%s)
+  python3 -m pytest -q -n "$workers" tests/cpu -p no:cacheprovider 2>&1 | tail -4
+  echo "cpu tier: $(( $(date +%s) - start )) s"
+fi
+
+for v in "${versions[@]}"; do
+  echo "=== flashinfer $v ==="
+  export PYTHONPATH=$base_pythonpath
+  eval "$(bash .gpu/install-wheels.sh .whl "$v")" || { echo "install of $v failed"; continue; }
+  export PYTHONPATH="$PWD:$PYTHONPATH"
+  cache="$FLASHINFER_WORKSPACE_BASE"
+  mkdir -p "$cache"
+  if [ -n "${JIT_CACHE_IN:-}" ] && [ -f "$JIT_CACHE_IN/jit-$v.tar.gz" ]; then
+    tar -xzf "$JIT_CACHE_IN/jit-$v.tar.gz" -C "$cache"
+    # Outputs newer than the freshly installed sources, or ninja rebuilds everything.
+    find "$cache" -type f -exec touch {} +
+    echo "restored JIT cache from $JIT_CACHE_IN/jit-$v.tar.gz"
+  fi
+  start=$(date +%s)
+  prebuild_log=$(mktemp)
+  timeout 240 python3 -m tests.gpu.prebuild 2>&1 | tee "$prebuild_log" | grep -E "^jit|Error"
+  SPARSE_MLA_GPU_REPORT="$out/report-$v.json" timeout "${TIER_TIMEOUT:-420}" \
+    python3 -m pytest -n "$workers" -m gpu -p tests.gpu.report -p no:cacheprovider \
+    --junitxml="$out/junit-$v.xml" --durations=5 -rfEx 2>&1 | tee "$out/log-$v.txt" | tail -45
+  rc=${PIPESTATUS[0]}
+  wall=$(( $(date +%s) - start ))
+  tar -czf "$out/jit-$v.tar.gz" -C "$cache" . 2>/dev/null
+  size=$(du -m "$out/jit-$v.tar.gz" | cut -f1)
+  restore_line=""
+  if [ "${JIT_RESTORE_CHECK:-1}" = 1 ]; then
+    # Does a restored cache skip the builds? Restore into an empty folder and time the variants.
+    restored=$(mktemp -d)
+    tar -xzf "$out/jit-$v.tar.gz" -C "$restored" && find "$restored" -type f -exec touch {} +
+    restore_line=$(FLASHINFER_WORKSPACE_BASE=$restored timeout 120 python3 -m tests.gpu.prebuild 2>&1 | grep "jit total")
+    rm -rf "$restored"
+  fi
+  [ "$size" -le 15 ] || rm -f "$out/jit-$v.tar.gz"
+  python3 - "$v" "$out/junit-$v.xml" "$wall" "$rc" "$size" "$restore_line" "$prebuild_log" >>"$summary" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+v, path, wall, rc, size, restore, prebuild = sys.argv[1:]
+counts = dict(passed=0, failed=0, xfailed=0, skipped=0)
+times = []
+try:
+    root = ET.parse(path).getroot()
+    for case in root.iter("testcase"):
+        name = case.get("name")
+        times.append((float(case.get("time", 0)), name))
+        if case.find("failure") is not None or case.find("error") is not None:
+            counts["failed"] += 1
+        elif (s := case.find("skipped")) is not None:
+            counts["xfailed" if "xfail" in (s.get("type", "") + s.get("message", "")) else "skipped"] += 1
+        else:
+            counts["passed"] += 1
+except (OSError, ET.ParseError) as exc:
+    print(f"{v}: no junit ({exc}); pytest exit {rc}")
+    sys.exit(0)
+jit = next((l.split()[-2] for l in open(prebuild) if l.startswith("jit total")), "?")
+slow = ", ".join(f"{n[:60]} {t:.1f}s" for t, n in sorted(times, reverse=True)[:3])
+print(f"{v:<14}{counts['passed']:>7}{counts['failed']:>7}{counts['xfailed']:>8}{counts['skipped']:>8}{wall:>7}s"
+      f"{jit:>8}s{restore.split()[-2] if restore else '?':>9}s{size:>5}MB  exit {rc}  slowest: {slow}")
+EOF
+done
+
+echo
+echo "version        passed failed xfailed skipped   wall  jit-cold  jit-restored  tarball   slowest cases"
+cat "$summary"
+rm -f "$summary"

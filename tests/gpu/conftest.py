@@ -1,0 +1,28 @@
+"""GPU-tier fixtures: the installed FlashInfer's features, and the FlashInfer warnings each test
+raised attached to its report (summed up by ``-p tests.gpu.report``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu.harness import WARNING_KEY
+
+
+@pytest.fixture(scope="session")
+def features():
+    """Features of the installed FlashInfer (fast.flashinfer_compat.Features)."""
+    from fast.flashinfer_compat import detect_features
+
+    return detect_features()
+
+
+@pytest.fixture(autouse=True)
+def flashinfer_warnings(request):
+    """Record the warnings FlashInfer raised during the test into its report."""
+    from fast.flashinfer_compat import distinct_warnings, recorded_warnings
+
+    start = len(recorded_warnings())
+    yield
+    new = distinct_warnings(start)
+    if new:
+        request.node.user_properties.append((WARNING_KEY, new))

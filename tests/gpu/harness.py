@@ -1,0 +1,179 @@
+"""What every GPU test does with one scenario: check before launch, launch through the attention
+state of the implementation under test, then compare with the references.
+
+Order matters: invariants and (b) == (a) are checked first and a violation fails the case
+without launching; the kernel runs on NaN-filled output buffers before any reference is
+allocated; the references are the float64 truth and the low-precision yardstick over the
+as-implemented selection (b), compared by the one tolerance policy (reference.budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import os
+
+import torch
+
+from fast.sm90 import AttentionConfig
+from reference import AttentionInputs, Comparison, Scenario, build_attention_inputs, compare_to_budget, sparse_mla_reference
+from tests.pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
+
+DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
+ERROR_KEY = "sparse_mla_kernel_error"
+WARNING_KEY = "flashinfer_warnings"
+
+
+def attention_config(scenario: Scenario, layout: str, max_rows: int | None = None) -> AttentionConfig:
+    spec = scenario.spec
+    return AttentionConfig(
+        num_heads=spec.num_heads,
+        max_rows=max(max_rows if max_rows is not None else scenario.topk_indices.shape[0], 1),
+        width=spec.resolved_width,
+        layout=layout,
+        block_size=spec.block_size,
+        sm_scale=spec.sm_scale,
+        rope_dim=spec.rope_dim,
+        kv_dtype=spec.torch_kv_dtype,
+        k_scale=spec.k_scale,
+    )
+
+
+def failure_context(step: Step, version: str) -> str:
+    return f"flashinfer {version}; {step.context()}"
+
+
+def assert_launchable(step: Step, version: str) -> None:
+    """SPEC §5 before launch, then (b) == (a): a violation fails here, nothing launched."""
+    ctx = failure_context(step, version)
+    assert not step.violations, f"invariant violations (kernel not launched); {ctx}\n" + "\n".join(
+        map(str, step.violations[:8])
+    )
+    bad = selection_mismatches(step)
+    assert not bad, (
+        f"plan/layout bug: planned slots (b) != intended slots (a) on {len(bad)} rows (kernel not launched); {ctx}\n"
+        + describe_rows(step, bad)
+    )
+
+
+def nan_buffers(rows: int, num_heads: int, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full((rows, num_heads, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((rows, num_heads), float("nan"), dtype=torch.float32, device=device)
+    return out, lse
+
+
+@dataclass
+class Launch:
+    """A scenario's device inputs and static per-step tensors for one state."""
+
+    topk_indices: torch.Tensor  # [max_rows, W] int32, padded rows -1
+    block_table: torch.Tensor
+    req_id: torch.Tensor  # [max_rows]
+    inputs: AttentionInputs
+
+    def step_args(self, out, lse):
+        i = self.inputs
+        return (self.topk_indices, self.block_table, self.req_id, i.q_nope, i.q_pe, i.ckv, i.kpe, out, lse)
+
+
+def launch_inputs(impl, scenario: Scenario, inputs: AttentionInputs, max_rows: int) -> Launch:
+    rows = scenario.topk_indices.shape[0]
+    if rows > max_rows:
+        raise ValueError(f"scenario has {rows} rows > max_rows {max_rows}")
+    topk = torch.full((max_rows, scenario.spec.resolved_width), -1, dtype=torch.int32, device=DEVICE)
+    topk[:rows] = scenario.topk_indices.to(DEVICE)
+    req = impl.request_ids(scenario.meta.query_start_loc_cpu.to(DEVICE), max_rows)
+    return Launch(topk, block_table_buffer(scenario), req, inputs)
+
+
+def block_table_buffer(scenario: Scenario, min_rows: int = 1) -> torch.Tensor:
+    """The scenario's block table on the device with at least one row (padded rows read
+    request 0's row, as the engine's persistent table always has one)."""
+    table = scenario.block_table
+    out = torch.zeros((max(table.shape[0], min_rows), table.shape[1]), dtype=torch.int32, device=DEVICE)
+    out[: table.shape[0]] = table.to(DEVICE)
+    return out
+
+
+def state_matches_step(state, step: Step) -> list[str]:
+    """Differences between what the state hands the kernel and what (b) was computed from."""
+    n = step.num_planned
+    problems = []
+    indptr = state.planned_kv_indptr
+    if not torch.equal(indptr[: n + 1], step.kv_indptr[: n + 1]):
+        problems.append(f"kv_indptr differs: state {indptr[: n + 1].tolist()[:8]} vs step {step.kv_indptr[: n + 1].tolist()[:8]}")
+    if not torch.equal(state.planned_kv_len[:n], step.planned_lens):
+        problems.append("kv_len differs from the planned lens")
+    if bool((state.planned_kv_len[n:] != 0).any()):
+        problems.append(f"stale kv_len past row {n}: {state.planned_kv_len[n:].nonzero().flatten()[:8].tolist()}")
+    if bool((state.kv_len[n:] != 0).any()):
+        problems.append("stale device kv_len past the planned rows")
+    end = int(step.kv_indptr[n])
+    mine = state.kv_indices[:end].cpu()
+    theirs = step.kv_indices[:end].cpu()
+    if not torch.equal(mine, theirs):
+        at = int((mine != theirs).nonzero()[0])
+        problems.append(f"kv_indices differ first at entry {at}: state {int(mine[at])} vs step {int(theirs[at])}")
+    return problems
+
+
+def references(step: Step, inputs: AttentionInputs) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(truth, lowp) over (b) for the planned rows: each ``(out, lse)``."""
+    n = step.num_planned
+    slots, mask = as_planned(step)
+    slots, mask = slots.to(DEVICE), mask.to(DEVICE)
+    spec = step.scenario.spec
+    args = (inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots)
+    kw = dict(mask=mask, sm_scale=spec.sm_scale, k_scale=spec.k_scale)
+    return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", **kw)
+
+
+def compare_with_references(step: Step, inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> list[Comparison]:
+    n = step.num_planned
+    (t_out, t_lse), (l_out, l_lse) = references(step, inputs)
+    dtype = step.scenario.spec.kv_dtype
+    return [
+        compare_to_budget("out", out[:n], t_out, l_out, dtype),
+        compare_to_budget("lse", lse[:n], t_lse, l_lse, dtype),
+    ]
+
+
+def record_errors(node, step: Step, comparisons: list[Comparison], label: str = "") -> None:
+    """Attach the measured ratios to the test report (summed up by tests/gpu/conftest.py)."""
+    spec = step.scenario.spec
+    entry = {
+        "kv_dtype": spec.kv_dtype,
+        "rope": spec.rope_dim,
+        "heads": spec.num_heads,
+        "layout": step.layout,
+        "label": label,
+        **{f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio", "rel_l2", "max_err")},
+    }
+    node.user_properties.append((ERROR_KEY, entry))
+
+
+def assert_within_budget(step: Step, comparisons: list[Comparison], version: str, what: str = "kernel vs (b)") -> None:
+    bad = [c for c in comparisons if not c.ok]
+    assert not bad, f"{what} beyond the error budget; {failure_context(step, version)}\n" + "\n".join(
+        c.summary(step.scenario.row_regime) for c in bad
+    )
+
+
+def eager_step(state, launch: Launch, step: Step, out, lse) -> None:
+    """plan (host) -> convert -> layout -> run, outside any graph."""
+    state.plan(step.num_planned, step.planned_lens)
+    state.step(*launch.step_args(out, lse))
+
+
+def prepared(impl, scenario: Scenario, layout: str, max_rows: int | None = None) -> Step:
+    return prepare_step(impl, scenario, layout, device=DEVICE, max_rows=max_rows)
+
+
+def sync() -> None:
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def untouched_rows(out: torch.Tensor, start: int) -> bool:
+    """Rows from ``start`` on still hold the NaN fill (the kernel wrote nothing there)."""
+    return bool(torch.isnan(out[start:].float()).all())

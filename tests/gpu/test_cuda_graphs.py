@@ -1,0 +1,145 @@
+"""CUDA graphs (SPEC §4, §6 #8): the device part of a step (convert -> layout -> run) captured
+once at the maximum size, then for a sequence of batches replanned on the host (outside
+capture) and replayed with other lengths, slots and q: fewer rows after more (stale lengths
+must be zeroed), more again, and an empty batch. Every replay must equal an eager run of the
+same plan bitwise and the reference (b) within the budget on live rows; padded rows are never
+compared. plan() must refuse to run during capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fast.sm90 import PlanDuringCaptureError
+from reference import build_attention_inputs, build_scenario
+from tests.cases import covering_config, graph_replay_sequence
+from tests.gpu.harness import (
+    DEVICE,
+    sync,
+    assert_launchable,
+    assert_within_budget,
+    attention_config,
+    compare_with_references,
+    failure_context,
+    nan_buffers,
+    prepared,
+    record_errors,
+    state_matches_step,
+)
+
+pytestmark = pytest.mark.gpu
+
+#: (layout, kpool, covering-config index): compacted meets regime C rows; packed and strided
+#: run kpool 1 (their regime C finding is covered elsewhere). Heads 128 at the maximum size
+#: against a 3-row replay changes FlashInfer's cluster heuristic between capture and replay.
+GRAPH_PARAMS = [("compacted", 4, 3), ("packed", 1, 1), ("strided", 1, 8), ("compacted", 1, 2)]
+
+
+class StaticStep:
+    """Fixed-address buffers a captured step reads: every batch is copied into them."""
+
+    def __init__(self, scenarios, impl):
+        self.impl = impl
+        first = scenarios[0]
+        spec = first.spec
+        self.max_rows = max(s.topk_indices.shape[0] for s in scenarios)
+        self.max_reqs = max(max(s.meta.num_reqs for s in scenarios), 1)
+        table_width = max(s.block_table.shape[1] for s in scenarios)
+        self.num_blocks = max(s.num_blocks for s in scenarios)
+        width = spec.resolved_width
+        self.topk = torch.full((self.max_rows, width), -1, dtype=torch.int32, device=DEVICE)
+        self.table = torch.zeros((self.max_reqs, table_width), dtype=torch.int32, device=DEVICE)
+        self.req = torch.zeros(self.max_rows, dtype=torch.int32, device=DEVICE)
+        self.q = torch.zeros((self.max_rows, spec.num_heads, spec.head_dim), dtype=torch.bfloat16, device=DEVICE)
+        self.cache = torch.empty((self.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=DEVICE)
+        self.out, self.lse = nan_buffers(self.max_rows, spec.num_heads)
+
+    @property
+    def ckv(self):
+        return self.cache.view(-1, 1, self.cache.shape[-1])[..., :512]
+
+    @property
+    def kpe(self):
+        return self.cache.view(-1, 1, self.cache.shape[-1])[..., 512:]
+
+    def load(self, scenario, inputs) -> None:
+        rows = scenario.topk_indices.shape[0]
+        self.topk.fill_(-1)
+        self.topk[:rows] = scenario.topk_indices.to(DEVICE)
+        self.table.zero_()
+        t = scenario.block_table
+        self.table[: t.shape[0], : t.shape[1]] = t.to(DEVICE)
+        self.req.copy_(self.impl.request_ids(scenario.meta.query_start_loc_cpu.to(DEVICE), self.max_rows))
+        self.q.zero_()
+        if rows:
+            self.q[:rows] = torch.cat([inputs.q_nope, inputs.q_pe], dim=-1)
+        self.cache.view(torch.uint8).fill_(0xFF)  # NaN in bf16 and in e4m3
+        self.cache[: scenario.num_blocks] = inputs.kv_cache
+        self.out.fill_(float("nan"))
+        self.lse.fill_(float("nan"))
+
+    def args(self):
+        return (self.topk, self.table, self.req, self.q[..., :512], self.q[..., 512:], self.ckv, self.kpe, self.out, self.lse)
+
+
+@pytest.mark.parametrize(("layout", "kpool", "config_index"), GRAPH_PARAMS, ids=lambda p: str(p))
+def test_capture_once_replan_and_replay(impl, features, request, regime_log, layout, kpool, config_index):
+    config = covering_config(config_index)
+    cases = graph_replay_sequence(kpool)
+    scenarios = [build_scenario(config.apply(c.spec), seed=21 + i) for i, c in enumerate(cases)]
+    static = StaticStep(scenarios, impl)
+    steps = [prepared(impl, s, layout, max_rows=static.max_rows) for s in scenarios]
+    for step, case in zip(steps, cases):
+        regime_log.record(step.regimes(), focus=case.focus or None)
+        assert_launchable(step, features.version)
+    width = scenarios[0].spec.resolved_width
+    state = impl.make_attention_state(attention_config(scenarios[0], layout, static.max_rows), DEVICE)
+
+    first = steps[0]
+    if features.csr_page_count_check and layout == "strided":
+        with pytest.raises(ValueError, match="CSR metadata page counts in kv_indptr must equal ceil"):
+            state.plan(first.num_planned, first.planned_lens)
+        return
+    assert first.num_planned == static.max_rows, "the capture batch must be the largest"
+    inputs = [build_attention_inputs(s, DEVICE) for s in scenarios]
+    static.load(scenarios[0], inputs[0])
+    state.plan(first.num_planned, first.planned_lens)
+    state.step(*static.args())  # warm-up: compile and load outside capture
+    sync()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with pytest.raises(PlanDuringCaptureError):
+            state.plan(first.num_planned, first.planned_lens)
+        state.step(*static.args())
+    sync()
+
+    order = [0, 1, 2, 1, 3, 2]  # max, smaller, larger, smaller again, empty, after empty
+    for position, index in enumerate(order):
+        scenario, step = scenarios[index], steps[index]
+        ctx = f"replay {position} ({cases[index].name}); {failure_context(step, features.version)}"
+        n = step.num_planned
+        static.load(scenario, inputs[index])
+        state.plan(n, step.planned_lens)
+        graph.replay()
+        sync()
+        problems = state_matches_step(state, step)
+        assert not problems, f"plan/layout buffers after replay; {ctx}\n" + "\n".join(problems)
+        replayed_out, replayed_lse = static.out[:n].clone(), static.lse[:n].clone()
+
+        static.out.fill_(float("nan"))
+        static.lse.fill_(float("nan"))
+        state.step(*static.args())
+        sync()
+        assert torch.equal(replayed_out, static.out[:n]) and torch.equal(replayed_lse, static.lse[:n]), (
+            f"graph replay != eager run of the same plan; {ctx}; max |diff| "
+            f"{(replayed_out.float() - static.out[:n].float()).abs().nan_to_num(float('inf')).max().item() if n else 0}"
+        )
+        if n == 0:
+            continue
+        comparisons = compare_with_references(step, inputs[index], replayed_out, replayed_lse)
+        record_errors(request.node, step, comparisons, label=f"graph-replay-{position}")
+        assert_within_budget(step, comparisons, features.version, what=f"graph replay {position} vs (b)")
+    assert state.plans == len(order) + 1
+    assert width == state.config.width
