@@ -11,7 +11,7 @@ if "TRITON_INTERPRET" not in os.environ and count_gpus_without_cuda() == 0:
 
 from fast.impl import DEFAULT_IMPL_SPEC  # noqa: E402
 
-pytest_plugins = ("tests.plugin",)
+pytest_plugins = ("tests.plugin", "pytester")
 
 
 def pytest_addoption(parser):

@@ -55,6 +55,8 @@ def pytest_configure(config):
     pin_worker_gpu(config)
     config.stash[IMPL_SPEC] = config.getoption("--impl")
     config.stash[TALLY] = RegimeTally()
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(SessionReporter(config))
 
 
 IMPL_SPEC = pytest.StashKey[str]()
@@ -145,21 +147,17 @@ class RegimeTally:
         return out
 
 
-def pytest_runtest_logreport(report):
-    config = _CONFIG.get("config")
-    if config is None or hasattr(config, "workerinput"):
-        return
-    config.stash[TALLY].add(report)
-    if report.when == "call":
-        config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
+class SessionReporter:
+    """Controller-side collector of what the reports carry (one per session: nested test
+    sessions of the suite's self-tests get their own)."""
 
+    def __init__(self, config):
+        self.config = config
 
-_CONFIG: dict = {}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session):
-    _CONFIG["config"] = session.config
+    def pytest_runtest_logreport(self, report):
+        self.config.stash[TALLY].add(report)
+        if report.when == "call":
+            self.config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

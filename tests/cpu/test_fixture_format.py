@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,30 +131,28 @@ def test_corrupt_file_gets_a_clear_error_naming_the_file(good_file, corruption):
     assert str(path) in str(info.value)
 
 
-def run_pytest(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+def run_pytest(pytester, *args: str):
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "--rootdir", str(ROOT), *args)
 
 
-def test_replay_option_runs_each_file_and_a_corrupt_one_affects_no_other(good_file, tmp_path):
+def test_replay_option_runs_each_file_and_a_corrupt_one_affects_no_other(pytester, good_file, tmp_path):
     folder = tmp_path / "cases"
     folder.mkdir()
     (folder / "good.safetensors").write_bytes(good_file.read_bytes())
     (folder / "zz-broken.safetensors").write_bytes(good_file.read_bytes()[:100])
-    result = run_pytest(f"--replay={folder}", "-rA")
-    out = result.stdout + result.stderr
-    assert result.returncode == 1, out[-3000:]
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={folder}", "-rA")
+    out = "\n".join(result.outlines + result.errlines)
+    assert result.ret == 1, out[-3000:]
     assert "1 failed, 1 passed" in out and "zz-broken.safetensors: not a readable safetensors file" in out, out[-3000:]
     assert "fixture replay diagnostics" in out and "reproduce: pytest --replay" in out, out[-3000:]
 
 
-def test_dump_failures_writes_a_replayable_fixture(tmp_path):
+def test_dump_failures_writes_a_replayable_fixture(pytester, tmp_path):
     dump = tmp_path / "dumps"
-    result = run_pytest("tests/cpu/test_kvlen_regimes.py", "--impl=tests.bugs:CompactionPlansPrefix",
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:CompactionPlansPrefix",
                         "-k", "test_plan_reads_the_intended_slots and ctx1-kpool4-compacted", f"--dump-failures={dump}")
-    assert result.returncode == 1, result.stdout[-3000:]
+    assert result.ret == 1, "\n".join(result.outlines[-30:])
     files = list(dump.glob("*.safetensors"))
-    assert len(files) == 1, result.stdout[-3000:]
+    assert len(files) == 1, "\n".join(result.outlines[-30:])
     report = replay(load_fixture(files[0]))
     assert report.plan_mismatch_rows == [0] and report.regimes[0] == "C"
