@@ -54,6 +54,8 @@ def flatten_slots_view(cache_part: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _check_inputs(q_nope, q_pe, ckv, kpe, slots, lens, mask) -> None:
+    if (lens is None) == (mask is None):
+        raise ValueError("give exactly one of lens or mask")
     tensors = {"q_nope": q_nope, "q_pe": q_pe, "ckv": ckv, "kpe": kpe, "slots": slots}
     tensors.update({"lens": lens} if lens is not None else {"mask": mask})
     devices = {name: t.device for name, t in tensors.items()}
@@ -74,8 +76,6 @@ def _check_inputs(q_nope, q_pe, ckv, kpe, slots, lens, mask) -> None:
         raise ValueError(f"slots: expected [T={t}, K], got shape {tuple(slots.shape)}")
     if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
         raise ValueError(f"slots: expected an integer dtype, got {slots.dtype}")
-    if (lens is None) == (mask is None):
-        raise ValueError("give exactly one of lens or mask")
     if lens is not None:
         if lens.shape != (t,):
             raise ValueError(f"lens: expected shape [T={t}], got {tuple(lens.shape)}")

@@ -1,0 +1,289 @@
+"""The convert kernel (request-local top-k token indices -> global slot ids, SPEC §2 step 2)
+bit-exact against reference.rules.convert_rule, through the implementation under test
+(``impl.convert`` / ``impl.request_ids``; on CPU the Triton kernel runs interpreted)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.rules import INVALID, convert_rule, request_ids_per_row, valid_counts
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+DIRTY = 0x5A5A5A5A
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def qsl_tensor(q_lens) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+
+
+def mismatches(actual: torch.Tensor, expected: torch.Tensor, topk: torch.Tensor, req: torch.Tensor, limit: int = 6) -> str:
+    bad = (actual != expected).nonzero().tolist()
+    lines = [
+        f"row {r} (request {int(req[r])}) column {c}: token {int(topk[r, c])} -> {int(actual[r, c])}, "
+        f"expected {int(expected[r, c])}"
+        for r, c in bad[:limit]
+    ]
+    return f"{len(bad)} entries differ: " + "; ".join(lines)
+
+
+def assert_matches_rule(impl, topk, table, req, block_size, **kwargs):
+    """Run the kernel and check it bit-exactly against the rule (and its counts if asked)."""
+    result = impl.convert(topk, table, req, block_size, **kwargs)
+    slots, counts = result if kwargs.get("with_counts") else (result, None)
+    expected = convert_rule(topk, table, req, block_size)
+    assert slots.dtype == torch.int32 and slots.shape == topk.shape, f"{slots.dtype} {tuple(slots.shape)}"
+    assert torch.equal(slots, expected), f"block_size={block_size}: " + mismatches(slots, expected, topk, req)
+    if counts is not None:
+        exp_counts = valid_counts(expected)
+        bad = (counts != exp_counts).nonzero().flatten().tolist()
+        assert counts.dtype == torch.int32 and not bad, (
+            f"valid counts differ on rows {bad[:8]}: got {counts[bad[:8]].tolist()}, expected {exp_counts[bad[:8]].tolist()}"
+        )
+    return slots, counts
+
+
+def random_case(seed: int, rows: int, width: int, num_reqs: int, table_width: int, block_size: int,
+                invalid_frac: float = 0.3, num_blocks: int = 1000):
+    """Random indices: -1, other negatives, tokens inside the table, and block columns past it."""
+    rng = np.random.default_rng(seed)
+    table = rng.integers(1, num_blocks, size=(num_reqs, table_width)).astype(np.int32)
+    span = table_width * block_size
+    tok = rng.integers(0, span, size=(rows, width))
+    kind = rng.random((rows, width))
+    tok = np.where(kind < invalid_frac, -1, tok)
+    tok = np.where((kind >= invalid_frac) & (kind < invalid_frac + 0.05), rng.integers(span, 4 * span + 2, size=(rows, width)), tok)
+    tok = np.where((kind >= invalid_frac + 0.05) & (kind < invalid_frac + 0.08), rng.integers(INT32_MIN, 0, size=(rows, width)), tok)
+    req = rng.integers(0, num_reqs, size=rows).astype(np.int32)
+    return (torch.from_numpy(tok.astype(np.int32)), torch.from_numpy(table), torch.from_numpy(req))
+
+
+# --- the invalid-index zoo ----------------------------------------------------------------
+
+BS = 16
+# request 0 owns blocks [7, 3]; columns 2-3 are stale entries past its allocation.
+# request 1 owns [2, 8, 6]; column 3 is stale and large (slot ids >= 2**23, up to INT32_MAX).
+ZOO_TABLE = torch.tensor([[7, 3, 9, 5], [2, 8, 6, INT32_MAX // BS]], dtype=torch.int32)
+ZOO = [  # (token, slot for request 0, slot for request 1, why)
+    (-1, -1, -1, "-1"),
+    (-2, -1, -1, "other negative"),
+    (INT32_MIN, -1, -1, "INT32_MIN"),
+    (4 * BS, -1, -1, "block column == table width"),
+    (4 * BS + 5, -1, -1, "block column == table width, nonzero offset"),
+    (1000, -1, -1, "block column > table width"),
+    (INT32_MAX, -1, -1, "INT32_MAX"),
+    (0, 7 * BS, 2 * BS, "first token"),
+    (17, 3 * BS + 1, 8 * BS + 1, "second block"),
+    (40, 9 * BS + 8, 6 * BS + 8, "past request 0's allocation, inside the table: maps through the stale entry"),
+    (63, 5 * BS + 15, INT32_MAX, "last column of the table; request 1: the largest int32 slot"),
+    (50, 5 * BS + 2, (INT32_MAX // BS) * BS + 2, "slot id >= 2**23 for request 1"),
+]
+
+
+def zoo_rows(width: int = 128):
+    """Row 0 (request 0) and row 1 (request 1) hold the zoo at spread-out columns, the last one at
+    the row's last column; row 2 is padding (request 0)."""
+    cols = np.linspace(0, width - 1, len(ZOO)).astype(int)
+    topk = torch.full((3, width), -1, dtype=torch.int32)
+    expected = torch.full((3, width), -1, dtype=torch.int32)
+    for col, (tok, s0, s1, _) in zip(cols, ZOO):
+        topk[:, col] = tok
+        expected[0, col], expected[1, col], expected[2, col] = s0, s1, s0
+    return topk, expected, cols
+
+
+@pytest.mark.parametrize("width", [128, 2176])
+def test_invalid_index_zoo_maps_exactly(impl, width):
+    topk, expected, cols = zoo_rows(width)
+    req = impl.request_ids(qsl_tensor([1, 1]), 3)
+    assert req.tolist() == [0, 1, 0]
+    slots, counts = impl.convert(topk, ZOO_TABLE, req, BS, with_counts=True)
+    for col, (tok, _, _, why) in zip(cols, ZOO):
+        for row in range(3):
+            assert int(slots[row, col]) == int(expected[row, col]), (
+                f"{why}: token {tok} on row {row} -> {int(slots[row, col])}, expected {int(expected[row, col])}"
+            )
+    assert torch.equal(slots, expected), mismatches(slots, expected, topk, req)
+    assert torch.equal(expected, convert_rule(topk, ZOO_TABLE, req, BS)), "the rule disagrees with the zoo"
+    assert counts.tolist() == [int((expected[r] != INVALID).sum()) for r in range(3)]
+
+
+def test_table_view_narrower_than_its_storage_uses_the_view_width(impl):
+    """A column-sliced table: block columns past the view's width are invalid even though the
+    storage behind the row holds entries there."""
+    storage = torch.arange(1, 25, dtype=torch.int32).view(2, 12)
+    table = storage[:, :3]
+    topk = torch.full((2, 128), -1, dtype=torch.int32)
+    topk[:, :4] = torch.tensor([0, 2 * BS + 1, 3 * BS, 5 * BS])
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    slots, _ = assert_matches_rule(impl, topk, table, req, BS)
+    assert slots[:, :4].tolist() == [[1 * BS, 3 * BS + 1, -1, -1], [13 * BS, 15 * BS + 1, -1, -1]]
+
+
+# --- widths, block sizes, counts -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [128, 2048, 2176])
+def test_random_rows_match_rule_at_production_widths(impl, width):
+    """70 rows: more than one program's worth of rows in the interpreter."""
+    topk, table, req = random_case(seed=width, rows=70, width=width, num_reqs=3, table_width=40, block_size=64)
+    assert_matches_rule(impl, topk, table, req, 64, with_counts=True)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_block_sizes_match_rule(impl, block_size):
+    topk, table, req = random_case(seed=block_size, rows=9, width=256, num_reqs=2, table_width=2048 // block_size + 1,
+                                   block_size=block_size)
+    slots, _ = assert_matches_rule(impl, topk, table, req, block_size, with_counts=True)
+    tok = int(topk[0][topk[0] >= 0][0])
+    col = int((topk[0] == tok).nonzero()[0])
+    if tok // block_size < table.shape[1]:
+        want = int(table[int(req[0]), tok // block_size]) * block_size + tok % block_size
+        assert int(slots[0, col]) == want, f"block_size={block_size}: token {tok} -> {int(slots[0, col])}, want {want}"
+
+
+@pytest.mark.parametrize("width", [128, 2176])
+def test_counts_equal_valid_entries(impl, width):
+    topk, table, req = random_case(seed=7, rows=5, width=width, num_reqs=2, table_width=8, block_size=16,
+                                   invalid_frac=0.6)
+    topk[1] = -1  # a row with nothing valid
+    topk[2, 3] = 8 * 16  # a lone out-of-table column must not count
+    slots, counts = assert_matches_rule(impl, topk, table, req, 16, with_counts=True)
+    assert int(counts[1]) == 0
+    assert counts.tolist() == (slots != -1).sum(dim=1).tolist()
+
+
+def test_empty_batch(impl):
+    topk = torch.empty((0, 2176), dtype=torch.int32)
+    req = impl.request_ids(torch.zeros(1, dtype=torch.int32), 0)
+    slots, counts = impl.convert(topk, ZOO_TABLE, req, BS, with_counts=True)
+    assert slots.shape == (0, 2176) and counts.shape == (0,)
+
+
+# --- request ids and padded rows -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("q_lens", "num_rows"), [
+    ([2, 3], 5),
+    ([2, 3], 8),  # three padded rows
+    ([0, 3, 0, 1], 6),  # requests with no query token
+    ([1] * 5, 5),
+    ([], 3),  # empty batch, padding only
+])
+def test_request_ids_repeat_over_query_start_loc_padding_maps_to_zero(impl, q_lens, num_rows):
+    qsl = qsl_tensor(q_lens)
+    got = impl.request_ids(qsl, num_rows)
+    want = request_ids_per_row(qsl, num_rows)
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist(), f"qsl={qsl.tolist()}: {got.tolist()} != {want.tolist()}"
+    tokens = sum(q_lens)
+    assert got[tokens:].tolist() == [0] * (num_rows - tokens)
+
+
+def test_padded_rows_map_through_request_zero(impl):
+    table = torch.tensor([[5, 6, 7], [1, 2, 3], [9, 8, 4]], dtype=torch.int32)
+    qsl = qsl_tensor([1, 2, 1])
+    req = impl.request_ids(qsl, 7)
+    topk = torch.full((7, 128), -1, dtype=torch.int32)
+    topk[:, :3] = torch.tensor([0, 17, 40])  # every row, padding included, holds the same tokens
+    slots, _ = assert_matches_rule(impl, topk, table, req, 16)
+    request_zero = [5 * 16, 6 * 16 + 1, 7 * 16 + 8]
+    for row in range(4, 7):
+        assert slots[row, :3].tolist() == request_zero, f"padded row {row} did not map through request 0"
+    assert slots[1, :3].tolist() == [16, 2 * 16 + 1, 3 * 16 + 8]
+
+
+# --- output buffers and input views --------------------------------------------------------
+
+
+def test_dirty_out_buffer_is_fully_overwritten(impl):
+    topk, table, req = random_case(seed=3, rows=66, width=2176, num_reqs=2, table_width=10, block_size=64,
+                                   invalid_frac=0.7)
+    out = torch.full_like(topk, DIRTY)
+    slots, _ = assert_matches_rule(impl, topk, table, req, 64, out=out, with_counts=True)
+    assert slots.data_ptr() == out.data_ptr(), "the kernel did not write into the given buffer"
+    assert not bool((out == DIRTY).any())
+
+
+def test_row_strided_view_of_a_flat_buffer(impl):
+    """``out`` is rows of a bigger flat buffer (the strided kv_indices layout with padding
+    between rows): the rows are written, the gaps and the tail are left alone."""
+    rows, width, stride, tail = 5, 128, 384, 7
+    topk, table, req = random_case(seed=4, rows=rows, width=width, num_reqs=2, table_width=6, block_size=16)
+    flat = torch.full((rows * stride + tail,), DIRTY, dtype=torch.int32)
+    out = flat[: rows * stride].view(rows, stride)[:, :width]
+    assert_matches_rule(impl, topk, table, req, 16, out=out)
+    gaps = flat[: rows * stride].view(rows, stride)[:, width:]
+    assert bool((gaps == DIRTY).all()), f"{int((gaps != DIRTY).sum())} entries written between rows"
+    assert bool((flat[rows * stride:] == DIRTY).all()), "the tail past the last row was written"
+
+
+def test_row_strided_input_view(impl):
+    big, table, req = random_case(seed=5, rows=4, width=384, num_reqs=2, table_width=6, block_size=16)
+    assert_matches_rule(impl, big[:, 128:256], table, req, 16)
+
+
+# --- rejected inputs -----------------------------------------------------------------------
+
+
+def ok_inputs():
+    topk, table, req = random_case(seed=6, rows=4, width=128, num_reqs=2, table_width=4, block_size=16)
+    return topk, table, req
+
+
+@pytest.mark.parametrize("req_rows", [3, 5])
+def test_req_id_rows_must_equal_token_rows(impl, req_rows):
+    topk, table, _ = ok_inputs()
+    with pytest.raises(ValueError, match="req_id"):
+        impl.convert(topk, table, torch.zeros(req_rows, dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="req_id"):
+        convert_rule(topk, table, torch.zeros(req_rows, dtype=torch.int32), 16)
+
+
+@pytest.mark.parametrize(("name", "make", "pattern"), [
+    ("topk_indices int64", lambda t, b, r: (t.long(), b, r, {}), "topk_indices"),
+    ("topk_indices 1-d", lambda t, b, r: (t[0], b, r[:1], {}), "topk_indices"),
+    ("width not a multiple of 128", lambda t, b, r: (t[:, :100], b, r, {}), "multiple of 128"),
+    ("block_table int64", lambda t, b, r: (t, b.long(), r, {}), "block_table"),
+    ("block_table 1-d", lambda t, b, r: (t, b[0], r, {}), "block_table"),
+    ("out int64", lambda t, b, r: (t, b, r, {"out": torch.empty(t.shape, dtype=torch.int64)}), "out"),
+    ("out wrong shape", lambda t, b, r: (t, b, r, {"out": torch.empty((4, 256), dtype=torch.int32)}), "out"),
+    ("out column-strided", lambda t, b, r: (t, b, r, {"out": torch.empty((4, 256), dtype=torch.int32)[:, ::2]}), "out"),
+    ("topk_indices column-strided", lambda t, b, r: (torch.cat([t, t], 1)[:, ::2], b, r, {}), "unit column stride"),
+])
+def test_bad_inputs_are_rejected(impl, name, make, pattern):
+    topk, table, req, kwargs = make(*ok_inputs())
+    with pytest.raises(ValueError, match=pattern):
+        impl.convert(topk, table, req, 16, **kwargs)
+
+
+# --- random tables and indices -------------------------------------------------------------
+
+
+@st.composite
+def convert_cases(draw):
+    q_lens = draw(st.lists(st.integers(0, 40), min_size=1, max_size=4))
+    padded = draw(st.integers(0, 3))
+    rows = sum(q_lens) + padded
+    width = draw(st.sampled_from((128, 256)))
+    block_size = draw(st.sampled_from((1, 16, 64)))
+    table_width = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    invalid = draw(st.sampled_from((0.0, 0.3, 0.9)))
+    return q_lens, rows, width, block_size, table_width, seed, invalid, draw(st.booleans())
+
+
+@given(case=convert_cases())
+def test_random_tables_and_indices_match_rule(impl, case):
+    q_lens, rows, width, block_size, table_width, seed, invalid, with_counts = case
+    topk, table, _ = random_case(seed, rows, width, len(q_lens), table_width, block_size, invalid_frac=invalid,
+                                 num_blocks=2**31 // max(block_size, 64))
+    req = impl.request_ids(qsl_tensor(q_lens), rows)
+    assert req.tolist() == request_ids_per_row(qsl_tensor(q_lens), rows).tolist()
+    assert_matches_rule(impl, topk, table, req, block_size, with_counts=with_counts)

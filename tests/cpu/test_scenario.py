@@ -1,0 +1,430 @@
+"""The scenario builder (reference.scenario): reproducible tensors, the block table and KV
+cache it lays out, the indexer rows it writes (SPEC §3) and the regime of every row (SPEC §4)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference import BatchSpec, Request, batch, build_attention_inputs, build_scenario, classify_row, kv_len_rule
+from reference.indexer import buffer_width
+from reference.rules import route_prefills_to_mha, valid_is_prefix
+from tests.cases import LONG_CTX, TOPK, all_regime_cases, situation_cases
+
+INVALID = -1
+BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+
+
+@pytest.fixture(autouse=True)
+def single_intra_op_thread():
+    """The tensors here are tiny: intra-op threads only add synchronisation, and under xdist
+    they oversubscribe the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_spec(**config) -> BatchSpec:
+    """Decodes short and past topk, a spec-decode-sized prefill, padding: small enough for a KV cache."""
+    defaults = dict(topk=128, kpool=4, block_size=16, num_heads=2, padded_rows=2)
+    defaults.update(config)
+    return batch((40, 1), (301, 1), (150, 24), **defaults)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(BIT_VIEWS[t.dtype])
+
+
+# --- determinism ---------------------------------------------------------------------------
+
+
+def scenario_tensors(spec: BatchSpec, seed: int) -> dict[str, torch.Tensor]:
+    sc = build_scenario(spec, seed)
+    inputs = build_attention_inputs(sc)
+    return {
+        "topk_indices": sc.topk_indices,
+        "block_table": sc.block_table,
+        "allocations": torch.cat(sc.allocations),
+        "row_ctx": sc.row_ctx,
+        "q_nope bits": bits(inputs.q_nope),
+        "q_pe bits": bits(inputs.q_pe),
+        "kv_cache bits": bits(inputs.kv_cache),
+    }
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("kpool", [1, 4])
+def test_same_spec_and_seed_give_identical_tensors(kpool, kv_dtype):
+    spec = small_spec(kpool=kpool, kv_dtype=kv_dtype)
+    first, second = scenario_tensors(spec, 17), scenario_tensors(spec, 17)
+    for name, tensor in first.items():
+        assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), f"{name} differs between builds"
+
+
+@pytest.mark.parametrize("kpool", [1, 4])
+def test_different_seeds_give_different_tensors(kpool):
+    spec = small_spec(kpool=kpool)
+    first, second = scenario_tensors(spec, 17), scenario_tensors(spec, 18)
+    for name in ("topk_indices", "block_table", "allocations", "q_nope bits", "q_pe bits", "kv_cache bits"):
+        assert not torch.equal(first[name], second[name]), f"{name} is the same for seeds 17 and 18"
+    assert torch.equal(first["row_ctx"], second["row_ctx"]), "row contexts depend only on the spec"
+
+
+# --- block table and allocations -----------------------------------------------------------
+
+CATALOGUE = all_regime_cases() + situation_cases(1) + situation_cases(4)
+
+
+def block_table_problems(sc) -> list[str]:
+    spec, table = sc.spec, sc.block_table
+    problems = []
+    widest = max((a.numel() for a in sc.allocations), default=0)
+    if table.shape[1] <= widest:
+        problems.append(f"table width {table.shape[1]} is not wider than the longest allocation {widest}")
+    owned = torch.cat(sc.allocations) if sc.allocations else torch.empty(0, dtype=torch.int64)
+    if owned.unique().numel() != owned.numel():
+        problems.append("a physical block is allocated twice")
+    if owned.numel() and (int(owned.min()) < spec.min_block_id or int(owned.max()) >= sc.num_blocks):
+        problems.append(f"allocated blocks outside [{spec.min_block_id}, {sc.num_blocks})")
+    for i, (blocks, req) in enumerate(zip(sc.allocations, spec.requests)):
+        n = blocks.numel()
+        if n != math.ceil(req.seq_len / spec.block_size):
+            problems.append(f"request {i}: {n} blocks for seq_len {req.seq_len}")
+        if not torch.equal(table[i, :n].to(torch.int64), blocks):
+            problems.append(f"request {i}: table row does not start with its allocation")
+        stale = table[i, n:]
+        if stale.numel() == 0:
+            problems.append(f"request {i}: no stale entries past its allocation")
+        elif int(stale.min()) < 1 or int(stale.max()) >= sc.num_blocks:
+            problems.append(f"request {i}: stale entries outside [1, {sc.num_blocks})")
+    if bool((table == 0).any()):
+        problems.append("physical block 0 appears in the table")
+    return problems
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=lambda c: c.id)
+def test_block_table_layout(case):
+    """Block 0 never handed out, each row = its allocation then stale ids, table wider than
+    every allocation, no block owned twice."""
+    sc = build_scenario(case.spec, seed=4)
+    problems = block_table_problems(sc)
+    assert not problems, f"{case.id}: " + "; ".join(problems)
+
+
+def test_blocks_are_permuted():
+    sc = build_scenario(batch((700, 1), (500, 1), topk=128, kpool=4, block_size=16), seed=5)
+    owned = torch.cat(sc.allocations)
+    assert not torch.equal(owned, torch.arange(1, owned.numel() + 1)), "blocks handed out in order"
+    steps = [int((a[1:] - a[:-1] == 1).all()) for a in sc.allocations]
+    assert steps == [0, 0], "a request's logical blocks are physically consecutive"
+
+
+def test_min_block_id_pushes_slot_ids_past_2_pow_23():
+    sc = build_scenario(small_spec(block_size=64, min_block_id=2**17), seed=6)
+    owned = torch.cat(sc.allocations)
+    assert int(owned.min()) >= 2**17
+    valid = sc.intended_slots()[: sc.num_rows]
+    assert int(valid[valid != INVALID].min()) >= 2**23
+    assert not block_table_problems(sc)
+
+
+@given(spec=st.builds(
+    lambda seqs, bs, slack, spare: batch(*[(s, 1) for s in seqs], topk=128, kpool=4, block_size=bs,
+                                         table_slack=slack, spare_blocks=spare),
+    st.lists(st.integers(1, 2000), min_size=1, max_size=5), st.sampled_from((1, 16, 64)),
+    st.integers(1, 4), st.integers(0, 5)), seed=st.integers(0, 2**31 - 1))
+def test_block_table_layout_on_random_batches(spec, seed):
+    sc = build_scenario(spec, seed)
+    problems = block_table_problems(sc)
+    assert not problems, f"{sc.describe()}: " + "; ".join(problems)
+
+
+# --- KV cache poisoning --------------------------------------------------------------------
+
+
+def slot_status(inputs, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = inputs.kv_cache.view(num_slots, -1).float()
+    return torch.isfinite(flat).all(dim=1), torch.isnan(flat).all(dim=1)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("rope", [True, False])
+def test_poisoned_cache_is_nan_except_referenced_slots(kv_dtype, rope):
+    sc = build_scenario(small_spec(kv_dtype=kv_dtype, rope=rope), seed=7)
+    inputs = build_attention_inputs(sc, poison=True)
+    assert inputs.kv_cache.dtype == sc.spec.torch_kv_dtype
+    assert inputs.kv_cache.shape == (sc.num_blocks, sc.spec.block_size, 512 + (64 if rope else 0))
+    finite, nan = slot_status(inputs, sc.num_slots)
+    referenced = torch.zeros(sc.num_slots, dtype=torch.bool)
+    referenced[sc.referenced_slots()] = True
+    assert int(referenced.sum()) == sum(r.seq_len for r in sc.spec.requests)
+    assert bool(nan[0]), "slot 0 is not poisoned"
+    bad_ref = (referenced & ~finite).nonzero().flatten().tolist()
+    bad_other = (~referenced & ~nan).nonzero().flatten().tolist()
+    assert not bad_ref, f"referenced slots with non-finite values: {bad_ref[:8]}"
+    assert not bad_other, f"unreferenced slots not NaN: {bad_other[:8]}"
+
+
+def test_unpoisoned_cache_is_finite_everywhere():
+    sc = build_scenario(small_spec(), seed=8)
+    finite, _ = slot_status(build_attention_inputs(sc, poison=False), sc.num_slots)
+    assert bool(finite.all()), f"{int((~finite).sum())} slots not finite"
+
+
+@pytest.mark.parametrize("kpool", [1, 4])
+def test_every_valid_indexer_entry_reads_finite_kv_of_its_own_request(kpool):
+    sc = build_scenario(small_spec(kpool=kpool), seed=9)
+    inputs = build_attention_inputs(sc)
+    finite, _ = slot_status(inputs, sc.num_slots)
+    slots = sc.intended_slots()
+    req = sc.request_ids()
+    bs = sc.spec.block_size
+    for t in range(sc.num_rows):
+        row = slots[t][slots[t] != INVALID].to(torch.int64)
+        own = sc.allocations[int(req[t])]
+        assert bool(torch.isin(torch.div(row, bs, rounding_mode="floor"), own).all()), f"row {t} reads another request's block"
+        assert bool(finite[row].all()), f"row {t} (regime {sc.row_regime[t]}) selects a NaN slot"
+    padded = sc.topk_indices[sc.num_rows:]
+    assert padded.shape[0] == sc.spec.padded_rows and bool((padded == INVALID).all()), "padded rows are not all -1"
+
+
+def test_q_covers_padded_rows_and_head_dims():
+    spec = small_spec(num_heads=3)
+    sc = build_scenario(spec, seed=10)
+    inputs = build_attention_inputs(sc)
+    rows = sc.num_rows + spec.padded_rows
+    assert inputs.q_nope.shape == (rows, 3, 512) and inputs.q_pe.shape == (rows, 3, 64)
+    assert inputs.ckv.shape == (sc.num_slots, 1, 512) and inputs.kpe.shape == (sc.num_slots, 1, 64)
+    nope = build_attention_inputs(build_scenario(spec.replace(rope=False), seed=10))
+    assert nope.q_pe.shape == (rows, 3, 0) and nope.kpe.shape[-1] == 0
+
+
+# --- indexer rows (SPEC §3) ----------------------------------------------------------------
+
+
+def indexer_row_problems(row: np.ndarray, ctx: int, identity: bool, topk: int, kpool: int) -> list[str]:
+    """Everything SPEC §3 says about one row, as a list of violations."""
+    problems = []
+    valid = row != INVALID
+    if (row < INVALID).any():
+        problems.append("entries < -1")
+    if (row >= ctx).any():
+        problems.append(f"token >= ctx {ctx} (a future token)")
+    expected = int(kv_len_rule(torch.tensor([ctx]), topk, kpool)[0])
+    if int(valid.sum()) != expected:
+        problems.append(f"{int(valid.sum())} valid entries, kv_len_rule says {expected}")
+    if identity or (kpool == 1 and ctx <= topk):
+        if not (np.array_equal(row[:ctx], np.arange(ctx)) and not valid[ctx:].any()):
+            problems.append("not the prefix 0..ctx-1 then -1")
+        return problems
+    if kpool == 1:
+        head = row[:topk]
+        if (head < 0).any() or np.unique(head).size != topk or valid[topk:].any():
+            problems.append("not topk distinct tokens in the first topk columns then -1")
+        return problems
+    complete, r = divmod(ctx, kpool)
+    selectable = topk // kpool
+    if not np.array_equal(row[topk: topk + r], np.arange(complete * kpool, ctx)):
+        problems.append(f"columns {topk}..{topk + r - 1} do not hold the tail {complete * kpool}..{ctx - 1}")
+    if valid[topk + r:].any():
+        problems.append("valid entries past the tail")
+    groups = row[:topk].reshape(selectable, kpool)
+    used = groups[:, 0] != INVALID
+    whole = (groups == (groups[:, :1] + np.arange(kpool))) & (groups[:, :1] % kpool == 0)
+    if not (whole[used].all() and (groups[~used] == INVALID).all()):
+        problems.append("a pool slot is neither a whole aligned pool nor all -1")
+    pools = groups[used, 0] // kpool
+    if np.unique(pools).size != pools.size or (pools >= complete).any():
+        problems.append("pools repeated or not complete")
+    if complete >= selectable:
+        if not used.all():
+            problems.append(f"P={complete} >= S={selectable} but not every pool slot is filled")
+    elif not (np.array_equal(np.sort(pools), np.arange(complete)) and used[:complete].all()):
+        problems.append(f"P={complete} < S={selectable}: the first P pool slots do not hold pools 0..P-1")
+    has_hole = complete < selectable and r != 0
+    if bool(valid_is_prefix(torch.from_numpy(row).unsqueeze(0))[0]) == has_hole:
+        problems.append(f"valid entries {'form' if has_hole else 'do not form'} a prefix (P={complete}, S={selectable}, r={r})")
+    return problems
+
+
+def scenario_row_problems(sc) -> list[str]:
+    spec = sc.spec
+    lines = []
+    for t in range(sc.num_rows):
+        ctx, identity = int(sc.row_ctx[t]), bool(sc.row_identity[t])
+        regime = classify_row(ctx, spec.topk, spec.kpool, identity)
+        found = indexer_row_problems(sc.topk_indices[t].numpy(), ctx, identity, spec.topk, spec.kpool)
+        if sc.row_regime[t] != regime:
+            found.append(f"labelled {sc.row_regime[t]}, classifier says {regime}")
+        lines += [f"row {t} (ctx {ctx}, regime {regime}, identity {identity}): {p}" for p in found]
+    return lines
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=lambda c: c.id)
+def test_indexer_rows_follow_spec_section_3(case, regime_log):
+    sc = build_scenario(case.spec, seed=11)
+    regime_log.record(sc.row_regime, focus=case.focus or None)
+    problems = scenario_row_problems(sc)
+    assert not problems, f"{case.id} {sc.describe()}\n" + "\n".join(problems[:10])
+
+
+@st.composite
+def random_specs(draw) -> BatchSpec:
+    topk = draw(st.sampled_from((128, 256)))
+    kpool = draw(st.sampled_from((1, 2, 4)))
+    ctx = st.one_of(st.integers(1, 3 * topk), st.sampled_from([topk - 1, topk, topk + 1, topk + kpool]))
+    spec_k = draw(st.sampled_from((0, 3)))
+    decodes = [Request(max(s, spec_k + 1), spec_k + 1) for s in draw(st.lists(ctx, max_size=4))]
+    prefills = []
+    for s in draw(st.lists(ctx, max_size=2)):
+        q = draw(st.integers(spec_k + 2, max(spec_k + 2, min(s, 40))))
+        prefills.append(Request(max(s, q), q))
+    return BatchSpec(requests=tuple(decodes + prefills), topk=topk, kpool=kpool, decode_threshold=spec_k + 1,
+                     block_size=16, padded_rows=draw(st.integers(0, 2)))
+
+
+@given(spec=random_specs(), seed=st.integers(0, 2**31 - 1))
+def test_indexer_rows_follow_spec_section_3_on_random_batches(spec, seed):
+    sc = build_scenario(spec, seed)
+    problems = scenario_row_problems(sc)
+    assert not problems, sc.describe() + "\n" + "\n".join(problems[:10])
+
+
+IDENTITY_BATCHES = [  # (requests, decode rows identity, prefill rows identity)
+    (((10, 1), (256, 1)), True, None),  # batch max seq_len == topk
+    (((10, 1), (257, 1)), False, None),
+    (((10, 1), (100, 40)), True, True),
+    (((10, 1), (256, 40)), True, True),  # prefill max == topk
+    (((10, 1), (300, 40)), False, False),  # a long prefill makes the decode rows pooled too
+    (((300, 1), (100, 40)), False, True),  # long decode, short prefills: prefills identity (and MHA)
+    (((50, 40), (257, 30)), None, False),
+]
+
+
+@pytest.mark.parametrize("kpool", [1, 4])
+@pytest.mark.parametrize(("pairs", "decode_identity", "prefill_identity"), IDENTITY_BATCHES)
+def test_identity_fill_predicates(pairs, decode_identity, prefill_identity, kpool):
+    """Decode rows take the identity fill iff the batch's max seq_len <= topk; prefill rows iff
+    the max prefill seq_len <= topk."""
+    sc = build_scenario(batch(*pairs, topk=256, kpool=kpool), seed=12)
+    decode_rows = sc.meta.num_decode_tokens
+    for t in range(sc.num_rows):
+        want = decode_identity if t < decode_rows else prefill_identity
+        kind = "decode" if t < decode_rows else "prefill"
+        assert bool(sc.row_identity[t]) == want, f"{kind} row {t} (ctx {int(sc.row_ctx[t])}): identity {not want}"
+        ctx = int(sc.row_ctx[t])
+        if want:
+            assert sc.row_regime[t] == "A", f"{kind} row {t}: identity row labelled {sc.row_regime[t]}"
+            assert np.array_equal(sc.topk_indices[t, :ctx].numpy(), np.arange(ctx)), f"{kind} row {t}"
+    prefill_seq = torch.tensor([r.seq_len for r in sc.spec.requests[sc.meta.num_decodes:]])
+    assert sc.prefills_to_mha == route_prefills_to_mha(prefill_seq, 256) == bool(prefill_identity)
+    assert not scenario_row_problems(sc)
+
+
+@pytest.mark.parametrize(("ctx", "kpool", "regime", "prefix"), [
+    (10, 4, "C", False),  # r = 2: pools 0, 1, a hole up to topk, tail 8, 9
+    (12, 4, "B", True),
+    (10, 1, "H", True),
+])
+def test_short_row_beside_a_long_request_takes_the_pooled_path(ctx, kpool, regime, prefix):
+    sc = build_scenario(batch((ctx, 1), (LONG_CTX, 1), topk=TOPK, kpool=kpool), seed=13)
+    row = sc.topk_indices[0]
+    assert not bool(sc.row_identity[0]) and sc.row_regime[0] == regime
+    assert bool(valid_is_prefix(row.unsqueeze(0))[0]) == prefix
+    complete, r = divmod(ctx, kpool)
+    if kpool > 1:
+        assert row[: complete * kpool].tolist() == list(range(complete * kpool))
+        assert bool((row[complete * kpool: TOPK] == INVALID).all())
+        assert row[TOPK: TOPK + r].tolist() == list(range(complete * kpool, ctx))
+    assert not scenario_row_problems(sc)
+
+
+# --- regimes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("ctx", "kpool", "identity", "regime"), [
+    (1, 4, True, "A"), (2048, 4, True, "A"), (100, 1, True, "A"),
+    (4, 4, False, "B"), (1000, 4, False, "B"), (2044, 4, False, "B"),
+    (1, 4, False, "C"), (1001, 4, False, "C"), (2047, 4, False, "C"),
+    (2048, 4, False, "D"),
+    (2049, 4, False, "E"), (2051, 4, False, "E"),
+    (2052, 4, False, "F"), (4096, 4, False, "F"),
+    (2053, 4, False, "G"), (LONG_CTX, 4, False, "G"),
+    (1, 1, False, "H"), (2048, 1, False, "H"), (2049, 1, False, "H"), (LONG_CTX, 1, False, "H"),
+])
+def test_classifier_labels_hand_picked_rows(ctx, kpool, identity, regime):
+    got = classify_row(ctx, TOPK, kpool, identity)
+    assert got == regime, f"ctx {ctx} kpool {kpool} identity {identity}: {got}, expected {regime}"
+
+
+def test_classifier_rejects_ctx_below_one():
+    with pytest.raises(ValueError, match="ctx"):
+        classify_row(0, TOPK, 4, False)
+
+
+def test_scenario_labels_each_row_with_its_regime(regime_log):
+    """ctx 1000..2053 around topk 2048 (kpool 4) beside a long request: B, C, D, E, F, G."""
+    ctxs = {1000: "B", 1001: "C", 2048: "D", 2050: "E", 2052: "F", 2053: "G"}
+    sc = build_scenario(batch(*[(c, 1) for c in ctxs], (LONG_CTX, 1), topk=TOPK, kpool=4), seed=14)
+    regime_log.record(sc.row_regime)
+    assert sc.row_regime == [*ctxs.values(), "G"]
+
+
+# --- metadata, async host bounds and spec validation ---------------------------------------
+
+
+def test_metadata_of_a_mixed_padded_batch():
+    spec = batch((100, 4), (50, 1), (300, 40), decode_threshold=4, topk=128, padded_rows=3)
+    sc = build_scenario(spec, seed=15)
+    m = sc.meta
+    assert (m.num_reqs, m.num_decodes, m.num_decode_tokens, m.num_prefills, m.num_actual_tokens) == (3, 2, 5, 1, 45)
+    assert m.query_start_loc_cpu.tolist() == [0, 4, 5, 45]
+    expected_ctx = [97, 98, 99, 100, 50] + list(range(261, 301))
+    assert sc.row_ctx.tolist() == expected_ctx
+    assert m.positions.tolist() == [c - 1 for c in expected_ctx] + [0, 0, 0]
+    assert sc.topk_indices.shape == (48, buffer_width(128, 1))
+    assert sc.request_ids().tolist() == [0] * 4 + [1] + [2] * 40 + [0] * 3
+
+
+def test_host_bound_slack_only_moves_spec_decode_upper_bounds():
+    base = batch((100, 4), (50, 1), (300, 40), decode_threshold=4, async_scheduling=True, topk=128, kpool=4)
+    exact, slack = build_scenario(base, seed=16), build_scenario(base.replace(host_bound_slack=3), seed=16)
+    assert exact.meta.seq_lens_cpu_upper_bound.tolist() == [100, 50, 300]
+    assert slack.meta.seq_lens_cpu_upper_bound.tolist() == [103, 50, 300], "only the spec-decode request moves"
+    assert torch.equal(slack.meta.seq_lens, exact.meta.seq_lens)
+    assert torch.equal(slack.meta.positions, exact.meta.positions)
+    assert torch.equal(slack.row_ctx, exact.row_ctx)
+    assert torch.equal(slack.topk_indices, exact.topk_indices)
+
+
+BAD_SPECS = {
+    "decodes not first": (dict(requests=(Request(300, 40), Request(10, 1))), "must come first"),
+    "width not a multiple of 128": (dict(requests=(Request(10, 1),), width=2100), "multiple of 128"),
+    "width below topk + kpool - 1": (dict(requests=(Request(10, 1),), kpool=4, width=2048), "topk \\+ kpool - 1"),
+    "kpool not dividing topk": (dict(requests=(Request(10, 1),), kpool=3), "multiple of kpool"),
+    "kpool 0": (dict(requests=(Request(10, 1),), kpool=0), "kpool"),
+    "min_block_id 0": (dict(requests=(Request(10, 1),), min_block_id=0), "block 0"),
+    "slack without async": (dict(requests=(Request(10, 4),), decode_threshold=4, host_bound_slack=2), "async"),
+    "q_len > seq_len": (dict(requests=(Request(3, 5),)), "q_len"),
+    "q_len 0": (dict(requests=(Request(3, 0),)), "q_len"),
+    "unknown kv dtype": (dict(requests=(Request(10, 1),), kv_dtype="uint8"), "kv_dtype"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SPECS))
+def test_batch_spec_rejects_bad_specs(name):
+    fields, pattern = BAD_SPECS[name]
+    with pytest.raises(ValueError, match=pattern):
+        BatchSpec(**fields)
+
+
+def test_default_width_is_roundup_of_topk_plus_kpool_minus_one():
+    assert BatchSpec(requests=(), topk=2048, kpool=4).resolved_width == 2176
+    assert BatchSpec(requests=(), topk=2048, kpool=1).resolved_width == 2048
+    assert BatchSpec(requests=(), topk=128, kpool=4).resolved_width == 256
