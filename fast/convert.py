@@ -86,7 +86,7 @@ def convert_topk_to_slots(
         raise ValueError(f"block_table: expected int32 [num_reqs, blocks], got {block_table.dtype} {tuple(block_table.shape)}")
     if rows and (topk_indices.stride(1) != 1 or block_table.stride(1) != 1):
         raise ValueError("topk_indices and block_table need unit column stride")
-    devices = {t.device for t in (topk_indices, block_table, req_id)}
+    devices = {t.device for t in (topk_indices, block_table, req_id) + ((out,) if out is not None else ())}
     if len(devices) != 1:
         raise ValueError(f"inputs on several devices: {devices}")
     if topk_indices.device.type == "cpu" and not INTERPRETED:
@@ -125,6 +125,8 @@ def request_ids(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:
     qsl = query_start_loc.to(torch.int64)
     counts = (qsl[1:] - qsl[:-1]).clamp(min=0)
     ids = torch.repeat_interleave(torch.arange(counts.numel(), device=qsl.device), counts)
+    if ids.numel() > num_rows:
+        raise ValueError(f"num_rows={num_rows} < {ids.numel()} query tokens")
     out = torch.zeros(num_rows, dtype=torch.int32, device=qsl.device)
     out[: ids.numel()] = ids[:num_rows].to(torch.int32)
     return out
