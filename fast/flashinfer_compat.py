@@ -128,6 +128,14 @@ def kernel_kv_view(cache_part: torch.Tensor) -> torch.Tensor:
     return cache_part.view(torch.float8_e4m3fn) if cache_part.dtype == torch.uint8 else cache_part
 
 
+def fa3_mla_cluster_size(total_q: int, num_heads: int, batch_size: int) -> int:
+    """The thread-block cluster size FlashInfer's fa3 MLA scheduler picks at plan time (2 when
+    the average packed query length ``total_q * num_heads // batch_size`` exceeds 64, else 1).
+    ``batch_size`` is the length of kv_len_arr (the reserved row count under CUDA graphs). A
+    captured launch keeps the cluster size of the plan it was captured after."""
+    return 2 if batch_size and total_q * num_heads // batch_size > 64 else 1
+
+
 # --- warnings ------------------------------------------------------------------------------
 
 _RECORDED: list[tuple[str, str]] = []

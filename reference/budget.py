@@ -20,6 +20,12 @@ import torch
 # flash-attention hopper/test_util.py factors; fp8 gets the wider pair it uses for fp8.
 FACTORS = {"bfloat16": (2.0, 1.5), "float8_e4m3fn": (4.0, 3.0)}
 ABS_FLOOR = 1e-5
+FLOAT32_EPS = 2.0 ** -23
+#: LSE floor in float32 ulps of max|truth|: the kernel's softmax runs in float32 with exp2/log2
+#: approximations the lowp reference (exact exp, float32 logsumexp) does not model. Measured on
+#: an H200 (fa3, FlashInfer 0.6.18.post1 and 0.7.4, bf16 and fp8 KV): LSE max |err| up to
+#: 2.55e-5 at |lse| of 12 to 15 (about 16 ulps), 3x to 16x the lowp reference's error.
+LSE_ULPS = 32
 
 
 @dataclass
@@ -71,8 +77,10 @@ def compare_to_budget(
     truth: torch.Tensor,
     lowp: torch.Tensor,
     kv_dtype: str = "bfloat16",
+    ulps: float = 0.0,
 ) -> Comparison:
-    """Compare ``actual`` with the float64 ``truth`` within the budget set by ``lowp``."""
+    """Compare ``actual`` with the float64 ``truth`` within the budget set by ``lowp``; ``ulps``
+    raises the absolute floor by that many float32 ulps of max|truth| (LSE: ``LSE_ULPS``)."""
     if actual.shape != truth.shape or lowp.shape != truth.shape:
         raise ValueError(f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}")
     max_factor, mean_factor = FACTORS[kv_dtype]
@@ -90,12 +98,13 @@ def compare_to_budget(
     n = max(int(finite.sum()), 1)
     max_err, mean_err = _max(err), float(err.sum()) / n
     max_l, mean_l = _max(err_l), float(err_l.sum()) / n
-    ok_max = max_err <= max_factor * max_l + ABS_FLOOR
-    ok_mean = mean_err <= mean_factor * mean_l + ABS_FLOOR
+    floor = ABS_FLOOR + ulps * FLOAT32_EPS * _max(torch.where(torch.isfinite(t), t.abs(), torch.zeros_like(t)))
+    ok_max = max_err <= max_factor * max_l + floor
+    ok_mean = mean_err <= mean_factor * mean_l + floor
     if not ok_max:
-        problems.append(f"max err {max_err:.3g} > {max_factor} x lowp {max_l:.3g} + {ABS_FLOOR}")
+        problems.append(f"max err {max_err:.3g} > {max_factor} x lowp {max_l:.3g} + {floor:.3g}")
     if not ok_mean:
-        problems.append(f"mean err {mean_err:.3g} > {mean_factor} x lowp {mean_l:.3g} + {ABS_FLOOR}")
+        problems.append(f"mean err {mean_err:.3g} > {mean_factor} x lowp {mean_l:.3g} + {floor:.3g}")
     t_fin = torch.where(finite, t, torch.zeros_like(t))
     rel = float(err.norm() / t_fin.norm()) if float(t_fin.norm()) > 0 else float(err.norm())
     return Comparison(

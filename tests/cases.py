@@ -125,9 +125,17 @@ VARIANTS = (("bfloat16", True, 1.0), ("float8_e4m3fn", True, 0.5), ("bfloat16", 
 def covering_config(index: int) -> KernelConfig:
     """The ``index``-th of 12 configurations cycling variants (period 3) and heads (period 4)
     together: any 12 consecutive indices hold every variant x heads pair once, and any 3
-    consecutive indices (the layouts of one case) hold the 3 variants."""
+    consecutive indices hold the 3 variants. Use :func:`case_layout_index` to spread them over
+    cases x layouts."""
     kv_dtype, rope, k_scale = VARIANTS[index % len(VARIANTS)]
     return KernelConfig(kv_dtype, rope, HEADS[index % len(HEADS)], k_scale)
+
+
+def case_layout_index(case_index: int, layout_index: int) -> int:
+    """``5 * case + layout``: for each layout, consecutive cases walk every variant (2 case mod 3)
+    and every head count (case mod 4), so all layout x variant x heads triples are met within
+    12 cases, and the layouts of one case get different variants."""
+    return 5 * case_index + layout_index
 
 
 def large_batch_cases() -> list[Case]:

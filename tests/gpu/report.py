@@ -15,12 +15,11 @@ _WARNINGS: dict[str, int] = defaultdict(int)
 
 
 def pytest_runtest_logreport(report):
-    if report.when != "call":
-        return
+    # Errors are attached during the call; warnings at teardown (so only its report has them).
     for key, value in report.user_properties:
-        if key == ERROR_KEY:
+        if key == ERROR_KEY and report.when == "call":
             _ERRORS.append({"test": report.nodeid, **value})
-        elif key == WARNING_KEY:
+        elif key == WARNING_KEY and report.when == "teardown":
             for message in value:
                 _WARNINGS[message] += 1
 

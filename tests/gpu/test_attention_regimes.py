@@ -19,7 +19,7 @@ import torch
 from fast.layouts import LAYOUTS
 from reference import build_attention_inputs, build_scenario, check_plan_invariants
 from reference.rules import valid_counts, valid_first
-from tests.cases import all_regime_cases, covering_config, large_batch_cases, situation_cases
+from tests.cases import all_regime_cases, case_layout_index, covering_config, large_batch_cases, situation_cases
 from tests.cpu.test_kvlen_regimes import REGIME_C_FINDING, has_regime_c
 from tests.gpu.harness import (
     DEVICE,
@@ -50,7 +50,7 @@ def params(cases, offset: int = 0):
     for i, case in enumerate(cases):
         c_rows = has_regime_c(case)
         for j, layout in enumerate(LAYOUTS):
-            config = covering_config(offset + 3 * i + j)
+            config = covering_config(case_layout_index(offset + i, j))
             marks = []
             if c_rows and layout != "compacted":
                 marks.append(pytest.mark.xfail(reason=REGIME_C_FINDING.format(layout=layout), strict=True))
