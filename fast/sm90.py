@@ -13,6 +13,10 @@ The kv_indices layout (``strided``, ``packed``, ``compacted``) comes from the im
 under test (``impl.kv_indptr`` on the host, ``impl.write_kv_indices`` on the device); under
 ``strided`` the convert kernel writes straight into the kv_indices buffer viewed as
 ``[max_rows, width]``, as production does.
+
+With ``AttentionConfig.reuse_plan`` a replan with the same ``num_rows`` and lens keeps the last
+FlashInfer plan instead of planning again (bench/PLAN_COST.md says why that is sound and when
+it applies); off by default.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class AttentionConfig:
     rope_dim: int = 64  # 64, or 0 for NoPE
     kv_dtype: torch.dtype = torch.bfloat16  # or torch.float8_e4m3fn (uint8 storage is planned as e4m3)
     k_scale: float = 1.0  # fp8 dequantisation scale (ckv_scale = kpe_scale)
+    # Keep the last plan when a replan has the same num_rows and lens (FlashInfer's plan()
+    # is a function of those metadata alone here; its device buffers still hold them).
+    reuse_plan: bool = False
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -84,7 +91,9 @@ class SM90AttentionState:
         self._kv_indptr_host = torch.zeros(rows + 1, dtype=torch.int32)
         self._kv_len_host = torch.zeros(rows, dtype=torch.int32)
         self.num_rows = 0
-        self.plans = 0
+        self.plans = 0  # plan() calls
+        self.reused_plans = 0  # of which kept the last plan (config.reuse_plan)
+        self._planned = False  # the last FlashInfer plan succeeded and the staging holds it
 
     # --- host ----------------------------------------------------------------------------
 
@@ -98,6 +107,11 @@ class SM90AttentionState:
             raise ValueError(f"num_rows={num_rows} outside [0, max_rows={cfg.max_rows}]")
         if lens.numel() != num_rows:
             raise ValueError(f"lens has {lens.numel()} entries for {num_rows} rows")
+        if cfg.reuse_plan and self._same_as_last_plan(num_rows, lens):
+            self.plans += 1
+            self.reused_plans += 1
+            return
+        self._planned = False
         torch.clamp(self._arange, max=num_rows, out=self._qo_host)
         self._kv_len_host.zero_()
         self._kv_len_host[:num_rows] = lens.to(torch.int32)
@@ -109,6 +123,14 @@ class SM90AttentionState:
         )
         self.num_rows = num_rows
         self.plans += 1
+        self._planned = True
+
+    def _same_as_last_plan(self, num_rows: int, lens: torch.Tensor) -> bool:
+        """The last plan succeeded with these num_rows and lens (what qo_indptr, kv_indptr
+        and kv_len_arr are computed from)."""
+        if not self._planned or num_rows != self.num_rows:
+            return False
+        return torch.equal(self._kv_len_host[:num_rows], lens.to(device="cpu", dtype=torch.int32))
 
     @property
     def planned_kv_indptr(self) -> torch.Tensor:

@@ -12,7 +12,10 @@ A row with no selected slot gives out = 0 and lse = -inf. LSE is natural log; us
 Three compute modes:
 
 - ``"float64"``: the truth.
-- ``"float32"``: everything in float32.
+- ``"float32"``: float32 arithmetic. Where the inputs are bf16-exact (bf16 q, bf16 or fp8
+  cache) on a GPU, the matrix products run as bf16 x bf16 -> float32 (exact products, float32
+  accumulation; the probabilities split into three bf16 terms), which is float32-accurate
+  and uses the tensor cores; elsewhere they are float32 products.
 - ``"lowp"``: rounds where an FA3-style kernel rounds (bf16 operands, float32 accumulation
   and softmax, probabilities rounded to bf16 before the P.V product, output rounded to bf16).
   It measures the error that working precision alone costs (the error budget's yardstick).
@@ -118,31 +121,132 @@ def rows_per_chunk(num_heads: int, width: int, d_ckv: int, d_pe: int, mode: str,
     return max(1, budget_bytes // max(1, _row_bytes(num_heads, width, d_ckv, d_pe, elem)))
 
 
+def _gathered(cache_part, idx, keep, dtype):
+    """``cache_part[idx]`` in ``dtype`` with unselected columns zeroed, so that a poisoned
+    slot 0 (what they gather) stays out of the P.V product. One fresh tensor."""
+    rows = cache_part[idx]
+    if rows.dtype != dtype:
+        rows = rows.to(dtype)
+    return rows.masked_fill_(~keep, 0.0)
+
+
+def _softmax_in_place(scores, mask, scale):
+    """Scale, mask and exponentiate ``scores [C,H,K]`` in place; returns ``(probs, lse)``
+    with ``probs = exp(s - lse)`` (0 on masked columns) and ``lse = -inf`` for empty rows."""
+    scores.mul_(scale)
+    scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return scores.sub_(finite_lse.unsqueeze(-1)).exp_(), lse
+
+
 def _attend_chunk(qn, qp, ckv, kpe, slots, mask, sm_scale, k_scale, mode):
     work = torch.float64 if mode == "float64" else torch.float32
     idx = torch.where(mask, slots, torch.zeros_like(slots)).long()
     keep = mask.unsqueeze(-1)
-    # Unselected columns read slot 0 for the gather; zero them so a poisoned slot 0 stays out.
-    kv_c = ckv[idx].to(work).masked_fill(~keep, 0.0)  # [C, K, D_ckv]
-    kv_p = kpe[idx].to(work).masked_fill(~keep, 0.0)  # [C, K, R]
+    kv_c = _gathered(ckv, idx, keep, work)  # [C, K, D_ckv]
+    kv_p = _gathered(kpe, idx, keep, work)  # [C, K, R]
     if mode == "lowp":
         qn_w, qp_w = qn.to(torch.bfloat16).to(work), qp.to(torch.bfloat16).to(work)
     else:
         qn_w, qp_w = qn.to(work), qp.to(work)
     scores = torch.einsum("chd,ckd->chk", qn_w, kv_c)
     if qp_w.shape[-1]:
-        scores = scores + torch.einsum("chr,ckr->chk", qp_w, kv_p)
-    scores = scores * (sm_scale * k_scale)
-    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # -inf for empty rows
-    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - finite_lse.unsqueeze(-1))  # exp(-inf) = 0 on masked columns
+        scores += torch.einsum("chr,ckr->chk", qp_w, kv_p)
+    probs, lse = _softmax_in_place(scores, mask, sm_scale * k_scale)
     if mode == "lowp":
         probs = probs.to(torch.bfloat16).to(work)
-    out = torch.einsum("chk,ckd->chd", probs, kv_c) * k_scale
+    out = torch.einsum("chk,ckd->chd", probs, kv_c).mul_(k_scale)
     if mode == "lowp":
         out = out.to(torch.bfloat16)
     return out, lse
+
+
+# --- float32 -------------------------------------------------------------------------------
+#
+# A bf16 (or float8_e4m3fn) value is exact in bf16 and a product of two bf16 values is exact
+# in float32, so where the inputs are bf16-exact the float32 answer can use bf16 matrix
+# products that return float32 (tensor cores on a GPU): q.k exactly as float32 arithmetic
+# would, and P.V with P split into three bf16 terms (P = p1 + p2 + p3 to float32 precision).
+
+BF16_EXACT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def _bmm_f32_reference(a, b):
+    return torch.bmm(a.float(), b.float())
+
+
+def _bmm_f32_out_dtype(a, b):
+    return torch.bmm(a, b, out_dtype=torch.float32)
+
+
+_BF16_BMM_F32: dict[torch.device, bool] = {}
+
+
+def bf16_bmm_returns_float32(device: torch.device) -> bool:
+    """Whether ``torch.bmm(bf16, bf16, out_dtype=float32)`` works on ``device`` and keeps a
+    float32 result (1 + 2**-9 survives, which bf16 rounding would lose)."""
+    device = torch.device(device)
+    if device not in _BF16_BMM_F32:
+        ok = False
+        if device.type == "cuda":
+            try:
+                a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
+                b = torch.ones((1, 2, 1), dtype=torch.bfloat16, device=device)
+                r = _bmm_f32_out_dtype(a, b)
+                ok = r.dtype == torch.float32 and float(r) == 1.0 + 2.0**-9
+            except (TypeError, RuntimeError, NotImplementedError):
+                ok = False
+        _BF16_BMM_F32[device] = ok
+    return _BF16_BMM_F32[device]
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (float32) as three bf16 terms whose float32 sum is ``x`` to float32 precision."""
+    hi = x.to(torch.bfloat16)
+    rest = x - hi
+    mid = rest.to(torch.bfloat16)
+    rest.sub_(mid)
+    return hi, mid, rest.to(torch.bfloat16)
+
+
+def _attend_chunk_float32(qn, qp, ckv, kpe, slots, mask, sm_scale, k_scale, bf16_products):
+    """float32 mode: one gather, batched matrix products, in-place softmax. With
+    ``bf16_products`` (bf16-exact inputs) the products run as bf16 x bf16 -> float32."""
+    idx = torch.where(mask, slots, torch.zeros_like(slots)).long()
+    keep = mask.unsqueeze(-1)
+    if bf16_products:
+        dtype, mm = torch.bfloat16, _bmm_f32_out_dtype
+    else:
+        dtype, mm = torch.float32, torch.bmm
+    kv_c = _gathered(ckv, idx, keep, dtype)  # [C, K, D_ckv]
+    scores = mm(qn.to(dtype), kv_c.transpose(1, 2))  # [C, H, K] float32
+    if qp.shape[-1]:
+        kv_p = _gathered(kpe, idx, keep, dtype)
+        scores += mm(qp.to(dtype), kv_p.transpose(1, 2))
+        del kv_p
+    probs, lse = _softmax_in_place(scores, mask, sm_scale * k_scale)
+    if bf16_products:
+        terms = split_bf16(probs)
+        del probs, scores
+        out = mm(terms[0], kv_c)
+        for term in terms[1:]:
+            out += mm(term, kv_c)
+    else:
+        out = mm(probs, kv_c)
+    return out.mul_(k_scale), lse
+
+
+def float32_uses_bf16_products(q_nope, q_pe, ckv, kpe) -> bool:
+    """Whether float32 mode computes its products as bf16 x bf16 -> float32 for these inputs
+    (bf16 q, bf16 or float8_e4m3fn cache, on a device whose bmm returns float32 for them)."""
+    return (
+        q_nope.dtype == torch.bfloat16
+        and q_pe.dtype == torch.bfloat16
+        and ckv.dtype in BF16_EXACT_DTYPES
+        and kpe.dtype in BF16_EXACT_DTYPES
+        and bf16_bmm_returns_float32(q_nope.device)
+    )
 
 
 def sparse_mla_reference(
@@ -183,12 +287,15 @@ def sparse_mla_reference(
     out = torch.empty((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
     lse = torch.empty((t, h), dtype=lse_dtype, device=q_nope.device)
     chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes)
+    bf16_products = mode == "float32" and float32_uses_bf16_products(q_nope, q_pe, ckv, kpe)
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
-        o, l = _attend_chunk(
-            q_nope[start:stop], q_pe[start:stop], ckv, kpe, slots[start:stop], mask[start:stop],
-            float(sm_scale), float(k_scale), mode,
-        )
+        args = (q_nope[start:stop], q_pe[start:stop], ckv, kpe, slots[start:stop], mask[start:stop],
+                float(sm_scale), float(k_scale))
+        if mode == "float32":
+            o, l = _attend_chunk_float32(*args, bf16_products)
+        else:
+            o, l = _attend_chunk(*args, mode)
         out[start:stop] = o
         lse[start:stop] = l
     return out, lse

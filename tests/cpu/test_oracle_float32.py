@@ -1,0 +1,93 @@
+"""The float32 mode of the oracle: the bf16-product formulation (bf16 x bf16 -> float32 matrix
+products, P split into three bf16 terms) that the GPU uses for bf16-exact inputs, run here
+with an upcasting stand-in for the float32-output product; it must agree with float64 to
+float32 precision, keep chunking bitwise, and keep poisoned unselected slots out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference.oracle as oracle
+from reference.oracle import sparse_mla_reference, split_bf16
+
+SM_SCALE = 0.1352
+
+
+@pytest.fixture
+def bf16_products(monkeypatch):
+    """Route float32 mode through the bf16-product path on this device (CPU)."""
+    monkeypatch.setattr(oracle, "_bmm_f32_out_dtype", oracle._bmm_f32_reference)
+    monkeypatch.setattr(oracle, "bf16_bmm_returns_float32", lambda device: True)
+
+
+def problem(seed: int, t=6, h=4, k=64, n=200, rope=64, kv_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, 512 + rope, generator=g).to(torch.bfloat16)
+    kv = torch.randn(n, 512 + rope, generator=g).to(kv_dtype)
+    slots = torch.randint(0, n, (t, k), generator=g, dtype=torch.int32)
+    lens = torch.randint(0, k + 1, (t,), generator=g)
+    lens[0] = 0
+    lens[1] = k
+    return q[..., :512], q[..., 512:], kv[:, :512], kv[:, 512:], slots, lens
+
+
+def reference(p, mode, **kwargs):
+    return sparse_mla_reference(*p[:5], lens=p[5], sm_scale=SM_SCALE, k_scale=0.75, mode=mode, **kwargs)
+
+
+def test_split_bf16_is_exact_for_float32_values():
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([
+        torch.rand(20000, generator=g) ** 4,
+        torch.randn(20000, generator=g) * 1e3,
+        torch.tensor([0.0, 1.0, 1.0 + 2.0**-23, 2.0**-100, 3.0 * 2.0**-130, -0.0, 0.9999999]),
+    ])
+    hi, mid, lo = split_bf16(x)
+    assert hi.dtype == mid.dtype == lo.dtype == torch.bfloat16
+    total = hi.double() + mid.double() + lo.double()
+    assert torch.equal(total, x.double())
+
+
+def test_cpu_has_no_float32_output_bf16_product():
+    assert not oracle.bf16_bmm_returns_float32(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rope", [64, 0])
+def test_bf16_products_agree_with_float64(bf16_products, kv_dtype, rope):
+    p = problem(3, rope=rope, kv_dtype=kv_dtype)
+    assert oracle.float32_uses_bf16_products(*p[:4])
+    out, lse = reference(p, "float32")
+    truth_out, truth_lse = reference(p, "float64")
+    assert out.dtype == lse.dtype == torch.float32
+    finite = torch.isfinite(truth_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and bool((lse[~finite] == float("-inf")).all())
+    assert bool((out[~finite] == 0).all())
+    torch.testing.assert_close(lse[finite].double(), truth_lse[finite], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out.double(), truth_out, rtol=0, atol=2e-5)
+
+
+def test_bf16_products_chunked_equals_unchunked_bitwise(bf16_products):
+    p = problem(4)
+    whole = reference(p, "float32")
+    chunked = reference(p, "float32", memory_budget_bytes=1)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(whole, chunked))
+
+
+def test_bf16_products_keep_poisoned_unselected_slots_out(bf16_products):
+    q_nope, q_pe, ckv, kpe, slots, lens = problem(5)
+    cols = torch.arange(slots.shape[1]).unsqueeze(0)
+    selected = cols < lens.unsqueeze(1)
+    slots = torch.where(selected, slots % (ckv.shape[0] - 1) + 1, torch.full_like(slots, -1))
+    clean = reference((q_nope, q_pe, ckv, kpe, slots, lens), "float32")
+    kv = torch.cat([ckv, kpe], dim=1).clone()
+    kv[0] = float("nan")
+    poisoned = reference((q_nope, q_pe, kv[:, :512], kv[:, 512:], slots, lens), "float32")
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(clean, poisoned))
+    assert not bool(torch.isnan(poisoned[0]).any())
+
+
+def test_float32_inputs_take_the_float32_products():
+    q_nope, q_pe, ckv, kpe, _, _ = problem(6)
+    assert not oracle.float32_uses_bf16_products(q_nope.float(), q_pe.float(), ckv, kpe)
