@@ -78,9 +78,7 @@ def l2_bytes_of(device: torch.device) -> int:
 
 def make_context(args, device: torch.device, start: float) -> Context:
     sel = CPU_SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
-    timer = Timer(device)
-    timer.calibrate()
-    return Context(impl=default_impl(), device=device, timer=timer, sel=sel, deadline=start + args.budget_s,
+    return Context(impl=default_impl(), device=device, timer=Timer(device), sel=sel, deadline=start + args.budget_s,
                    l2_bytes=l2_bytes_of(device), sections=selected_sections(args.sections))
 
 
@@ -122,6 +120,8 @@ def main(argv=None) -> int:
         if "ceilings" in ctx.sections:
             log("ceilings")
             measure.measure_ceilings(ctx)
+        ctx.timer.calibrate()  # after the ceilings: clocks are up
+        data["environment"]["sleep_cycles_per_s"] = ctx.timer.sleep_cycles_per_s
         (run_cpu if device.type == "cpu" else run_gpu)(ctx, data)
     data["ceilings"] = ctx.ceilings
     data.update(ctx.results)

@@ -44,21 +44,24 @@ class Timer:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def calibrate(self) -> None:
-        """Measure the rate of ``torch.cuda._sleep`` (cycles per second) for the backlog."""
+    def calibrate(self, rounds: int = 3) -> None:
+        """Measure the rate of ``torch.cuda._sleep`` (cycles per second) for the backlog; the
+        highest of a few rounds (clocks ramp up under load: a higher rate errs on the long side)."""
         if not self.cuda or not hasattr(torch.cuda, "_sleep"):
             return
         cycles = 20_000_000
-        torch.cuda._sleep(1000)
-        synchronize(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        synchronize(self.device)
-        elapsed = start.elapsed_time(end) / 1e3
-        if elapsed > 0:
-            self.sleep_cycles_per_s = cycles / elapsed
+        rates = []
+        for _ in range(rounds):
+            synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            synchronize(self.device)
+            elapsed = start.elapsed_time(end) / 1e3
+            if elapsed > 0:
+                rates.append(cycles / elapsed)
+        self.sleep_cycles_per_s = max(rates) if rates else None
 
     def backlog(self, seconds: float) -> bool:
         """Hold the stream busy for about ``seconds`` (capped); False when not possible."""
@@ -79,7 +82,7 @@ class Timer:
             return self.wall_times(fn, reps, warmup=0), {"timer": "perf_counter"}
         enqueue_s = min(host) if host else 0.0
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        backlogged = self.backlog(1.5 * enqueue_s * reps + 2e-3)
+        backlogged = self.backlog(2.0 * enqueue_s * reps + 5e-3)
         for i, (start, end) in enumerate(events):
             start.record()
             fn(i)
