@@ -69,6 +69,12 @@ class Selection:
     ceiling_matmul_n: int = 8192
     ceiling_reps: int = 20
 
+    def __post_init__(self) -> None:
+        for name in ("graph", "reference"):
+            rows, heads = getattr(self, f"{name}_rows"), getattr(self, f"{name}_heads")
+            if not set(rows) <= set(self.decode_rows) or not set(heads) <= set(self.heads):
+                raise ValueError(f"{self.name}: {name} shapes must be decode shapes of the kernel section")
+
     def scenario_order(self) -> list[tuple[str, int]]:
         return [("decode", r) for r in self.decode_rows] + [("prefill", r) for r in self.prefill_rows]
 
@@ -84,12 +90,12 @@ QUICK = Selection(
     name="quick", topk=2048, variants=VARIANTS[:1], heads=(16, 128),
     decode_rows=(1, 256), prefill_rows=(1024,),
     plan_rows=(64, 256), plan_heads=(128,), plan_fp8_heads=(), plan_layouts=LAYOUTS,
-    graph_rows=(64,), graph_heads=(128,), graph_layouts=("packed",),
+    graph_rows=(256,), graph_heads=(128,), graph_layouts=("packed",),
     reference_rows=(1, 256), reference_heads=(16, 128),
     kernel_target_s=0.05, plan_target_s=0.1, ceiling_copy_bytes=256 << 20, ceiling_matmul_n=4096, ceiling_reps=10,
 )
 CPU_SMOKE = Selection(
-    name="cpu-smoke", topk=128, variants=VARIANTS[:1], heads=(4,),
+    name="cpu-smoke", topk=128, variants=VARIANTS[:1], heads=(4, 8),
     decode_rows=(1, 4), prefill_rows=(),
     plan_rows=(), plan_heads=(), plan_fp8_heads=(), plan_layouts=(),
     graph_rows=(), graph_heads=(), graph_layouts=(),
