@@ -118,3 +118,19 @@ def compare_to_budget(
         problems=problems,
         worst=_worst_rows_heads(err),
     )
+
+
+def compare_attention(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    truth: tuple[torch.Tensor, torch.Tensor],
+    lowp: tuple[torch.Tensor, torch.Tensor],
+    kv_dtype: str = "bfloat16",
+    suffix: str = "",
+) -> list[Comparison]:
+    """The kernel's ``(out, lse)`` against the float64 and low-precision references, with the
+    policy for each: output by the factors, LSE with the ``LSE_ULPS`` floor."""
+    return [
+        compare_to_budget("out" + suffix, out, truth[0], lowp[0], kv_dtype),
+        compare_to_budget("lse" + suffix, lse, truth[1], lowp[1], kv_dtype, ulps=LSE_ULPS),
+    ]

@@ -9,7 +9,11 @@
 # junit xml, then save the JIT cache as a tarball and time a restore of it into an empty cache.
 # Environment: OUT (default ./out) for logs, junit, reports and tarballs; CPU_TIER=1 also runs
 # the CPU tier once; WORKERS (default auto); TIER_TIMEOUT seconds per version (default 420);
-# JIT_RESTORE_CHECK=0 skips the timed restore.
+# JIT_RESTORE_CHECK=0 skips the timed restore. BASELINE=1: the first version records a
+# baseline (--record-baseline OUT/baseline-V1), each later one is compared with it
+# (--compare-baseline, report in OUT/compare-V). RECORD_FIXTURES=1: after the tier, record the
+# fixtures' outputs for this version into OUT/fixtures (scripts/record_fixtures.py).
+# PACK=1: at the end everything but the JIT tarballs goes into OUT/artifacts.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/out}
@@ -42,11 +46,23 @@ for v in "${versions[@]}"; do
   start=$(date +%s)
   prebuild_log=$(mktemp)
   timeout 240 python3 -m tests.gpu.prebuild 2>&1 | tee "$prebuild_log" | grep -E "^jit|Error"
+  baseline_args=()
+  if [ "${BASELINE:-0}" = 1 ]; then
+    if [ -z "${first_version:-}" ]; then
+      first_version=$v
+      baseline_args=(--record-baseline "$out/baseline-$v")
+    else
+      baseline_args=(--compare-baseline "$out/baseline-$first_version" --baseline-out "$out/compare-$v")
+    fi
+  fi
   SPARSE_MLA_GPU_REPORT="$out/report-$v.json" timeout "${TIER_TIMEOUT:-420}" \
-    python3 -m pytest -n "$workers" -m gpu -p tests.gpu.report -p no:cacheprovider \
+    python3 -m pytest -n "$workers" -m gpu -p tests.gpu.report -p no:cacheprovider "${baseline_args[@]}" \
     --junitxml="$out/junit-$v.xml" --durations=5 -rfEx 2>&1 | tee "$out/log-$v.txt" | tail -45
   rc=${PIPESTATUS[0]}
   wall=$(( $(date +%s) - start ))
+  if [ "${RECORD_FIXTURES:-0}" = 1 ]; then
+    timeout 180 python3 scripts/record_fixtures.py --dir "$out/fixtures" 2>&1 | tee "$out/fixtures-$v.txt" | tail -3
+  fi
   tar -czf "$out/jit-$v.tar.gz" -C "$cache" . 2>/dev/null
   size=$(du -m "$out/jit-$v.tar.gz" | cut -f1)
   restore_line=""
@@ -84,6 +100,13 @@ print(f"{v:<14}{counts['passed']:>7}{counts['failed']:>7}{counts['xfailed']:>8}{
 EOF
 done
 
+if [ "${PACK:-0}" = 1 ]; then
+  (cd "$out" && tar -czf artifacts.tar.gz --exclude='jit-*.tar.gz' --exclude=artifacts.tar.gz . && \
+    find . -mindepth 1 -maxdepth 1 ! -name 'jit-*.tar.gz' ! -name artifacts.tar.gz -exec rm -rf {} +)
+fi
+for f in "$out"/compare-*/report.md; do
+  [ -f "$f" ] && { echo; echo "== $f"; head -12 "$f"; }
+done
 echo
 echo "version        passed failed xfailed skipped   wall  jit-cold  jit-restored  tarball   slowest cases"
 cat "$summary"

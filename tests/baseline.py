@@ -8,7 +8,8 @@ outputs. ``--compare-baseline DIR`` records the installed version the same way (
 ``report.json`` there: behaviour changes, numerical drift between the versions' outputs,
 ratios before/after, time ratios. The run fails when a case regresses:
 
-- a case that passed now fails or raises;
+- a case that passed now fails, or a call that ran now raises (even where the suite expects
+  the error, as for the strided layout on FlashInfer >= 0.7: the upgrade still breaks it);
 - an error-budget ratio past the budget (the test itself fails then);
 - kernel time more than ``KERNEL_TIME_LIMIT`` x the baseline (and more than
   ``KERNEL_TIME_FLOOR_US`` slower, so launch noise on tiny cases does not count);
@@ -114,14 +115,15 @@ def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None,
     else:
         if before.outcome != after.outcome:
             cmp.changes.append(f"outcome {before.outcome} -> {after.outcome}")
-        if after.error and not before.error:
-            cmp.changes.append(f"newly raising: {after.error}")
         if before.error and not after.error:
             cmp.changes.append(f"no longer raising (was: {before.error})")
         new_warnings = sorted(set(after.warnings) - set(before.warnings))
         if new_warnings:
             cmp.changes.append("new warnings: " + " | ".join(new_warnings))
-        if _ok(before) and not _ok(after):
+        if after.error and not before.error:
+            cmp.changes.append(f"newly raising: {after.error}")
+            cmp.regressions.append(f"newly raising: {after.error}")
+        elif _ok(before) and not _ok(after):
             cmp.regressions.append(f"was {before.outcome}, now {after.outcome}" + (f" ({after.error})" if after.error else ""))
         if before.kernel_us and after.kernel_us:
             cmp.kernel_ratio = after.kernel_us / before.kernel_us

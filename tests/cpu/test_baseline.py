@@ -30,6 +30,11 @@ def test_newly_raising_is_a_regression_and_names_the_error():
     assert any(ch.startswith("newly raising") for ch in c.changes)
 
 
+def test_a_newly_raising_call_is_a_regression_even_when_the_suite_expects_it():
+    c = compare_case("c", rec(outcome="passed"), rec(outcome="passed", error="ValueError at plan: CSR"), {}, {})
+    assert c.regressions == ["newly raising: ValueError at plan: CSR"]
+
+
 def test_an_expected_finding_that_keeps_failing_is_not_a_regression():
     assert not compare_case("c", rec(outcome="xfailed"), rec(outcome="xfailed"), {}, {}).regressions
 

@@ -16,8 +16,8 @@ import os
 import torch
 
 from fast.sm90 import AttentionConfig
-from reference.budget import LSE_ULPS
-from reference import AttentionInputs, Comparison, Scenario, build_attention_inputs, compare_to_budget, sparse_mla_reference
+from reference.budget import compare_attention
+from reference import AttentionInputs, Comparison, Scenario, build_attention_inputs, sparse_mla_reference
 from tests.pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
 
 DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
@@ -131,12 +131,8 @@ def references(step: Step, inputs: AttentionInputs) -> tuple[tuple[torch.Tensor,
 
 def compare_with_references(step: Step, inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> list[Comparison]:
     n = step.num_planned
-    (t_out, t_lse), (l_out, l_lse) = references(step, inputs)
-    dtype = step.scenario.spec.kv_dtype
-    return [
-        compare_to_budget("out", out[:n], t_out, l_out, dtype),
-        compare_to_budget("lse", lse[:n], t_lse, l_lse, dtype, ulps=LSE_ULPS),
-    ]
+    truth, lowp = references(step, inputs)
+    return compare_attention(out[:n], lse[:n], truth, lowp, step.scenario.spec.kv_dtype)
 
 
 def record_errors(node, step: Step, comparisons: list[Comparison], label: str = "") -> None:
@@ -178,3 +174,51 @@ def sync() -> None:
 def untouched_rows(out: torch.Tensor, start: int) -> bool:
     """Rows from ``start`` on still hold the NaN fill (the kernel wrote nothing there)."""
     return bool(torch.isnan(out[start:].float()).all())
+
+
+def median_kernel_us(launch_fn, reps: int = 15, warmup: int = 3) -> float:
+    """Median of per-launch CUDA-event times, after warm-up (same buffers each time: a
+    relative measure for comparing versions, not a roofline number; see bench/)."""
+    for _ in range(warmup):
+        launch_fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch_fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return sorted(times)[len(times) // 2]
+
+
+def median_plan_us(state, step: Step, reps: int = 15, warmup: int = 3) -> float:
+    """Median host time of ``state.plan`` for the step's rows and lens."""
+    import time
+
+    for _ in range(warmup):
+        state.plan(step.num_planned, step.planned_lens)
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        state.plan(step.num_planned, step.planned_lens)
+        times.append((time.perf_counter() - start) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def note_baseline(request, state, launch: Launch, step: Step, out, lse, comparisons) -> None:
+    """With --record-baseline / --compare-baseline: the case's outputs, ratios and times."""
+    from tests.plugin import baseline_directory
+
+    if baseline_directory(request.config) is None:
+        return
+    n = step.num_planned
+    ratios = {f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio")}
+    scratch_out, scratch_lse = nan_buffers(out.shape[0], out.shape[1])
+    i = launch.inputs
+    kernel_us = median_kernel_us(lambda: state.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, scratch_out, scratch_lse)) if n else None
+    plan_us = median_plan_us(state, step)
+    request.getfixturevalue("baseline").note(
+        ratios=ratios, kernel_us=kernel_us, plan_us=plan_us, outputs={"out": out[:n], "lse": lse[:n]}
+    )

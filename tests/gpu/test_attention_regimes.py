@@ -32,6 +32,7 @@ from tests.gpu.harness import (
     failure_context,
     launch_inputs,
     nan_buffers,
+    note_baseline,
     prepared,
     record_errors,
     state_matches_step,
@@ -82,8 +83,9 @@ def run_case(impl, features, request, regime_log, case, layout, config, seed: in
     launch = launch_inputs(impl, scenario, inputs, max_rows)
     out, lse = nan_buffers(max_rows, spec.num_heads)
     if strided_rejected(features, step):
-        with pytest.raises(ValueError, match=STRIDED_REJECTED):
+        with pytest.raises(ValueError, match=STRIDED_REJECTED) as rejected:
             state.plan(step.num_planned, step.planned_lens)
+        request.getfixturevalue("baseline").note(error=f"ValueError at plan: {rejected.value}"[:300])
         return None
     eager_step(state, launch, step, out, lse)
     sync()
@@ -100,6 +102,7 @@ def run_case(impl, features, request, regime_log, case, layout, config, seed: in
 
     comparisons = compare_with_references(step, inputs, out, lse)
     record_errors(request.node, step, comparisons, label)
+    note_baseline(request, state, launch, step, out, lse, comparisons)
     regime_log.blame(step.regimes(sorted({r for c in comparisons if not c.ok for r, _, _ in c.worst if r < n})))
     assert_within_budget(step, comparisons, features.version)
     return step, out, lse

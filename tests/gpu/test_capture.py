@@ -1,0 +1,47 @@
+"""capture_mla around a program that drives FlashInfer's wrapper the way production does
+(the SM90 state: reserved buffers, plan every step, convert into kv_indices, run): the
+program's results are unchanged and every captured fixture replays within the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fast.capture import capture_mla
+from reference import batch, build_attention_inputs, build_scenario
+from reference.fixture import load_fixture
+from reference.replay import replay
+from tests.gpu.harness import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
+
+pytestmark = pytest.mark.gpu
+
+
+def program(impl, layout: str) -> list[torch.Tensor]:
+    """Three steps of one state (max 8 rows): plan on the host, then convert -> layout -> run."""
+    specs = [batch((70, 1), (3000, 1), (300, 2), topk=256, kpool=4, num_heads=16, block_size=16),
+             batch((2050, 1), (9, 1), topk=256, kpool=4, num_heads=16, block_size=16),
+             batch((5000, 4), (261, 4), topk=256, kpool=4, num_heads=16, block_size=16, decode_threshold=4)]
+    scenarios = [build_scenario(s, seed=50 + i) for i, s in enumerate(specs)]
+    state = impl.make_attention_state(attention_config(scenarios[0], layout, max_rows=8), DEVICE)
+    results = []
+    for scenario in scenarios:
+        step = prepared(impl, scenario, layout, max_rows=8)
+        inputs = build_attention_inputs(scenario, DEVICE)
+        launch = launch_inputs(impl, scenario, inputs, 8)
+        out, lse = nan_buffers(8, 16)
+        state.plan(step.num_planned, step.planned_lens)
+        state.step(*launch.step_args(out, lse))
+        sync()
+        results.append(torch.cat([out[: step.num_planned].float(), lse[: step.num_planned, :, None]], dim=-1).cpu())
+    return results
+
+
+def test_capture_of_the_production_state(impl, tmp_path):
+    plain = program(impl, "compacted")
+    with capture_mla(tmp_path, every=1, max_cases=8) as log:
+        captured = program(impl, "compacted")
+    assert all(torch.equal(a, b) for a, b in zip(plain, captured)), "capturing changed the program's results"
+    assert len(log.written) == 3, f"written {log.written}, skipped {log.skipped}"
+    for path in log.written:
+        report = replay(load_fixture(path))
+        assert report.plan_ok and report.kernel_ok, report.render()
