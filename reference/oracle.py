@@ -17,7 +17,8 @@ Three compute modes:
   accumulation; the probabilities split into three bf16 terms), which is float32-accurate
   and uses the tensor cores; elsewhere they are float32 products.
 - ``"lowp"``: rounds where an FA3-style kernel rounds (bf16 operands, float32 accumulation
-  and softmax, probabilities rounded to bf16 before the P.V product, output rounded to bf16).
+  and softmax, unnormalised probabilities exp(s - max) rounded to bf16 before the P.V
+  product, division by the float32 row sum after it, output rounded to bf16).
   It measures the error that working precision alone costs (the error budget's yardstick).
 
 Rows are processed in chunks so that the extra memory stays under ``memory_budget_bytes``
@@ -153,12 +154,27 @@ def _attend_chunk(qn, qp, ckv, kpe, slots, mask, sm_scale, k_scale, mode):
     scores = torch.einsum("chd,ckd->chk", qn_w, kv_c)
     if qp_w.shape[-1]:
         scores += torch.einsum("chr,ckr->chk", qp_w, kv_p)
+    if mode == "lowp":
+        return _lowp_softmax_and_values(scores, mask, sm_scale * k_scale, kv_c, k_scale)
     probs, lse = _softmax_in_place(scores, mask, sm_scale * k_scale)
-    if mode == "lowp":
-        probs = probs.to(torch.bfloat16).to(work)
     out = torch.einsum("chk,ckd->chd", probs, kv_c).mul_(k_scale)
-    if mode == "lowp":
-        out = out.to(torch.bfloat16)
+    return out, lse
+
+
+def _lowp_softmax_and_values(scores, mask, scale, kv_c, k_scale):
+    """Where an FA3-style kernel rounds: unnormalised probabilities ``exp(s - max)`` go to
+    bf16 for the P.V product (float32 accumulation), the row sum stays float32 and divides
+    the float32 accumulator, and the output is rounded to bf16."""
+    scores.mul_(scale)
+    scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = scores.sub_(row_max).exp_()  # 0 on masked columns
+    row_sum = p.sum(dim=-1)
+    acc = torch.einsum("chk,ckd->chd", p.to(torch.bfloat16).to(p.dtype), kv_c)
+    safe_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    out = (acc / safe_sum.unsqueeze(-1)).mul_(k_scale).to(torch.bfloat16)
+    lse = torch.where(row_sum > 0, row_max.squeeze(-1) + torch.log(safe_sum), torch.full_like(row_sum, float("-inf")))
     return out, lse
 
 
