@@ -33,16 +33,6 @@ F64_TIGHT = dict(rtol=1e-13, atol=1e-13)  # float64 results that differ only in 
 INF = math.inf
 
 
-@pytest.fixture(autouse=True)
-def single_intra_op_thread():
-    """The tensors here are tiny: intra-op threads only add synchronisation, and under xdist
-    they oversubscribe the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --- problems ------------------------------------------------------------------------------
 
 

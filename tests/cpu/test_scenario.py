@@ -20,16 +20,6 @@ INVALID = -1
 BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
 
-@pytest.fixture(autouse=True)
-def single_intra_op_thread():
-    """The tensors here are tiny: intra-op threads only add synchronisation, and under xdist
-    they oversubscribe the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def small_spec(**config) -> BatchSpec:
     """Decodes short and past topk, a spec-decode-sized prefill, padding: small enough for a KV cache."""
     defaults = dict(topk=128, kpool=4, block_size=16, num_heads=2, padded_rows=2)
