@@ -50,9 +50,9 @@ for v in "${versions[@]}"; do
   if [ "${BASELINE:-0}" = 1 ]; then
     if [ -z "${first_version:-}" ]; then
       first_version=$v
-      baseline_args=(--record-baseline "$out/baseline-$v")
+      baseline_args=("--record-baseline=$out/baseline-$v")
     else
-      baseline_args=(--compare-baseline "$out/baseline-$first_version" --baseline-out "$out/compare-$v")
+      baseline_args=("--compare-baseline=$out/baseline-$first_version" "--baseline-out=$out/compare-$v")
     fi
   fi
   SPARSE_MLA_GPU_REPORT="$out/report-$v.json" timeout "${TIER_TIMEOUT:-420}" \
@@ -101,8 +101,20 @@ EOF
 done
 
 if [ "${PACK:-0}" = 1 ]; then
-  (cd "$out" && tar -czf artifacts.tar.gz --exclude='jit-*.tar.gz' --exclude=artifacts.tar.gz . && \
-    find . -mindepth 1 -maxdepth 1 ! -name 'jit-*.tar.gz' ! -name artifacts.tar.gz -exec rm -rf {} +)
+  # Few files come back from a lent machine: logs and reports in one tarball (without the
+  # baselines' output tensors), the fixtures in two tarballs.
+  (
+    cd "$out" || exit 1
+    tar -czf /tmp/artifacts.tar.gz --exclude='*.safetensors' --exclude='jit-*.tar.gz' --exclude=fixtures .
+    if [ -d fixtures ]; then
+      ls fixtures/*.safetensors | sort > /tmp/fixture-list
+      half=$(( ($(wc -l < /tmp/fixture-list) + 1) / 2 ))
+      head -n "$half" /tmp/fixture-list | tar -cf /tmp/fixtures-0.tar -T -
+      tail -n +"$((half + 1))" /tmp/fixture-list | tar -cf /tmp/fixtures-1.tar -T -
+    fi
+    find . -mindepth 1 -maxdepth 1 ! -name 'jit-*.tar.gz' -exec rm -rf {} +
+    mv /tmp/artifacts.tar.gz /tmp/fixtures-*.tar . 2>/dev/null
+  )
 fi
 for f in "$out"/compare-*/report.md; do
   [ -f "$f" ] && { echo; echo "== $f"; head -12 "$f"; }

@@ -121,6 +121,16 @@ def run_graph_replay(impl, case, scenario, step):
     return step, inputs, static.out[:n].cpu(), static.lse[:n].cpu()
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-poisoned slots included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return torch.equal(a, b)
+
+
 def record(case: FixtureCase, directory: Path, impl) -> str:
     version = str(runtime_environment()["flashinfer"])
     scenario = build_scenario(case.spec, case.seed)
@@ -149,8 +159,7 @@ def record(case: FixtureCase, directory: Path, impl) -> str:
             old = None
         if old is not None:
             for key, value in fresh.tensors.items():
-                same = torch.equal(old[key].view(torch.uint8), value.view(torch.uint8)) if value.dtype.itemsize == 1 else torch.equal(old[key], value)
-                if not same:
+                if not same_bits(old[key], value):
                     raise SystemExit(f"{path}: input tensor {key!r} differs from the recorded one; delete the file to re-record")
             fresh.outputs = {**old.outputs, **fresh.outputs}
             fresh.meta["environment"] = old.meta.get("environment", {})
