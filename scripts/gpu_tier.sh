@@ -9,11 +9,16 @@
 # junit xml, then save the JIT cache as a tarball and time a restore of it into an empty cache.
 # Environment: OUT (default ./out) for logs, junit, reports and tarballs; CPU_TIER=1 also runs
 # the CPU tier once; WORKERS (default auto); TIER_TIMEOUT seconds per version (default 420);
-# JIT_RESTORE_CHECK=0 skips the timed restore. BASELINE=1: the first version records a
+# JIT_RESTORE_CHECK=0 skips the timed restore; PREBUILD=0 skips the timed one-by-one build
+# (the workers then build what they need). BASELINE=1: the first version records a
 # baseline (--record-baseline OUT/baseline-V1), each later one is compared with it
 # (--compare-baseline, report in OUT/compare-V). RECORD_FIXTURES=1: after the tier, record the
 # fixtures' outputs for this version into OUT/fixtures (scripts/record_fixtures.py).
-# PACK=1: at the end everything but the JIT tarballs goes into OUT/artifacts.tar.gz.
+# BENCH=1: then the benchmark (python3 -m bench.run $BENCH_ARGS, default --quick) into
+# OUT/bench-V, skipped once the script has run DEADLINE seconds (default 420).
+# PACK=1: at the end logs and reports go into OUT/artifacts.tar.gz, fixtures into
+# OUT/fixtures-{0,1}.tar, each benchmark into OUT/bench-V.tar.gz (few files come back from a
+# lent machine); the JIT tarballs are dropped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/out}
@@ -45,7 +50,9 @@ for v in "${versions[@]}"; do
   fi
   start=$(date +%s)
   prebuild_log=$(mktemp)
-  timeout 240 python3 -m tests.gpu.prebuild 2>&1 | tee "$prebuild_log" | grep -E "^jit|Error"
+  if [ "${PREBUILD:-1}" = 1 ]; then
+    timeout 240 python3 -m tests.gpu.prebuild 2>&1 | tee "$prebuild_log" | grep -E "^jit|Error"
+  fi
   baseline_args=()
   if [ "${BASELINE:-0}" = 1 ]; then
     if [ -z "${first_version:-}" ]; then
@@ -62,6 +69,16 @@ for v in "${versions[@]}"; do
   wall=$(( $(date +%s) - start ))
   if [ "${RECORD_FIXTURES:-0}" = 1 ]; then
     timeout 180 python3 scripts/record_fixtures.py --dir "$out/fixtures" 2>&1 | tee "$out/fixtures-$v.txt" | tail -3
+  fi
+  if [ "${BENCH:-0}" = 1 ]; then
+    if [ "$SECONDS" -lt "${DEADLINE:-420}" ]; then
+      # shellcheck disable=SC2086
+      timeout "${BENCH_TIMEOUT:-120}" python3 -m bench.run --out "$out/bench-$v" ${BENCH_ARGS:---quick} \
+        > "$out/bench-$v.log" 2>&1
+      echo "bench $v: exit $? ($(tail -1 "$out/bench-$v.log" | cut -c1-100))"
+    else
+      echo "bench $v: skipped, the script has run $SECONDS s (DEADLINE ${DEADLINE:-420} s)"
+    fi
   fi
   tar -czf "$out/jit-$v.tar.gz" -C "$cache" . 2>/dev/null
   size=$(du -m "$out/jit-$v.tar.gz" | cut -f1)
@@ -105,15 +122,17 @@ if [ "${PACK:-0}" = 1 ]; then
   # baselines' output tensors), the fixtures in two tarballs.
   (
     cd "$out" || exit 1
-    tar -czf /tmp/artifacts.tar.gz --exclude='*.safetensors' --exclude='jit-*.tar.gz' --exclude=fixtures .
+    tar -czf /tmp/artifacts.tar.gz --exclude='*.safetensors' --exclude='jit-*.tar.gz' --exclude=fixtures \
+      --exclude='bench-[0-9]*[0-9]' .
     if [ -d fixtures ]; then
       ls fixtures/*.safetensors | sort > /tmp/fixture-list
       half=$(( ($(wc -l < /tmp/fixture-list) + 1) / 2 ))
       head -n "$half" /tmp/fixture-list | tar -cf /tmp/fixtures-0.tar -T -
       tail -n +"$((half + 1))" /tmp/fixture-list | tar -cf /tmp/fixtures-1.tar -T -
     fi
-    find . -mindepth 1 -maxdepth 1 ! -name 'jit-*.tar.gz' -exec rm -rf {} +
-    mv /tmp/artifacts.tar.gz /tmp/fixtures-*.tar . 2>/dev/null
+    for b in bench-*/; do [ -d "$b" ] && tar -czf "/tmp/${b%/}.tar.gz" "$b"; done
+    find . -mindepth 1 -maxdepth 1 -exec rm -rf {} +
+    mv /tmp/artifacts.tar.gz /tmp/fixtures-*.tar /tmp/bench-*.tar.gz . 2>/dev/null
   )
 fi
 for f in "$out"/compare-*/report.md; do
