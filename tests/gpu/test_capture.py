@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fast.capture import capture_mla
-from reference import batch, build_attention_inputs, build_scenario
+from reference import AttentionInputs, batch, build_attention_inputs, build_scenario
 from reference.fixture import load_fixture
 from reference.replay import replay
 from tests.gpu.harness import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
@@ -23,10 +23,18 @@ def program(impl, layout: str) -> list[torch.Tensor]:
              batch((5000, 4), (261, 4), topk=256, kpool=4, num_heads=16, block_size=16, decode_threshold=4)]
     scenarios = [build_scenario(s, seed=50 + i) for i, s in enumerate(specs)]
     state = impl.make_attention_state(attention_config(scenarios[0], layout, max_rows=8), DEVICE)
+    # One KV cache for the whole program, as in an engine (FlashInfer >= 0.7 checks at run
+    # that the cache covers every index in the reserved kv_indices buffer).
+    spec = scenarios[0].spec
+    cache = torch.empty((max(s.num_blocks for s in scenarios), spec.block_size, spec.head_dim), dtype=torch.bfloat16,
+                        device=DEVICE)
     results = []
     for scenario in scenarios:
         step = prepared(impl, scenario, layout, max_rows=8)
-        inputs = build_attention_inputs(scenario, DEVICE)
+        own = build_attention_inputs(scenario, DEVICE)
+        cache.view(torch.int16).fill_(0x7FC0)  # NaN
+        cache[: scenario.num_blocks] = own.kv_cache
+        inputs = AttentionInputs(own.q_nope, own.q_pe, cache)
         launch = launch_inputs(impl, scenario, inputs, 8)
         out, lse = nan_buffers(8, 16)
         state.plan(step.num_planned, step.planned_lens)
