@@ -100,16 +100,21 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
         lowp_out, lowp_lse = reference_outputs(fx, "planned", "lowp")
         poisoned = torch.isnan(truth_out).flatten(1).any(dim=1)
         report.poisoned_rows = poisoned.nonzero().flatten().tolist()
-        keep = ~poisoned
         kv_dtype = fx.meta.get("kv_dtype", "bfloat16")
+        truth = (_zero_rows(truth_out, poisoned), _zero_rows(truth_lse, poisoned))
+        lowp = (_zero_rows(lowp_out, poisoned), _zero_rows(lowp_lse, poisoned))
         for version, (out, lse) in outputs.items():
             if not fx.meta.get("lse_recorded", True):
                 lse = truth_lse.float()  # the program did not ask FlashInfer for LSE: nothing to check
+            # Rows reading poison are zeroed on every side: row numbers in the report stay the fixture's.
             report.kernel[version] = tuple(compare_attention(
-                out[keep], lse[keep], (truth_out[keep], truth_lse[keep]), (lowp_out[keep], lowp_lse[keep]), kv_dtype,
-                suffix=" vs (b)",
+                _zero_rows(out, poisoned), _zero_rows(lse, poisoned), truth, lowp, kv_dtype, suffix=" vs (b)",
             ))
     return report
+
+
+def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return x.masked_fill(rows.view(-1, *([1] * (x.dim() - 1))).to(x.device), 0)
 
 
 def _rows_as_read(fx: Fixture) -> torch.Tensor:

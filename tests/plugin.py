@@ -288,8 +288,19 @@ def _write_baseline_record(item, report, outcome: str) -> None:
     from fast.environment import flashinfer_version
 
     record = CaseRecord(case=item.nodeid, outcome=outcome, flashinfer=flashinfer_version(), warnings=warnings,
+                        timing_workers=gpu_sharing_workers(),
                         **{k: v for k, v in note.fields.items() if k in ("error", "ratios", "kernel_us", "plan_us")})
     write_record(directory, record, note.outputs)
+
+
+def gpu_sharing_workers() -> int:
+    """Test processes sharing this process's GPU (xdist workers over the visible GPUs)."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    from tests.gpu_env import count_gpus_without_cuda
+
+    return max(1, -(-workers // max(count_gpus_without_cuda(), 1)))
 
 
 def pytest_sessionfinish(session, exitstatus):

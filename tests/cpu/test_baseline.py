@@ -55,6 +55,16 @@ def test_time_ratios_and_thresholds():
     assert any("kernel time" in r for r in slow_kernel.regressions)
 
 
+def test_times_shared_between_test_processes_are_reported_not_judged():
+    c = compare_case("c", rec(plan_us=150.0, timing_workers=16), rec(plan_us=50_000.0, timing_workers=16), {}, {})
+    assert c.plan_ratio > 300 and not c.regressions
+
+
+def test_empty_outputs_count_as_equal():
+    empty = torch.zeros(0, 4, 8, dtype=torch.bfloat16)
+    assert drift(empty, empty)["bitwise_equal"] == 1.0
+
+
 def test_directories_round_trip_into_markdown_and_json(tmp_path):
     out = torch.randn(4, 2, 8).to(torch.bfloat16)
     write_record(tmp_path / "a", rec(case="t::x", flashinfer="0.6.18.post1", kernel_us=70.0, plan_us=150.0,
