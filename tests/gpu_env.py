@@ -11,8 +11,6 @@ import os
 import shutil
 import subprocess
 
-import pytest
-
 
 def worker_index(worker_id: str | None) -> int | None:
     """``gw3`` -> 3; None (no xdist) -> None."""
@@ -57,7 +55,7 @@ def count_gpus_without_cuda() -> int:
     return 0
 
 
-def pin_worker_gpu(config) -> None:
+def pin_worker_gpu() -> None:
     worker_id = os.environ.get("PYTEST_XDIST_WORKER")
     if worker_index(worker_id) is None:
         return
@@ -66,7 +64,4 @@ def pin_worker_gpu(config) -> None:
     choice = pick_gpu(worker_id, visible, count)
     if choice is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = choice
-    config.stash[GPU_CHOICE] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
-
-GPU_CHOICE = pytest.StashKey[str]()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 from fast.impl import load_impl
 
-from .gpu_env import GPU_CHOICE, pin_worker_gpu
+from .gpu_env import pin_worker_gpu
 from reference import REGIMES
 
 # Fixed, derandomised examples by default so every run (CI included) checks the same cases;
@@ -52,7 +52,7 @@ def gpu_tier_unavailable_reason() -> str | None:
 
 
 def pytest_configure(config):
-    pin_worker_gpu(config)
+    pin_worker_gpu()
     config.stash[IMPL_SPEC] = config.getoption("--impl")
     config.stash[TALLY] = RegimeTally()
     if not hasattr(config, "workerinput"):
@@ -238,7 +238,7 @@ DUMP = pytest.StashKey[FailureDump]()
 
 # --- baselines (upgrade validation) ----------------------------------------------------------
 
-WARNINGS_PROPERTY = "flashinfer_warnings"
+WARNING_KEY = "flashinfer_warnings"  # report property: the FlashInfer warnings a test raised
 
 
 def baseline_directory(config):
@@ -284,7 +284,7 @@ def _write_baseline_record(item, report, outcome: str) -> None:
     note = item.stash.get(BASELINE, None)
     if directory is None or note is None:
         return
-    warnings = [w for k, v in report.user_properties if k == WARNINGS_PROPERTY for w in v]
+    warnings = [w for k, v in report.user_properties if k == WARNING_KEY for w in v]
     from fast.environment import flashinfer_version
 
     record = CaseRecord(case=item.nodeid, outcome=outcome, flashinfer=flashinfer_version(), warnings=warnings,

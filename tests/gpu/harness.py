@@ -19,10 +19,10 @@ from fast.sm90 import AttentionConfig
 from reference.budget import compare_attention
 from reference import AttentionInputs, Comparison, Scenario, build_attention_inputs, sparse_mla_reference
 from tests.pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
+from tests.plugin import WARNING_KEY  # noqa: F401  (the GPU tier's report properties live here too)
 
 DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
 ERROR_KEY = "sparse_mla_kernel_error"
-WARNING_KEY = "flashinfer_warnings"
 
 
 def attention_config(scenario: Scenario, layout: str, max_rows: int | None = None) -> AttentionConfig:
