@@ -55,8 +55,8 @@ def count_gpus_without_cuda() -> int:
     return 0
 
 
-def pin_worker_gpu() -> None:
-    worker_id = os.environ.get("PYTEST_XDIST_WORKER")
+def pin_worker_gpu(worker_id: str | None) -> None:
+    """In an xdist worker (``worker_id`` from its config), before CUDA starts: pin one GPU."""
     if worker_index(worker_id) is None:
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -52,7 +52,7 @@ def gpu_tier_unavailable_reason() -> str | None:
 
 
 def pytest_configure(config):
-    pin_worker_gpu()
+    pin_worker_gpu(getattr(config, "workerinput", {}).get("workerid"))
     config.stash[IMPL_SPEC] = config.getoption("--impl")
     config.stash[TALLY] = RegimeTally()
     if not hasattr(config, "workerinput"):
@@ -160,9 +160,48 @@ class SessionReporter:
             self.config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
 
 
+# --- which GPU each xdist worker used ---------------------------------------------------------
+
+GPU_USED_KEY = "sparse_mla_gpu"
+
+
+def gpu_identity() -> str:
+    """The visible devices and, where CUDA was initialised by the tests, the device's bus id."""
+    import os
+    import sys
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus = getattr(props, "pci_bus_id", None)
+        return f"CUDA_VISIBLE_DEVICES={visible} -> {props.name}" + (f" (PCI bus {bus})" if bus is not None else "")
+    return f"CUDA_VISIBLE_DEVICES={visible} (CUDA not used)"
+
+
+def _record_worker_gpu(session) -> None:
+    if hasattr(session.config, "workerinput"):
+        session.config.workeroutput[GPU_USED_KEY] = gpu_identity()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    used = getattr(node, "workeroutput", {}).get(GPU_USED_KEY)
+    if used:
+        node.config.stash.setdefault(GPUS_USED, {})[node.workerinput["workerid"]] = used
+
+
+GPUS_USED = pytest.StashKey[dict]()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput"):
         return
+    used = config.stash.get(GPUS_USED, {})
+    if len(set(used.values())) > 1 or any("CUDA not used" not in v for v in used.values()):
+        terminalreporter.section("GPU per xdist worker")
+        for worker in sorted(used, key=lambda w: int(w[2:]) if w[2:].isdigit() else 0):
+            terminalreporter.write_line(f"{worker}: {used[worker]}")
     tally = config.stash.get(TALLY, None)
     if tally is not None and (tally.rows or tally.outcomes):
         terminalreporter.section("sparse-MLA rows and outcomes per context regime")
@@ -304,6 +343,7 @@ def gpu_sharing_workers() -> int:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _record_worker_gpu(session)
     config = session.config
     base = config.getoption("--compare-baseline")
     if not base or hasattr(config, "workerinput"):

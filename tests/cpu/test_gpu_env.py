@@ -33,3 +33,19 @@ def test_worker_index_parsing():
     assert worker_index("gw12") == 12
     assert worker_index("master") is None
     assert worker_index(None) is None
+
+
+def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
+    """Under xdist with two visible devices the workers split between them, and the run ends
+    with a table naming each worker's device (no GPU needed: the pinning happens before CUDA)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    result = pytester.runpytest_subprocess(str(root / "tests/cpu/test_layouts.py"), "-n", "4", "-p", "no:cacheprovider",
+                                           "--rootdir", str(root))
+    out = "\n".join(result.outlines)
+    assert result.ret == 0, out[-2000:]
+    assert "GPU per xdist worker" in out, out[-2000:]
+    for worker, device in (("gw0", "0"), ("gw1", "1"), ("gw2", "0"), ("gw3", "1")):
+        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} " in out, out[-2000:]
