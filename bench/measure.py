@@ -773,15 +773,6 @@ def targets(results: dict, variant: str = "bf16-rope") -> dict:
 
 
 def gpu_unavailable_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"the fa3 kernel needs an SM90 GPU; found sm_{major}{minor}"
-    try:
-        from fast.flashinfer_compat import detect_features
+    from fast.environment import sm90_flashinfer_unavailable_reason
 
-        detect_features()
-    except Exception as exc:
-        return f"FlashInfer not usable: {error_text(exc, 300)}"
-    return None
+    return sm90_flashinfer_unavailable_reason()

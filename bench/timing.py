@@ -94,19 +94,13 @@ class Timer:
     def host_times(self, fn, reps: int, *, warmup: int = 1) -> list[float]:
         """Host time until each ``fn(i)`` returns, the device idle when it is called (work it
         leaves queued is not counted; a synchronize inside it is)."""
-        for i in range(warmup):
-            fn(i)
-        out = []
-        for i in range(reps):
-            synchronize(self.device)
-            t0 = time.perf_counter()
-            fn(i)
-            out.append(time.perf_counter() - t0)
-        synchronize(self.device)
-        return out
+        return self._perf_counter_times(fn, reps, warmup, wait_for_device=False)
 
     def wall_times(self, fn, reps: int, *, warmup: int = 1) -> list[float]:
         """Wall time of each ``fn(i)`` until the device has finished its work."""
+        return self._perf_counter_times(fn, reps, warmup, wait_for_device=True)
+
+    def _perf_counter_times(self, fn, reps: int, warmup: int, wait_for_device: bool) -> list[float]:
         for i in range(warmup):
             fn(i)
         out = []
@@ -114,8 +108,10 @@ class Timer:
             synchronize(self.device)
             t0 = time.perf_counter()
             fn(i)
-            synchronize(self.device)
+            if wait_for_device:
+                synchronize(self.device)
             out.append(time.perf_counter() - t0)
+        synchronize(self.device)
         return out
 
     def throughput(self, fn, reps: int) -> float:

@@ -52,6 +52,16 @@ class Fixture:
         return self.tensors[key]
 
 
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaN-poisoned entries included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    return torch.equal(a, b)
+
+
 def remap_slots(*selections: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Map the slot ids used by the given tensors (-1 = none) to local ids ``0..M-1``.
     Returns the original ids ``[M]`` (sorted) and each tensor with local ids."""
@@ -183,9 +193,9 @@ def build_fixture(
         intended = torch.where(cols < lens.unsqueeze(1), indices[pos.clamp(max=max(used_end - 1, 0))], -1) if used_end else torch.full((rows, width), -1)
     intended = intended[:rows].cpu()
     # Only the planned spans are read: entries outside them are kept as -1.
-    in_span = torch.zeros(used_end, dtype=torch.bool)
-    for r in range(rows):
-        in_span[int(indptr[r]) : int(indptr[r] + lens[r])] = True
+    entry = torch.arange(used_end).unsqueeze(0)
+    starts = indptr[:-1].unsqueeze(1)
+    in_span = ((entry >= starts) & (entry < starts + lens.unsqueeze(1))).any(dim=0)
     planned = torch.where(in_span, indices, torch.full_like(indices, -1))
     slot_ids, (planned_local, intended_local) = remap_slots(planned, intended)
     ckv2, kpe2 = flatten_slots_view(ckv, "ckv"), flatten_slots_view(kpe, "kpe")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fast.environment import runtime_environment  # noqa: E402
 from fast.impl import FastImpl  # noqa: E402
 from reference import batch, build_attention_inputs, build_scenario  # noqa: E402
-from reference.fixture import FixtureError, load_fixture, save_fixture  # noqa: E402
+from reference.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture  # noqa: E402
 from tests.cases import GLM_NOPE_SM_SCALE  # noqa: E402
 from tests.cpu.test_kvlen_regimes import REGIME_C_FINDING  # noqa: E402
 from tests.gpu.harness import (  # noqa: E402
@@ -121,16 +121,6 @@ def run_graph_replay(impl, case, scenario, step):
     return step, inputs, static.out[:n].cpu(), static.lse[:n].cpu()
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN-poisoned slots included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_floating_point:
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
-    return torch.equal(a, b)
-
-
 def record(case: FixtureCase, directory: Path, impl) -> str:
     version = str(runtime_environment()["flashinfer"])
     scenario = build_scenario(case.spec, case.seed)
@@ -159,7 +149,7 @@ def record(case: FixtureCase, directory: Path, impl) -> str:
             old = None
         if old is not None:
             for key, value in fresh.tensors.items():
-                if not same_bits(old[key], value):
+                if not bitwise_equal(old[key], value):
                     raise SystemExit(f"{path}: input tensor {key!r} differs from the recorded one; delete the file to re-record")
             fresh.outputs = {**old.outputs, **fresh.outputs}
             fresh.meta["environment"] = old.meta.get("environment", {})

@@ -32,22 +32,6 @@ REGIME_KEY = "sparse_mla_regimes"
 # --- GPU gating --------------------------------------------------------------------------
 
 
-def gpu_tier_unavailable_reason() -> str | None:
-    """Why the GPU tier cannot run here, or None when it can (SM90 GPU + FlashInfer)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to torch"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"GPU is sm_{major}{minor} ({torch.cuda.get_device_name()}), the fa3 path needs sm_90"
-    try:
-        import flashinfer  # noqa: F401
-    except Exception as exc:  # ImportError and broken installs alike
-        return f"flashinfer is not importable: {exc!r}"
-    return None
-
-
 # --- hooks -------------------------------------------------------------------------------
 
 
@@ -67,7 +51,9 @@ def _skip_gpu_items_without_gpu(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
-    reason = gpu_tier_unavailable_reason()
+    from fast.environment import sm90_flashinfer_unavailable_reason
+
+    reason = sm90_flashinfer_unavailable_reason()
     config.stash[GPU_REASON] = reason or ""
     if reason:
         skip = pytest.mark.skip(reason=f"GPU tier: {reason}")

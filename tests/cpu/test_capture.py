@@ -69,10 +69,12 @@ def program_steps():
 def test_capture_records_replayable_fixtures_without_changing_results(impl, tmp_path):
     steps = program_steps()
     plain = seed_style_program(impl, steps, max_rows=4, width=256)
+    originals = (StandInWrapper.plan, StandInWrapper.run)
     with capture_mla(tmp_path, every=1, max_cases=10, wrapper_cls=StandInWrapper) as log:
+        assert (StandInWrapper.plan, StandInWrapper.run) != originals, "capture did not hook the wrapper"
         captured = seed_style_program(impl, steps, max_rows=4, width=256)
     assert all(torch.equal(a, b) for a, b in zip(plain, captured)), "capturing changed the program's results"
-    assert StandInWrapper.plan.__name__ == "plan" and "capture" not in StandInWrapper.run.__qualname__
+    assert (StandInWrapper.plan, StandInWrapper.run) == originals, "capture did not restore the wrapper"
     assert len(log.written) == 3, log.skipped
     for path, (scenario, _) in zip(log.written, steps):
         fx = load_fixture(path)

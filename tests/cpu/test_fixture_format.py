@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from reference import batch, build_attention_inputs, build_scenario, sparse_mla_reference
-from reference.fixture import METADATA_KEY, FixtureError, load_fixture, save_fixture
+from reference.fixture import METADATA_KEY, FixtureError, bitwise_equal, load_fixture, save_fixture
 from reference.replay import replay
 from tests.pipeline import as_planned, fixture_from_step, intended, prepare_step
 
@@ -43,7 +43,7 @@ def test_round_trip_is_bit_exact_and_keeps_only_referenced_slots(impl, tmp_path,
     back = load_fixture(save_fixture(tmp_path / "rt.safetensors", fx))
     for key, value in fx.tensors.items():
         assert back[key].dtype == value.dtype, key
-        assert torch.equal(back[key].view(torch.uint8) if value.dtype.itemsize == 1 else back[key], value.view(torch.uint8) if value.dtype.itemsize == 1 else value), key
+        assert bitwise_equal(back[key], value), key
     assert back.meta["regimes"] == step.scenario.row_regime
     assert back.meta["spec"]["kv_dtype"] == kv_dtype
     a_slots, a_mask = intended(step)
@@ -51,8 +51,7 @@ def test_round_trip_is_bit_exact_and_keeps_only_referenced_slots(impl, tmp_path,
     read = set(a_slots[a_mask].tolist()) | set(b_slots[b_mask].tolist())
     assert set(back["slot_ids"].tolist()) == read, "the fixture must store exactly the slots the case reads"
     assert len(read) < step.scenario.num_slots
-    assert torch.equal(back["ckv"].view(torch.uint8) if kv_dtype != "bfloat16" else back["ckv"],
-                       inputs.ckv[back["slot_ids"], 0].view(torch.uint8) if kv_dtype != "bfloat16" else inputs.ckv[back["slot_ids"], 0])
+    assert bitwise_equal(back["ckv"], inputs.ckv[back["slot_ids"], 0].contiguous())
 
 
 def test_replay_passes_a_good_case_and_names_the_row_of_a_bad_one(impl, tmp_path):

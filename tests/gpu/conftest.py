@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.harness import WARNING_KEY
+from tests.plugin import WARNING_KEY
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
 import os
 
 import torch
@@ -19,7 +20,6 @@ from fast.sm90 import AttentionConfig
 from reference.budget import compare_attention
 from reference import AttentionInputs, Comparison, Scenario, build_attention_inputs, sparse_mla_reference
 from tests.pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
-from tests.plugin import WARNING_KEY  # noqa: F401  (the GPU tier's report properties live here too)
 
 DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
 ERROR_KEY = "sparse_mla_kernel_error"
@@ -176,35 +176,14 @@ def untouched_rows(out: torch.Tensor, start: int) -> bool:
     return bool(torch.isnan(out[start:].float()).all())
 
 
-def median_kernel_us(launch_fn, reps: int = 15, warmup: int = 3) -> float:
-    """Median of per-launch CUDA-event times, after warm-up (same buffers each time: a
-    relative measure for comparing versions, not a roofline number; see bench/)."""
-    for _ in range(warmup):
-        launch_fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch_fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return sorted(times)[len(times) // 2]
+@functools.lru_cache(maxsize=1)
+def case_timer():
+    """The benchmark's timer (CUDA events over a held stream), calibrated once per process."""
+    from bench.timing import Timer
 
-
-def median_plan_us(state, step: Step, reps: int = 15, warmup: int = 3) -> float:
-    """Median host time of ``state.plan`` for the step's rows and lens."""
-    import time
-
-    for _ in range(warmup):
-        state.plan(step.num_planned, step.planned_lens)
-    times = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        state.plan(step.num_planned, step.planned_lens)
-        times.append((time.perf_counter() - start) * 1e6)
-    return sorted(times)[len(times) // 2]
+    timer = Timer(torch.device(DEVICE))
+    timer.calibrate()
+    return timer
 
 
 def note_baseline(request, state, launch: Launch, step: Step, out, lse, comparisons) -> None:
@@ -215,10 +194,16 @@ def note_baseline(request, state, launch: Launch, step: Step, out, lse, comparis
         return
     n = step.num_planned
     ratios = {f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio")}
+    from bench.timing import summarize
+
     scratch_out, scratch_lse = nan_buffers(out.shape[0], out.shape[1])
     i = launch.inputs
-    kernel_us = median_kernel_us(lambda: state.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, scratch_out, scratch_lse)) if n else None
-    plan_us = median_plan_us(state, step)
+    timer = case_timer()
+    kernel_us = None
+    if n:
+        times, _ = timer.device_times(lambda _: state.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, scratch_out, scratch_lse), 15)
+        kernel_us = summarize(times)["median_s"] * 1e6
+    plan_us = summarize(timer.host_times(lambda _: state.plan(n, step.planned_lens), 15, warmup=3))["median_s"] * 1e6
     request.getfixturevalue("baseline").note(
         ratios=ratios, kernel_us=kernel_us, plan_us=plan_us, outputs={"out": out[:n], "lse": lse[:n]}
     )

@@ -8,7 +8,8 @@ import json
 import os
 from collections import defaultdict
 
-from tests.gpu.harness import ERROR_KEY, WARNING_KEY
+from tests.gpu.harness import ERROR_KEY
+from tests.plugin import WARNING_KEY
 
 _ERRORS: list[dict] = []
 _WARNINGS: dict[str, int] = defaultdict(int)
