@@ -14,8 +14,8 @@ Three compute modes:
 - ``"float64"``: the truth.
 - ``"float32"``: float32 arithmetic. Where the inputs are bf16-exact (bf16 q, bf16 or fp8
   cache) on a GPU, the matrix products run as bf16 x bf16 -> float32 (exact products, float32
-  accumulation; the probabilities split into three bf16 terms), which is float32-accurate
-  and uses the tensor cores; elsewhere they are float32 products.
+  accumulation; the probabilities split into two bf16 terms, see ``PROBABILITY_TERMS``), which
+  is float32-accurate  and uses the tensor cores; elsewhere they are float32 products.
 - ``"lowp"``: rounds where an FA3-style kernel rounds (bf16 operands, float32 accumulation
   and softmax, unnormalised probabilities exp(s - max) rounded to bf16 before the P.V
   product, division by the float32 row sum after it, output rounded to bf16).
@@ -85,9 +85,6 @@ def _check_inputs(q_nope, q_pe, ckv, kpe, slots, lens, mask) -> None:
             raise ValueError(f"lens: expected shape [T={t}], got {tuple(lens.shape)}")
         if lens.dtype.is_floating_point or lens.dtype == torch.bool:
             raise ValueError(f"lens: expected an integer dtype, got {lens.dtype}")
-        if t and (int(lens.min()) < 0 or int(lens.max()) > slots.shape[1]):
-            bad = int(((lens < 0) | (lens > slots.shape[1])).nonzero()[0])
-            raise ValueError(f"lens: row {bad} has len {int(lens[bad])} outside [0, {slots.shape[1]}] (row width)")
     else:
         if mask.shape != slots.shape or mask.dtype != torch.bool:
             raise ValueError(f"mask: expected bool of shape {tuple(slots.shape)}, got {mask.dtype} {tuple(mask.shape)}")
@@ -99,91 +96,114 @@ def selection_mask(slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return cols.unsqueeze(0) < lens.to(slots.device).unsqueeze(1)
 
 
-def _check_selected_slots(slots: torch.Tensor, mask: torch.Tensor, num_slots: int) -> None:
+def _check_values(slots: torch.Tensor, lens: torch.Tensor | None, mask: torch.Tensor, num_slots: int) -> bool:
+    """Lens within [0, row width] and selected slots within [0, num_slots); returns whether
+    every column is selected. The three verdicts come back to the host in one transfer (one
+    synchronisation on a GPU)."""
+    width = slots.shape[1]
+    bad_lens = (lens < 0) | (lens > width) if lens is not None else torch.zeros(1, dtype=torch.bool, device=slots.device)
     bad = mask & ((slots < 0) | (slots >= num_slots))
-    if bool(bad.any()):
+    any_bad_lens, any_bad_slot, all_selected = torch.stack([bad_lens.any(), bad.any(), mask.all()]).tolist()
+    if any_bad_lens:
+        row = int(bad_lens.nonzero()[0])
+        raise ValueError(f"lens: row {row} has len {int(lens[row])} outside [0, {width}] (row width)")
+    if any_bad_slot:
         row, col = (int(v) for v in bad.nonzero()[0])
         raise ValueError(
             f"slots: row {row} column {col} selects slot {int(slots[row, col])}, outside [0, {num_slots}) "
             f"({int(bad.sum())} such entries)"
         )
+    return all_selected
 
 
-def _row_bytes(num_heads: int, width: int, d_ckv: int, d_pe: int, elem: int) -> int:
-    gathered = width * (d_ckv + d_pe) * elem * 2  # gather + cast copy
-    scores = num_heads * width * elem * 3  # scores, probabilities, low-precision copy
-    rows = num_heads * (d_ckv + d_pe) * elem * 3  # q cast, output accumulator, cast
-    return gathered + scores + rows + width * 16
+def _row_bytes(num_heads: int, width: int, d_ckv: int, d_pe: int, elem: int, operand: int | None = None) -> int:
+    """Working bytes of one row of a chunk: ``elem`` is the working precision (8, 4), ``operand``
+    the matrix products' operand size (``elem``, or 2 for bf16 x bf16 -> float32 products)."""
+    operand = elem if operand is None else operand
+    dims = d_ckv + d_pe
+    gathered = width * dims * (3 if operand == 2 else 2 + operand)  # rows as stored (<= 2 B) + cast copy
+    scores = num_heads * width * (2 * elem + 2)  # scores and probabilities, or probabilities and bf16 terms
+    rows = num_heads * dims * elem * 3  # q, output, one more product's output
+    return gathered + scores + rows + width * 16  # + the row's mask and bias
 
 
-def rows_per_chunk(num_heads: int, width: int, d_ckv: int, d_pe: int, mode: str, budget_bytes: int) -> int:
+def rows_per_chunk(num_heads: int, width: int, d_ckv: int, d_pe: int, mode: str, budget_bytes: int,
+                   bf16_products: bool = False) -> int:
     """How many rows fit in one chunk under the memory budget (at least one)."""
     elem = 8 if mode == "float64" else 4
-    return max(1, budget_bytes // max(1, _row_bytes(num_heads, width, d_ckv, d_pe, elem)))
+    per_row = _row_bytes(num_heads, width, d_ckv, d_pe, elem, 2 if bf16_products else elem)
+    return max(1, budget_bytes // max(1, per_row))
 
 
-def _gathered(cache_part, idx, keep, dtype):
-    """``cache_part[idx]`` in ``dtype`` with unselected columns zeroed, so that a poisoned
-    slot 0 (what they gather) stays out of the P.V product. One fresh tensor."""
-    rows = cache_part[idx]
-    if rows.dtype != dtype:
-        rows = rows.to(dtype)
-    return rows.masked_fill_(~keep, 0.0)
+def gather_index(slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The slot each column gathers (int64): selected columns their own slot, unselected ones
+    the row's first selected slot. A slot the row reads anyway keeps poison (NaN in slot 0 or
+    in stale slots) out of the P.V product without zeroing the gathered rows: the column's
+    probability is exactly 0 and its value is finite unless the row's own selection is
+    poisoned. Rows with no selection gather slot 0; the caller sets them to out 0, lse -inf."""
+    first_col = mask.to(torch.uint8).argmax(dim=1, keepdim=True)
+    first = torch.where(mask.any(dim=1, keepdim=True), slots.gather(1, first_col), torch.zeros_like(first_col))
+    return torch.where(mask, slots, first).long()
 
 
-def _softmax_in_place(scores, mask, scale):
-    """Scale, mask and exponentiate ``scores [C,H,K]`` in place; returns ``(probs, lse)``
-    with ``probs = exp(s - lse)`` (0 on masked columns) and ``lse = -inf`` for empty rows."""
-    scores.mul_(scale)
-    scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return scores.sub_(finite_lse.unsqueeze(-1)).exp_(), lse
+def joined_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(a|b,)``, one view of both along the last dimension, when ``b`` directly follows ``a``
+    in one buffer (q as ``[T, H, 576]`` split in two, the cache as ``[N, 1, 576]`` split in two)
+    or is empty; otherwise ``(a, b)``, to be joined piece by piece with :func:`cat_parts`."""
+    if b.shape[-1] == 0:
+        return (a,)
+    adjacent = (
+        a.dtype == b.dtype and a.device == b.device and a.shape[:-1] == b.shape[:-1] and a.stride() == b.stride()
+        and a.stride(-1) == 1 and b.storage_offset() == a.storage_offset() + a.shape[-1]
+        and all(st >= a.shape[-1] + b.shape[-1] for st, n in zip(a.stride()[:-1], a.shape[:-1]) if n > 1)
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
+    if not adjacent:
+        return (a, b)
+    return (a.as_strided(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.stride(), a.storage_offset()),)
 
 
-def _attend_chunk(qn, qp, ckv, kpe, slots, mask, sm_scale, k_scale, mode):
-    work = torch.float64 if mode == "float64" else torch.float32
-    idx = torch.where(mask, slots, torch.zeros_like(slots)).long()
-    keep = mask.unsqueeze(-1)
-    kv_c = _gathered(ckv, idx, keep, work)  # [C, K, D_ckv]
-    kv_p = _gathered(kpe, idx, keep, work)  # [C, K, R]
-    if mode == "lowp":
-        qn_w, qp_w = qn.to(torch.bfloat16).to(work), qp.to(torch.bfloat16).to(work)
-    else:
-        qn_w, qp_w = qn.to(work), qp.to(work)
-    scores = torch.einsum("chd,ckd->chk", qn_w, kv_c)
-    if qp_w.shape[-1]:
-        scores += torch.einsum("chr,ckr->chk", qp_w, kv_p)
-    if mode == "lowp":
-        return _lowp_softmax_and_values(scores, mask, sm_scale * k_scale, kv_c, k_scale)
-    probs, lse = _softmax_in_place(scores, mask, sm_scale * k_scale)
-    out = torch.einsum("chk,ckd->chd", probs, kv_c).mul_(k_scale)
-    return out, lse
+def cat_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces of :func:`joined_parts` (already indexed) along the last dimension."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def _lowp_softmax_and_values(scores, mask, scale, kv_c, k_scale):
+def softmax_and_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled, masked (-inf) ``scores [C,H,K]`` to ``(probs, lse)``: normalised probabilities
+    (0 on masked columns) and ``lse = z_max - ln p_max`` at the arg-max column, which is
+    ``ln sum exp z`` to the working precision. Empty rows come out NaN; the caller
+    overwrites them."""
+    probs = torch.softmax(scores, dim=-1)
+    top = scores.argmax(dim=-1, keepdim=True)
+    lse = scores.gather(-1, top).sub_(probs.gather(-1, top).log_()).squeeze(-1)
+    return probs, lse
+
+
+def _attend_chunk_lowp(q, kv, mask, d_ckv, scale, k_scale):
     """Where an FA3-style kernel rounds: unnormalised probabilities ``exp(s - max)`` go to
     bf16 for the P.V product (float32 accumulation), the row sum stays float32 and divides
     the float32 accumulator, and the output is rounded to bf16."""
+    kv = kv.float()  # [C, K, D+R]
+    scores = torch.bmm(q.to(torch.bfloat16).float(), kv.transpose(1, 2))
     scores.mul_(scale)
-    scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = scores.sub_(row_max).exp_()  # 0 on masked columns
     row_sum = p.sum(dim=-1)
-    acc = torch.einsum("chk,ckd->chd", p.to(torch.bfloat16).to(p.dtype), kv_c)
+    acc = torch.bmm(p.to(torch.bfloat16).float(), kv[..., :d_ckv])
     safe_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
     out = (acc / safe_sum.unsqueeze(-1)).mul_(k_scale).to(torch.bfloat16)
-    lse = torch.where(row_sum > 0, row_max.squeeze(-1) + torch.log(safe_sum), torch.full_like(row_sum, float("-inf")))
-    return out, lse
+    return out, row_max.squeeze(-1) + torch.log(safe_sum)
 
 
-# --- float32 -------------------------------------------------------------------------------
+# --- float64 and float32 ---------------------------------------------------------------------
 #
 # A bf16 (or float8_e4m3fn) value is exact in bf16 and a product of two bf16 values is exact
 # in float32, so where the inputs are bf16-exact the float32 answer can use bf16 matrix
 # products that return float32 (tensor cores on a GPU): q.k exactly as float32 arithmetic
-# would, and P.V with P split into three bf16 terms (P = p1 + p2 + p3 to float32 precision).
+# would, and P.V with P split into bf16 terms (PROBABILITY_TERMS).
 
 BF16_EXACT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
@@ -194,6 +214,14 @@ def _bmm_f32_reference(a, b):
 
 def _bmm_f32_out_dtype(a, b):
     return torch.bmm(a, b, out_dtype=torch.float32)
+
+
+def _baddbmm_f32_reference(bias, a, b, alpha, beta=1.0):
+    return torch.baddbmm(bias, a.float(), b.float(), beta=beta, alpha=alpha)
+
+
+def _baddbmm_f32_out_dtype(bias, a, b, alpha, beta=1.0):
+    return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32)
 
 
 _BF16_BMM_F32: dict[torch.device, bool] = {}
@@ -217,39 +245,100 @@ def bf16_bmm_returns_float32(device: torch.device) -> bool:
     return _BF16_BMM_F32[device]
 
 
-def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` (float32) as three bf16 terms whose float32 sum is ``x`` to float32 precision."""
-    hi = x.to(torch.bfloat16)
-    rest = x - hi
-    mid = rest.to(torch.bfloat16)
-    rest.sub_(mid)
-    return hi, mid, rest.to(torch.bfloat16)
+_BF16_BADDBMM_F32: dict[torch.device, bool] = {}
 
 
-def _attend_chunk_float32(qn, qp, ckv, kpe, slots, mask, sm_scale, k_scale, bf16_products):
-    """float32 mode: one gather, batched matrix products, in-place softmax. With
-    ``bf16_products`` (bf16-exact inputs) the products run as bf16 x bf16 -> float32."""
-    idx = torch.where(mask, slots, torch.zeros_like(slots)).long()
-    keep = mask.unsqueeze(-1)
-    if bf16_products:
-        dtype, mm = torch.bfloat16, _bmm_f32_out_dtype
-    else:
-        dtype, mm = torch.float32, torch.bmm
-    kv_c = _gathered(ckv, idx, keep, dtype)  # [C, K, D_ckv]
-    scores = mm(qn.to(dtype), kv_c.transpose(1, 2))  # [C, H, K] float32
-    if qp.shape[-1]:
-        kv_p = _gathered(kpe, idx, keep, dtype)
-        scores += mm(qp.to(dtype), kv_p.transpose(1, 2))
-        del kv_p
-    probs, lse = _softmax_in_place(scores, mask, sm_scale * k_scale)
-    if bf16_products:
-        terms = split_bf16(probs)
-        del probs, scores
-        out = mm(terms[0], kv_c)
-        for term in terms[1:]:
-            out += mm(term, kv_c)
-    else:
-        out = mm(probs, kv_c)
+def bf16_baddbmm_returns_float32(device: torch.device) -> bool:
+    """Whether ``torch.baddbmm(float32 bias, bf16, bf16, alpha=a, out_dtype=float32)`` works on
+    ``device`` and gives ``bias + a * (product)`` in float32, -inf bias kept (the scale and the
+    mask of the scores fused into the q.k product)."""
+    device = torch.device(device)
+    if device not in _BF16_BADDBMM_F32:
+        ok = False
+        if device.type == "cuda":
+            try:
+                a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
+                b = torch.ones((1, 2, 2), dtype=torch.bfloat16, device=device)
+                bias = torch.tensor([[[float("-inf"), 0.25]]], dtype=torch.float32, device=device)
+                r = _baddbmm_f32_out_dtype(bias, a, b, 0.5)
+                ok = r.dtype == torch.float32 and r.flatten().tolist() == [float("-inf"), 0.75 + 2.0**-10]
+            except (TypeError, RuntimeError, NotImplementedError):
+                ok = False
+        _BF16_BADDBMM_F32[device] = ok
+    return _BF16_BADDBMM_F32[device]
+
+
+def mask_bias(mask: torch.Tensor) -> torch.Tensor:
+    """float32 ``[T, K]``: 0 on selected columns, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def scaled_masked_scores(q, keys, mask, scale, fused: bool) -> torch.Tensor:
+    """``scale * q @ keys^T`` (``[C,H,K]``, float32 or float64) with -inf on unselected columns
+    (``mask`` None: every column selected). ``fused`` (bf16 operands on a device whose baddbmm
+    returns float32): one product that applies the scale in its epilogue and adds a 0/-inf
+    bias; otherwise a product (bf16 x bf16 -> float32 for bf16 operands), a scale and a fill."""
+    c, h, k = q.shape[0], q.shape[1], keys.shape[1]
+    if fused:
+        if mask is None:  # beta 0: the bias is not read
+            return _baddbmm_f32_out_dtype(q.new_zeros((), dtype=torch.float32).expand(c, h, k), q,
+                                          keys.transpose(1, 2), scale, beta=0.0)
+        return _baddbmm_f32_out_dtype(mask_bias(mask).unsqueeze(1).expand(c, h, k), q, keys.transpose(1, 2), scale)
+    mm = _bmm_f32_out_dtype if q.dtype == torch.bfloat16 else torch.bmm
+    scores = mm(q, keys.transpose(1, 2)).mul_(scale)
+    return scores if mask is None else scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+
+
+def split_bf16_into(x: torch.Tensor, terms: list[torch.Tensor]) -> None:
+    """Write ``x`` (float32) as ``len(terms)`` bf16 terms (tensors of ``x``'s shape), largest
+    first: each is the bf16 rounding of what the earlier ones leave (8 significant bits each),
+    so ``|x - sum(terms)| <= 2**(-8 * len(terms)) * |x|``; three terms represent any float32
+    value exactly. The remainders are exact float32 values (the rounding error of a bf16
+    rounding); from three terms on ``x`` is consumed, left holding a remainder."""
+    terms[0].copy_(x)
+    for i in range(1, len(terms)):
+        if i < len(terms) - 1:
+            x.sub_(terms[i - 1])
+            terms[i].copy_(x)
+        else:  # the last remainder goes straight to bf16
+            torch.sub(x, terms[i - 1], out=terms[i])
+
+
+def bf16_terms(x: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``x`` (float32, left unchanged) as ``count`` bf16 terms (:func:`split_bf16_into`)."""
+    terms = [torch.empty(x.shape, dtype=torch.bfloat16, device=x.device) for _ in range(count)]
+    split_bf16_into(x.clone(), terms)
+    return terms
+
+
+# Probabilities in [0, 1] split into two bf16 terms: relative error <= 2**-16 per probability
+# (2**-17 typical worst), within the float32 summation error bound of the P.V product for
+# K >= 256 terms (K * 2**-24) and of the order of its typical size (sqrt(K) * 2**-24), at two
+# passes over P and one product of twice the rows.
+PROBABILITY_TERMS = 2
+
+
+def _values_times_split_probs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs [C,H,K] @ values [C,K,D]`` to float32 precision: the bf16 terms of ``probs``
+    stacked along H, one bf16 x bf16 -> float32 product (``values`` read once), the partial
+    products summed."""
+    c, h, k = probs.shape
+    stacked = torch.empty((c, PROBABILITY_TERMS * h, k), dtype=torch.bfloat16, device=probs.device)
+    split_bf16_into(probs, [stacked[:, i * h : (i + 1) * h] for i in range(PROBABILITY_TERMS)])
+    partial = _bmm_f32_out_dtype(stacked, values).view(c, PROBABILITY_TERMS, h, -1)
+    return partial.sum(dim=1)
+
+
+def _attend_chunk(q, kv, mask, d_ckv, scale, k_scale, operand, fused):
+    """float64 or float32: one gather of the cache rows, one q.k product, the softmax, the
+    P.V product. With a bf16 ``operand`` (float32 mode, bf16-exact inputs) the products run as
+    bf16 x bf16 -> float32."""
+    kv = kv.to(operand)  # [C, K, D+R]
+    scores = scaled_masked_scores(q.to(operand), kv, mask, scale, fused)  # [C, H, K]
+    probs, lse = softmax_and_lse(scores)
+    del scores
+    values = kv[..., :d_ckv]
+    out = _values_times_split_probs(probs, values) if operand == torch.bfloat16 else torch.bmm(probs, values)
     return out.mul_(k_scale), lse
 
 
@@ -295,23 +384,35 @@ def sparse_mla_reference(
     _check_inputs(q_nope, q_pe, ckv, kpe, slots, lens, mask)
     if mask is None:
         mask = selection_mask(slots, lens)
-    _check_selected_slots(slots, mask, ckv.shape[0])
+    all_selected = _check_values(slots, lens, mask, ckv.shape[0])
 
     t, h, d_ckv = q_nope.shape
     out_dtype = {"float64": torch.float64, "float32": torch.float32, "lowp": torch.bfloat16}[mode]
     lse_dtype = torch.float64 if mode == "float64" else torch.float32
-    out = torch.empty((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
-    lse = torch.empty((t, h), dtype=lse_dtype, device=q_nope.device)
-    chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes)
+    out = torch.zeros((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
+    lse = torch.full((t, h), float("-inf"), dtype=lse_dtype, device=q_nope.device)
+    if t == 0 or slots.shape[1] == 0:  # every row empty
+        return out, lse
     bf16_products = mode == "float32" and float32_uses_bf16_products(q_nope, q_pe, ckv, kpe)
+    operand = torch.bfloat16 if bf16_products else out_dtype
+    chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes, bf16_products)
+    # once for all rows: q and cache as joined views where they can be, the slots to gather
+    q_parts, cache_parts, idx = joined_parts(q_nope, q_pe), joined_parts(ckv, kpe), gather_index(slots, mask)
+    fused = bf16_products and bf16_baddbmm_returns_float32(q_nope.device)
+    scale = float(sm_scale) * float(k_scale)
     for start in range(0, t, chunk):
-        stop = min(t, start + chunk)
-        args = (q_nope[start:stop], q_pe[start:stop], ckv, kpe, slots[start:stop], mask[start:stop],
-                float(sm_scale), float(k_scale))
-        if mode == "float32":
-            o, l = _attend_chunk_float32(*args, bf16_products)
+        rows = slice(start, min(t, start + chunk))
+        q = cat_parts([part[rows] for part in q_parts])  # [C, H, D+R]
+        kv = cat_parts([part[idx[rows]] for part in cache_parts])  # [C, K, D+R], as stored
+        row_mask = None if all_selected else mask[rows]  # None: no column to mask
+        if mode == "lowp":
+            o, l = _attend_chunk_lowp(q, kv, row_mask, d_ckv, scale, float(k_scale))
         else:
-            o, l = _attend_chunk(*args, mode)
-        out[start:stop] = o
-        lse[start:stop] = l
+            o, l = _attend_chunk(q, kv, row_mask, d_ckv, scale, float(k_scale), operand, fused)
+        del q, kv
+        out[rows] = o
+        lse[rows] = l
+    empty = ~mask.any(dim=1)  # masked_fill_, not indexing: no host synchronisation
+    out.masked_fill_(empty[:, None, None], 0.0)
+    lse.masked_fill_(empty[:, None], float("-inf"))
     return out, lse

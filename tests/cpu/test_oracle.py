@@ -17,6 +17,7 @@ from reference.oracle import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     LOG2_E,
     _row_bytes,
+    joined_parts,
     lse_from_base2,
     lse_to_base2,
     rows_per_chunk,
@@ -471,6 +472,31 @@ def test_kernel_style_n_1_d_views_are_accepted():
     out_ref, lse_ref = run(p)
     assert_same(out, out_ref, "out")
     assert_same(lse, lse_ref, "lse")
+
+
+def test_joined_parts_is_one_view_only_for_adjacent_halves():
+    q = torch.randn(3, 2, D + ROPE)
+    (joined,) = joined_parts(q[..., :D], q[..., D:])
+    assert joined.data_ptr() == q.data_ptr() and torch.equal(joined, q)
+    cache = torch.randn(7, 1, D + ROPE)[:, 0, :]
+    (joined,) = joined_parts(cache[:, :D], cache[:, D:])
+    assert torch.equal(joined, cache)
+    (nope,) = joined_parts(cache[:, :D], cache[:, D:D])  # R = 0
+    assert nope.shape == (7, D)
+    assert len(joined_parts(q[..., :D].clone(), q[..., D:].clone())) == 2, "separate buffers"
+    assert len(joined_parts(q[..., :D], q[..., D - ROPE : D])) == 2, "overlapping, not following"
+    assert len(joined_parts(q[1:, :, :D], q[:-1, :, D:])) == 2, "different rows"
+    assert len(joined_parts(q[..., :D].double(), q[..., D:].double())) == 2
+
+
+@pytest.mark.parametrize("mode", COMPUTE_MODES)
+def test_joined_and_separate_buffers_agree_bitwise(mode):
+    """q and the cache as halves of one buffer (gathered and multiplied as one) or as separate
+    tensors (joined piece by piece) give the same bits."""
+    p = random_problem(seed=21, t=5, h=3, k=12, num_slots=30)
+    separate = replace(p, q_nope=p.q_nope.clone(), q_pe=p.q_pe.clone(), ckv=p.ckv.clone(), kpe=p.kpe.clone())
+    for a, b, what in zip(run(p, mode), run(separate, mode), ("out", "lse")):
+        assert_same(b, a, f"{mode} {what}: separate buffers vs one buffer")
 
 
 @pytest.mark.parametrize("mode", COMPUTE_MODES)

@@ -1,5 +1,5 @@
 """The float32 mode of the oracle: the bf16-product formulation (bf16 x bf16 -> float32 matrix
-products, P split into three bf16 terms) that the GPU uses for bf16-exact inputs, run here
+products, P split into bf16 terms) that the GPU uses for bf16-exact inputs, run here
 with an upcasting stand-in for the float32-output product; it must agree with float64 to
 float32 precision, keep chunking bitwise, and keep poisoned unselected slots out."""
 
@@ -9,19 +9,28 @@ import pytest
 import torch
 
 import reference.oracle as oracle
-from reference.oracle import sparse_mla_reference, split_bf16
+from reference.oracle import PROBABILITY_TERMS, bf16_terms, sparse_mla_reference
 
 SM_SCALE = 0.1352
 
 
 @pytest.fixture
-def bf16_products(monkeypatch):
+def bf16_products_unfused(monkeypatch):
     """Route float32 mode through the bf16-product path on this device (CPU)."""
     monkeypatch.setattr(oracle, "_bmm_f32_out_dtype", oracle._bmm_f32_reference)
     monkeypatch.setattr(oracle, "bf16_bmm_returns_float32", lambda device: True)
 
 
-def problem(seed: int, t=6, h=4, k=64, n=200, rope=64, kv_dtype=torch.bfloat16):
+@pytest.fixture(params=["fused scale and mask", "separate scale and mask"])
+def bf16_products(request, monkeypatch, bf16_products_unfused):
+    """Both q.k formulations of the GPU: baddbmm with a 0/-inf bias and the scale as alpha
+    (where it returns float32), and bmm followed by a scale and a fill."""
+    fused = request.param == "fused scale and mask"
+    monkeypatch.setattr(oracle, "_baddbmm_f32_out_dtype", oracle._baddbmm_f32_reference)
+    monkeypatch.setattr(oracle, "bf16_baddbmm_returns_float32", lambda device: fused)
+
+
+def problem(seed: int, t=6, h=4, k=64, n=200, rope=64, kv_dtype=torch.bfloat16, full=False):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(t, h, 512 + rope, generator=g).to(torch.bfloat16)
     kv = torch.randn(n, 512 + rope, generator=g).to(kv_dtype)
@@ -29,6 +38,8 @@ def problem(seed: int, t=6, h=4, k=64, n=200, rope=64, kv_dtype=torch.bfloat16):
     lens = torch.randint(0, k + 1, (t,), generator=g)
     lens[0] = 0
     lens[1] = k
+    if full:  # every column selected: no masking at all
+        lens[:] = k
     return q[..., :512], q[..., 512:], kv[:, :512], kv[:, 512:], slots, lens
 
 
@@ -36,27 +47,42 @@ def reference(p, mode, **kwargs):
     return sparse_mla_reference(*p[:5], lens=p[5], sm_scale=SM_SCALE, k_scale=0.75, mode=mode, **kwargs)
 
 
-def test_split_bf16_is_exact_for_float32_values():
+def awkward_float32_values() -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    x = torch.cat([
+    return torch.cat([
         torch.rand(20000, generator=g) ** 4,
         torch.randn(20000, generator=g) * 1e3,
         torch.tensor([0.0, 1.0, 1.0 + 2.0**-23, 2.0**-100, 3.0 * 2.0**-130, -0.0, 0.9999999]),
     ])
-    hi, mid, lo = split_bf16(x)
-    assert hi.dtype == mid.dtype == lo.dtype == torch.bfloat16
-    total = hi.double() + mid.double() + lo.double()
-    assert torch.equal(total, x.double())
+
+
+def test_three_bf16_terms_are_exact_for_float32_values():
+    x = awkward_float32_values()
+    terms = bf16_terms(x.clone(), 3)
+    assert all(t.dtype == torch.bfloat16 for t in terms)
+    assert torch.equal(sum(t.double() for t in terms), x.double())
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_fewer_bf16_terms_stay_within_their_bound(count):
+    x = awkward_float32_values()
+    x = x[x.abs() > 2.0**-120]  # the bound is relative; bf16 has float32's exponent range
+    rest = (x.double() - sum(t.double() for t in bf16_terms(x.clone(), count))).abs()
+    bound = 2.0 ** (-8 * count) * x.double().abs()
+    assert bool((rest <= bound).all()), f"worst {float((rest / x.double().abs()).max()):.3g} vs {2.0 ** (-8 * count):.3g}"
+    if count == PROBABILITY_TERMS:
+        assert float((rest / x.double().abs()).max()) > 2.0**-24, "the split is not exact: the bound is what it keeps"
 
 
 def test_cpu_has_no_float32_output_bf16_product():
     assert not oracle.bf16_bmm_returns_float32(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("selection", ["partial", "full"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rope", [64, 0])
-def test_bf16_products_agree_with_float64(bf16_products, kv_dtype, rope):
-    p = problem(3, rope=rope, kv_dtype=kv_dtype)
+def test_bf16_products_agree_with_float64(bf16_products, kv_dtype, rope, selection):
+    p = problem(3, rope=rope, kv_dtype=kv_dtype, full=selection == "full")
     assert oracle.float32_uses_bf16_products(*p[:4])
     out, lse = reference(p, "float32")
     truth_out, truth_lse = reference(p, "float64")
