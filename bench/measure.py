@@ -243,23 +243,25 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 @dataclass
 class Sets:
-    """Rotated input/output sets of one shape: set i uses ``caches[i % len]`` and
-    ``qs[i % len]`` with its own out/lse."""
+    """Rotated input/output sets of one shape. Set ``i % count`` pairs ``caches[j % len]`` and
+    ``qs[j % len]`` (j = i % count) with its own out/lse, so an output always comes from the
+    same inputs whatever the two rotation lengths."""
 
     caches: list[torch.Tensor]
     qs: list[torch.Tensor]
-    outs: list[tuple[torch.Tensor, torch.Tensor]]
-
-    def inputs(self, i: int) -> AttentionInputs:
-        q = self.qs[i % len(self.qs)]
-        return AttentionInputs(q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=self.caches[i % len(self.caches)])
-
-    def out(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.outs[i % len(self.outs)]
+    outs: list[tuple[torch.Tensor, torch.Tensor]]  # one per set: len(outs) == count
 
     @property
     def count(self) -> int:
         return max(len(self.caches), len(self.qs))
+
+    def inputs(self, i: int) -> AttentionInputs:
+        j = i % self.count
+        q = self.qs[j % len(self.qs)]
+        return AttentionInputs(q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=self.caches[j % len(self.caches)])
+
+    def out(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.outs[i % self.count]
 
 
 def make_sets(scenario, caches, rows: int, device, generator, l2_bytes: int) -> Sets:
@@ -268,7 +270,8 @@ def make_sets(scenario, caches, rows: int, device, generator, l2_bytes: int) -> 
     count = rotation_count(per_set, l2_bytes)
     qs = [random_q(rows, spec.num_heads, spec.head_dim, device, generator) for _ in range(count)]
     outs = [(torch.full((rows, spec.num_heads, 512), float("nan"), dtype=torch.bfloat16, device=device),
-             torch.full((rows, spec.num_heads), float("nan"), dtype=torch.float32, device=device)) for _ in range(count)]
+             torch.full((rows, spec.num_heads), float("nan"), dtype=torch.float32, device=device))
+            for _ in range(max(count, len(caches)))]
     return Sets(caches, qs, outs)
 
 
