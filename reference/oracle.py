@@ -14,8 +14,9 @@ Three compute modes:
 - ``"float64"``: the truth.
 - ``"float32"``: float32 arithmetic. Where the inputs are bf16-exact (bf16 q, bf16 or fp8
   cache) on a GPU, the matrix products run as bf16 x bf16 -> float32 (exact products, float32
-  accumulation; the probabilities split into two bf16 terms, see ``PROBABILITY_TERMS``), which
-  is float32-accurate  and uses the tensor cores; elsewhere they are float32 products.
+  accumulation; the probabilities split into two bf16 terms, see ``PROBABILITY_TERMS``) on the
+  tensor cores: on an H200 at 256 rows x H 128 x topk 2048 it is 4.2e-6 (rel L2) from float64,
+  against 3.3e-6 for an exact three-term split; elsewhere they are float32 products.
 - ``"lowp"``: rounds where an FA3-style kernel rounds (bf16 operands, float32 accumulation
   and softmax, unnormalised probabilities exp(s - max) rounded to bf16 before the P.V
   product, division by the float32 row sum after it, output rounded to bf16).
