@@ -56,3 +56,11 @@ def test_cpu_smoke_run_writes_json_and_markdown(tmp_path):
     assert set(data["not_run"]) == {"kernel", "plan", "graph"}
     text = (tmp_path / "bench.md").read_text()
     assert "## Reference oracle" in text and "not run: kernel" in text
+
+
+def test_reference_profile_runs_at_a_tiny_shape(capsys):
+    from bench import reference_profile
+
+    assert reference_profile.main(["--rows", "3", "--heads", "2", "--topk", "32", "--reps", "2"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[0]
+    assert line.startswith("cpu: rows 3 x H 2 x topk 32, float32") and "wall" in line and "host" in line

@@ -1,0 +1,86 @@
+"""Where the reference oracle spends its time at one shape: wall time, the host time to enqueue
+a call, peak extra memory and the top device kernels (torch.profiler).
+
+    python3 -m bench.reference_profile --rows 256 --heads 128 --mode float32
+    python3 -m bench.reference_profile --rows 4 --heads 4 --topk 64     # any device, tiny
+
+Inputs are the benchmark's (decode rows, each selecting topk slots of its own, bf16-rope, the
+cache and q as the kernel holds them). The wall time is the median over repetitions of a call
+followed by a synchronisation; "host" is the time until the call returns, which on a GPU is the
+host's share (the call synchronises once, for its input checks, before any work is queued).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fast.impl import default_impl
+from reference.oracle import COMPUTE_MODES, DEFAULT_MEMORY_BUDGET_BYTES, sparse_mla_reference
+
+from .measure import kernel_scenario, peak_extra_bytes, planned_lens, random_cache, random_q, with_config
+from .timing import synchronize
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python3 -m bench.reference_profile", description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--heads", type=int, default=128)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--mode", choices=COMPUTE_MODES, default="float32")
+    p.add_argument("--budget-gib", type=float, default=DEFAULT_MEMORY_BUDGET_BYTES / (1 << 30),
+                   help="memory_budget_bytes of the call, in GiB")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--kernels", type=int, default=12, help="how many device kernels to list (0: no profile)")
+    return p.parse_args(argv)
+
+
+def profile_inputs(rows: int, heads: int, topk: int, device: torch.device):
+    """The benchmark's decode inputs: ``(args, lens, sm_scale)`` for sparse_mla_reference."""
+    generator = torch.Generator(device=device).manual_seed(1234)
+    base = kernel_scenario("decode", rows, topk)
+    lens = planned_lens(default_impl(), base).to(device=device, dtype=torch.int64)
+    scenario = with_config(base, "bfloat16", True, 1.0, heads)
+    cache = random_cache(scenario, device, generator).view(-1, 1, scenario.spec.head_dim)
+    q = random_q(rows, heads, scenario.spec.head_dim, device, generator)
+    slots = scenario.intended_slots()[:rows].to(device)
+    args = (q[..., :512], q[..., 512:], cache[..., :512], cache[..., 512:], slots)
+    return args, lens, scenario.spec.sm_scale
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args, lens, sm_scale = profile_inputs(a.rows, a.heads, a.topk, device)
+    budget = int(a.budget_gib * (1 << 30))
+
+    def call():
+        return sparse_mla_reference(*args, lens=lens, sm_scale=sm_scale, mode=a.mode, memory_budget_bytes=budget)
+
+    _, peak = peak_extra_bytes(call, device)
+    walls, hosts = [], []
+    for _ in range(a.reps):
+        synchronize(device)
+        start = time.perf_counter()
+        call()
+        hosts.append(time.perf_counter() - start)
+        synchronize(device)
+        walls.append(time.perf_counter() - start)
+    print(f"{device.type}: rows {a.rows} x H {a.heads} x topk {a.topk}, {a.mode}, budget {a.budget_gib:g} GiB: "
+          f"wall {statistics.median(walls) * 1e3:.3f} ms, host {statistics.median(hosts) * 1e3:.3f} ms, "
+          f"peak extra {'-' if peak is None else f'{peak / (1 << 30):.2f} GiB'}")
+    if a.kernels and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            synchronize(device)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.kernels, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
