@@ -709,21 +709,28 @@ def extra_units(ctx: Context, kind: str, rows: int, scenario, prep: Prepared, le
             free_memory(ctx.device)
 
 
+def decode_reference_problem(impl, rows: int, heads: int, topk: int, variant, device: torch.device,
+                             generator: torch.Generator):
+    """Decode inputs of the reference section without a kernel: ``(scenario, inputs, slots,
+    lens)``, the slots from the reference convert rule, lens int64 on the host."""
+    kv_dtype, rope, k_scale = variant
+    base = kernel_scenario("decode", rows, topk)
+    scenario = with_config(base, kv_dtype, rope, k_scale, heads)
+    cache = random_cache(scenario, device, generator)
+    q = random_q(rows, heads, scenario.spec.head_dim, device, generator)
+    inputs = AttentionInputs(q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=cache)
+    return scenario, inputs, base.intended_slots()[:rows], planned_lens(impl, base).to(torch.int64)
+
+
 def run_cpu_references(ctx: Context) -> None:
-    """The reference section on the CPU at tiny shapes (slots from the reference convert rule)."""
+    """The reference section on the CPU at tiny shapes."""
     sel = ctx.sel
     generator = torch.Generator(device=ctx.device).manual_seed(1234)
-    kv_dtype, rope, k_scale = sel.variants[0]
     for rows in sel.reference_rows:
-        base = kernel_scenario("decode", rows, sel.topk)
-        lens = planned_lens(ctx.impl, base)
-        slots = base.intended_slots()[:rows]
         for heads in sel.reference_heads:
-            scenario = with_config(base, kv_dtype, rope, k_scale, heads)
-            cache = random_cache(scenario, ctx.device, generator)
-            q = random_q(rows, heads, scenario.spec.head_dim, ctx.device, generator)
-            inputs = AttentionInputs(q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=cache)
-            reference_records(ctx, "decode", rows, scenario, inputs, slots, lens.to(torch.int64), None)
+            scenario, inputs, slots, lens = decode_reference_problem(ctx.impl, rows, heads, sel.topk, sel.variants[0],
+                                                                     ctx.device, generator)
+            reference_records(ctx, "decode", rows, scenario, inputs, slots, lens, None)
 
 
 # --- ceilings and targets --------------------------------------------------------------------

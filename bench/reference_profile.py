@@ -21,7 +21,7 @@ import torch
 from fast.impl import default_impl
 from reference.oracle import COMPUTE_MODES, DEFAULT_MEMORY_BUDGET_BYTES, sparse_mla_reference
 
-from .measure import kernel_scenario, peak_extra_bytes, planned_lens, random_cache, random_q, with_config
+from .measure import decode_reference_problem, peak_extra_bytes
 from .timing import synchronize
 
 
@@ -38,27 +38,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def profile_inputs(rows: int, heads: int, topk: int, device: torch.device):
-    """The benchmark's decode inputs: ``(args, lens, sm_scale)`` for sparse_mla_reference."""
-    generator = torch.Generator(device=device).manual_seed(1234)
-    base = kernel_scenario("decode", rows, topk)
-    lens = planned_lens(default_impl(), base).to(device=device, dtype=torch.int64)
-    scenario = with_config(base, "bfloat16", True, 1.0, heads)
-    cache = random_cache(scenario, device, generator).view(-1, 1, scenario.spec.head_dim)
-    q = random_q(rows, heads, scenario.spec.head_dim, device, generator)
-    slots = scenario.intended_slots()[:rows].to(device)
-    args = (q[..., :512], q[..., 512:], cache[..., :512], cache[..., 512:], slots)
-    return args, lens, scenario.spec.sm_scale
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args, lens, sm_scale = profile_inputs(a.rows, a.heads, a.topk, device)
+    generator = torch.Generator(device=device).manual_seed(1234)
+    scenario, x, slots, lens = decode_reference_problem(default_impl(), a.rows, a.heads, a.topk,
+                                                        ("bfloat16", True, 1.0), device, generator)
+    slots, lens = slots.to(device), lens.to(device)
     budget = int(a.budget_gib * (1 << 30))
 
     def call():
-        return sparse_mla_reference(*args, lens=lens, sm_scale=sm_scale, mode=a.mode, memory_budget_bytes=budget)
+        return sparse_mla_reference(x.q_nope, x.q_pe, x.ckv, x.kpe, slots, lens=lens, sm_scale=scenario.spec.sm_scale,
+                                    mode=a.mode, memory_budget_bytes=budget)
 
     _, peak = peak_extra_bytes(call, device)
     walls, hosts = [], []

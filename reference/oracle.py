@@ -225,48 +225,51 @@ def _baddbmm_f32_out_dtype(bias, a, b, alpha, beta=1.0):
     return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32)
 
 
-_BF16_BMM_F32: dict[torch.device, bool] = {}
+_PROBES: dict[tuple[str, torch.device], bool] = {}
+
+
+def _cuda_probe(name: str, device: torch.device, check) -> bool:
+    """``check(device)`` once per CUDA device (False elsewhere, or when it raises a type, runtime
+    or not-implemented error), remembered under ``name``."""
+    device = torch.device(device)
+    key = (name, device)
+    if key not in _PROBES:
+        ok = False
+        if device.type == "cuda":
+            try:
+                ok = bool(check(device))
+            except (TypeError, RuntimeError, NotImplementedError):
+                ok = False
+        _PROBES[key] = ok
+    return _PROBES[key]
+
+
+def _bmm_keeps_float32(device: torch.device) -> bool:
+    a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
+    b = torch.ones((1, 2, 1), dtype=torch.bfloat16, device=device)
+    r = _bmm_f32_out_dtype(a, b)
+    return r.dtype == torch.float32 and float(r) == 1.0 + 2.0**-9
+
+
+def _baddbmm_keeps_float32_and_inf(device: torch.device) -> bool:
+    a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
+    b = torch.ones((1, 2, 2), dtype=torch.bfloat16, device=device)
+    bias = torch.tensor([[[float("-inf"), 0.25]]], dtype=torch.float32, device=device)
+    r = _baddbmm_f32_out_dtype(bias, a, b, 0.5)
+    return r.dtype == torch.float32 and r.flatten().tolist() == [float("-inf"), 0.75 + 2.0**-10]
 
 
 def bf16_bmm_returns_float32(device: torch.device) -> bool:
     """Whether ``torch.bmm(bf16, bf16, out_dtype=float32)`` works on ``device`` and keeps a
     float32 result (1 + 2**-9 survives, which bf16 rounding would lose)."""
-    device = torch.device(device)
-    if device not in _BF16_BMM_F32:
-        ok = False
-        if device.type == "cuda":
-            try:
-                a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
-                b = torch.ones((1, 2, 1), dtype=torch.bfloat16, device=device)
-                r = _bmm_f32_out_dtype(a, b)
-                ok = r.dtype == torch.float32 and float(r) == 1.0 + 2.0**-9
-            except (TypeError, RuntimeError, NotImplementedError):
-                ok = False
-        _BF16_BMM_F32[device] = ok
-    return _BF16_BMM_F32[device]
-
-
-_BF16_BADDBMM_F32: dict[torch.device, bool] = {}
+    return _cuda_probe("bmm", device, _bmm_keeps_float32)
 
 
 def bf16_baddbmm_returns_float32(device: torch.device) -> bool:
     """Whether ``torch.baddbmm(float32 bias, bf16, bf16, alpha=a, out_dtype=float32)`` works on
     ``device`` and gives ``bias + a * (product)`` in float32, -inf bias kept (the scale and the
     mask of the scores fused into the q.k product)."""
-    device = torch.device(device)
-    if device not in _BF16_BADDBMM_F32:
-        ok = False
-        if device.type == "cuda":
-            try:
-                a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
-                b = torch.ones((1, 2, 2), dtype=torch.bfloat16, device=device)
-                bias = torch.tensor([[[float("-inf"), 0.25]]], dtype=torch.float32, device=device)
-                r = _baddbmm_f32_out_dtype(bias, a, b, 0.5)
-                ok = r.dtype == torch.float32 and r.flatten().tolist() == [float("-inf"), 0.75 + 2.0**-10]
-            except (TypeError, RuntimeError, NotImplementedError):
-                ok = False
-        _BF16_BADDBMM_F32[device] = ok
-    return _BF16_BADDBMM_F32[device]
+    return _cuda_probe("baddbmm", device, _baddbmm_keeps_float32_and_inf)
 
 
 def mask_bias(mask: torch.Tensor) -> torch.Tensor:
@@ -390,10 +393,10 @@ def sparse_mla_reference(
     t, h, d_ckv = q_nope.shape
     out_dtype = {"float64": torch.float64, "float32": torch.float32, "lowp": torch.bfloat16}[mode]
     lse_dtype = torch.float64 if mode == "float64" else torch.float32
-    out = torch.zeros((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
-    lse = torch.full((t, h), float("-inf"), dtype=lse_dtype, device=q_nope.device)
+    out = torch.empty((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
+    lse = torch.empty((t, h), dtype=lse_dtype, device=q_nope.device)
     if t == 0 or slots.shape[1] == 0:  # every row empty
-        return out, lse
+        return out.zero_(), lse.fill_(float("-inf"))
     bf16_products = mode == "float32" and float32_uses_bf16_products(q_nope, q_pe, ckv, kpe)
     operand = torch.bfloat16 if bf16_products else out_dtype
     chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes, bf16_products)

@@ -117,3 +117,19 @@ def test_bf16_products_keep_poisoned_unselected_slots_out(bf16_products):
 def test_float32_inputs_take_the_float32_products():
     q_nope, q_pe, ckv, kpe, _, _ = problem(6)
     assert not oracle.float32_uses_bf16_products(q_nope.float(), q_pe.float(), ckv, kpe)
+
+
+def test_device_probes_run_once_per_cuda_device_and_never_elsewhere(monkeypatch):
+    monkeypatch.setattr(oracle, "_PROBES", {})
+    calls = []
+
+    def check(device):
+        calls.append(device)
+        if device.index == 1:
+            raise RuntimeError("no such kernel")
+        return True
+
+    assert not oracle._cuda_probe("x", torch.device("cpu"), check)
+    assert oracle._cuda_probe("x", "cuda:0", check) and oracle._cuda_probe("x", torch.device("cuda:0"), check)
+    assert not oracle._cuda_probe("x", "cuda:1", check) and not oracle._cuda_probe("x", "cuda:1", check)
+    assert calls == [torch.device("cuda:0"), torch.device("cuda:1")]
