@@ -322,28 +322,34 @@ def bf16_terms(x: torch.Tensor, count: int) -> list[torch.Tensor]:
 PROBABILITY_TERMS = 2
 
 
-def _values_times_split_probs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``probs [C,H,K] @ values [C,K,D]`` to float32 precision: the bf16 terms of ``probs``
-    stacked along H, one bf16 x bf16 -> float32 product (``values`` read once), the partial
-    products summed."""
+def _values_times_split_probs(probs: torch.Tensor, values: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst = probs [C,H,K] @ values [C,K,D]`` (float32) to float32 precision: the bf16 terms
+    of ``probs`` (consumed) stacked along H, one bf16 x bf16 -> float32 product (``values``
+    read once), the partial products summed into ``dst``."""
     c, h, k = probs.shape
     stacked = torch.empty((c, PROBABILITY_TERMS * h, k), dtype=torch.bfloat16, device=probs.device)
     split_bf16_into(probs, [stacked[:, i * h : (i + 1) * h] for i in range(PROBABILITY_TERMS)])
     partial = _bmm_f32_out_dtype(stacked, values).view(c, PROBABILITY_TERMS, h, -1)
-    return partial.sum(dim=1)
+    del stacked
+    torch.sum(partial, dim=1, out=dst)
 
 
-def _attend_chunk(q, kv, mask, d_ckv, scale, k_scale, operand, fused):
-    """float64 or float32: one gather of the cache rows, one q.k product, the softmax, the
-    P.V product. With a bf16 ``operand`` (float32 mode, bf16-exact inputs) the products run as
-    bf16 x bf16 -> float32."""
+def _attend_chunk(q, kv, mask, d_ckv, scale, k_scale, operand, fused, out, lse):
+    """float64 or float32, into ``out [C,H,D]`` and ``lse [C,H]``: one gather of the cache
+    rows, one q.k product, the softmax, the P.V product. With a bf16 ``operand`` (float32
+    mode, bf16-exact inputs) the products run as bf16 x bf16 -> float32."""
     kv = kv.to(operand)  # [C, K, D+R]
     scores = scaled_masked_scores(q.to(operand), kv, mask, scale, fused)  # [C, H, K]
-    probs, lse = softmax_and_lse(scores)
+    probs, row_lse = softmax_and_lse(scores)
     del scores
+    lse.copy_(row_lse)
     values = kv[..., :d_ckv]
-    out = _values_times_split_probs(probs, values) if operand == torch.bfloat16 else torch.bmm(probs, values)
-    return out.mul_(k_scale), lse
+    if operand == torch.bfloat16:
+        _values_times_split_probs(probs, values, out)
+    else:
+        torch.bmm(probs, values, out=out)
+    if k_scale != 1.0:
+        out.mul_(k_scale)
 
 
 def float32_uses_bf16_products(q_nope, q_pe, ckv, kpe) -> bool:
@@ -410,12 +416,10 @@ def sparse_mla_reference(
         kv = cat_parts([part[idx[rows]] for part in cache_parts])  # [C, K, D+R], as stored
         row_mask = None if all_selected else mask[rows]  # None: no column to mask
         if mode == "lowp":
-            o, l = _attend_chunk_lowp(q, kv, row_mask, d_ckv, scale, float(k_scale))
+            out[rows], lse[rows] = _attend_chunk_lowp(q, kv, row_mask, d_ckv, scale, float(k_scale))
         else:
-            o, l = _attend_chunk(q, kv, row_mask, d_ckv, scale, float(k_scale), operand, fused)
+            _attend_chunk(q, kv, row_mask, d_ckv, scale, float(k_scale), operand, fused, out[rows], lse[rows])
         del q, kv
-        out[rows] = o
-        lse[rows] = l
     empty = ~mask.any(dim=1)  # masked_fill_, not indexing: no host synchronisation
     out.masked_fill_(empty[:, None, None], 0.0)
     lse.masked_fill_(empty[:, None], float("-inf"))
