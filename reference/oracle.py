@@ -97,24 +97,38 @@ def selection_mask(slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return cols.unsqueeze(0) < lens.to(slots.device).unsqueeze(1)
 
 
-def _check_values(slots: torch.Tensor, lens: torch.Tensor | None, mask: torch.Tensor, num_slots: int) -> bool:
-    """Lens within [0, row width] and selected slots within [0, num_slots); returns whether
-    every column is selected. The three verdicts come back to the host in one transfer (one
-    synchronisation on a GPU)."""
+def _check_values(slots: torch.Tensor, lens: torch.Tensor | None, mask: torch.Tensor,
+                  num_slots: int) -> tuple[bool, bool, bool]:
+    """Lens within [0, row width] and selected slots within [0, num_slots); returns
+    ``(all_selected, any_row_empty, any_selected)``. The verdicts come back to the host in one
+    transfer (one synchronisation on a GPU) from a handful of reductions; only an error looks
+    further."""
     width = slots.shape[1]
-    bad_lens = (lens < 0) | (lens > width) if lens is not None else torch.zeros(1, dtype=torch.bool, device=slots.device)
-    bad = mask & ((slots < 0) | (slots >= num_slots))
-    any_bad_lens, any_bad_slot, all_selected = torch.stack([bad_lens.any(), bad.any(), mask.all()]).tolist()
-    if any_bad_lens:
-        row = int(bad_lens.nonzero()[0])
-        raise ValueError(f"lens: row {row} has len {int(lens[row])} outside [0, {width}] (row width)")
-    if any_bad_slot:
+    verdicts = []  # slot min and max, then lens min and max, or mask all, every row any, any
+    if slots.numel():
+        verdicts += list(torch.aminmax(torch.where(mask, slots, 0)))
+    if lens is not None:
+        verdicts += list(torch.aminmax(lens)) if lens.numel() else []
+    else:
+        verdicts += [mask.all(), mask.any(dim=1).all(), mask.any()]
+    values = torch.stack([v.to(torch.int64) for v in verdicts]).tolist() if verdicts else []
+    slot_range, rest = (values[:2], values[2:]) if slots.numel() else ([0, 0], values)
+    if lens is not None:
+        lens_min, lens_max = rest if rest else (0, 0)
+        if lens_min < 0 or lens_max > width:
+            row = int(((lens < 0) | (lens > width)).nonzero()[0])
+            raise ValueError(f"lens: row {row} has len {int(lens[row])} outside [0, {width}] (row width)")
+        verdict = (lens_min == width, lens_min == 0, lens_max > 0)
+    else:
+        verdict = (bool(rest[0]), not rest[1], bool(rest[2]))
+    bad = mask & ((slots < 0) | (slots >= num_slots)) if slot_range[0] < 0 or slot_range[1] >= num_slots else None
+    if bad is not None and bool(bad.any()):  # (an empty cache fails the range with nothing selected)
         row, col = (int(v) for v in bad.nonzero()[0])
         raise ValueError(
             f"slots: row {row} column {col} selects slot {int(slots[row, col])}, outside [0, {num_slots}) "
             f"({int(bad.sum())} such entries)"
         )
-    return all_selected
+    return verdict
 
 
 def _row_bytes(num_heads: int, width: int, d_ckv: int, d_pe: int, elem: int, operand: int | None = None) -> int:
@@ -125,7 +139,7 @@ def _row_bytes(num_heads: int, width: int, d_ckv: int, d_pe: int, elem: int, ope
     gathered = width * dims * (3 if operand == 2 else 2 + operand)  # rows as stored (<= 2 B) + cast copy
     scores = num_heads * width * (2 * elem + 2)  # scores and probabilities, or probabilities and bf16 terms
     rows = num_heads * dims * elem * 3  # q, output, one more product's output
-    return gathered + scores + rows + width * 16  # + the row's mask and bias
+    return gathered + scores + rows + width * 16  # + the row's mask and slot index
 
 
 def rows_per_chunk(num_heads: int, width: int, d_ckv: int, d_pe: int, mode: str, budget_bytes: int,
@@ -209,20 +223,24 @@ def _attend_chunk_lowp(q, kv, mask, d_ckv, scale, k_scale):
 BF16_EXACT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
-def _bmm_f32_reference(a, b):
-    return torch.bmm(a.float(), b.float())
+def _bf16_product_into(dst, a, b, alpha, accumulate):
+    return torch.baddbmm(dst, a, b, beta=1.0 if accumulate else 0.0, alpha=alpha, out_dtype=torch.float32, out=dst)
 
 
-def _bmm_f32_out_dtype(a, b):
-    return torch.bmm(a, b, out_dtype=torch.float32)
+def _upcast_product_into(dst, a, b, alpha, accumulate):
+    """What :func:`_bf16_product_into` computes, with float32 operands (any device)."""
+    return torch.baddbmm(dst, a.float(), b.float(), beta=1.0 if accumulate else 0.0, alpha=alpha, out=dst)
 
 
-def _baddbmm_f32_reference(bias, a, b, alpha, beta=1.0):
-    return torch.baddbmm(bias, a.float(), b.float(), beta=beta, alpha=alpha)
-
-
-def _baddbmm_f32_out_dtype(bias, a, b, alpha, beta=1.0):
-    return torch.baddbmm(bias, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32)
+def product_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0,
+                 accumulate: bool = False) -> torch.Tensor:
+    """``dst = alpha * a @ b`` (``+ dst`` with ``accumulate``), batched, written in place:
+    ``dst``'s old values are not read otherwise (beta 0), so it may be uninitialised. bf16
+    operands into a float32 ``dst`` run as bf16 x bf16 -> float32 (exact products, float32
+    accumulation, the scale applied once to the float32 sum)."""
+    if a.dtype == torch.bfloat16 and dst.dtype == torch.float32:
+        return _bf16_product_into(dst, a, b, alpha, accumulate)
+    return torch.baddbmm(dst, a, b, beta=1.0 if accumulate else 0.0, alpha=alpha, out=dst)
 
 
 _PROBES: dict[tuple[str, torch.device], bool] = {}
@@ -244,52 +262,30 @@ def _cuda_probe(name: str, device: torch.device, check) -> bool:
     return _PROBES[key]
 
 
-def _bmm_keeps_float32(device: torch.device) -> bool:
-    a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
-    b = torch.ones((1, 2, 1), dtype=torch.bfloat16, device=device)
-    r = _bmm_f32_out_dtype(a, b)
-    return r.dtype == torch.float32 and float(r) == 1.0 + 2.0**-9
-
-
-def _baddbmm_keeps_float32_and_inf(device: torch.device) -> bool:
+def _bf16_products_keep_float32(device: torch.device) -> bool:
     a = torch.tensor([[[1.0, 2.0**-9]]], dtype=torch.bfloat16, device=device)
     b = torch.ones((1, 2, 2), dtype=torch.bfloat16, device=device)
-    bias = torch.tensor([[[float("-inf"), 0.25]]], dtype=torch.float32, device=device)
-    r = _baddbmm_f32_out_dtype(bias, a, b, 0.5)
-    return r.dtype == torch.float32 and r.flatten().tolist() == [float("-inf"), 0.75 + 2.0**-10]
+    dst = torch.full((1, 1, 2), float("nan"), dtype=torch.float32, device=device)
+    scaled = _bf16_product_into(dst, a, b, 0.5, False).flatten().tolist()  # the NaN must not be read
+    summed = _bf16_product_into(dst, a, b, 1.0, True).flatten().tolist()
+    return dst.dtype == torch.float32 and scaled == [0.5 + 2.0**-10] * 2 and summed == [1.5 + 1.5 * 2.0**-9] * 2
 
 
-def bf16_bmm_returns_float32(device: torch.device) -> bool:
-    """Whether ``torch.bmm(bf16, bf16, out_dtype=float32)`` works on ``device`` and keeps a
-    float32 result (1 + 2**-9 survives, which bf16 rounding would lose)."""
-    return _cuda_probe("bmm", device, _bmm_keeps_float32)
+def bf16_products_into_float32(device: torch.device) -> bool:
+    """Whether ``torch.baddbmm(dst, bf16, bf16, out_dtype=float32, out=dst)`` works on ``device``
+    as :func:`product_into` needs: a float32 result (``1 + 2**-9`` survives, which bf16 rounding
+    would lose), the scale as alpha, ``dst`` ignored at beta 0 (NaN in it stays out) and added
+    at beta 1."""
+    return _cuda_probe("bf16 products into float32", device, _bf16_products_keep_float32)
 
 
-def bf16_baddbmm_returns_float32(device: torch.device) -> bool:
-    """Whether ``torch.baddbmm(float32 bias, bf16, bf16, alpha=a, out_dtype=float32)`` works on
-    ``device`` and gives ``bias + a * (product)`` in float32, -inf bias kept (the scale and the
-    mask of the scores fused into the q.k product)."""
-    return _cuda_probe("baddbmm", device, _baddbmm_keeps_float32_and_inf)
-
-
-def mask_bias(mask: torch.Tensor) -> torch.Tensor:
-    """float32 ``[T, K]``: 0 on selected columns, -inf elsewhere."""
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def scaled_masked_scores(q, keys, mask, scale, fused: bool) -> torch.Tensor:
-    """``scale * q @ keys^T`` (``[C,H,K]``, float32 or float64) with -inf on unselected columns
-    (``mask`` None: every column selected). ``fused`` (bf16 operands on a device whose baddbmm
-    returns float32): one product that applies the scale in its epilogue and adds a 0/-inf
-    bias; otherwise a product (bf16 x bf16 -> float32 for bf16 operands), a scale and a fill."""
+def scaled_masked_scores(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``scale * q @ keys^T`` (``[C,H,K]``, float32 for bf16 operands, else their dtype) with
+    -inf on unselected columns (``mask`` None: every column selected): one product with the
+    scale in its epilogue, then a fill."""
     c, h, k = q.shape[0], q.shape[1], keys.shape[1]
-    if fused:
-        if mask is None:  # beta 0: the bias is not read
-            return _baddbmm_f32_out_dtype(q.new_zeros((), dtype=torch.float32).expand(c, h, k), q,
-                                          keys.transpose(1, 2), scale, beta=0.0)
-        return _baddbmm_f32_out_dtype(mask_bias(mask).unsqueeze(1).expand(c, h, k), q, keys.transpose(1, 2), scale)
-    mm = _bmm_f32_out_dtype if q.dtype == torch.bfloat16 else torch.bmm
-    scores = mm(q, keys.transpose(1, 2)).mul_(scale)
+    dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+    scores = product_into(torch.empty((c, h, k), dtype=dtype, device=q.device), q, keys.transpose(1, 2), scale)
     return scores if mask is None else scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
 
 
@@ -323,23 +319,20 @@ PROBABILITY_TERMS = 2
 
 
 def _values_times_split_probs(probs: torch.Tensor, values: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst = probs [C,H,K] @ values [C,K,D]`` (float32) to float32 precision: the bf16 terms
-    of ``probs`` (consumed) stacked along H, one bf16 x bf16 -> float32 product (``values``
-    read once), the partial products summed into ``dst``."""
-    c, h, k = probs.shape
-    stacked = torch.empty((c, PROBABILITY_TERMS * h, k), dtype=torch.bfloat16, device=probs.device)
-    split_bf16_into(probs, [stacked[:, i * h : (i + 1) * h] for i in range(PROBABILITY_TERMS)])
-    partial = _bmm_f32_out_dtype(stacked, values).view(c, PROBABILITY_TERMS, h, -1)
-    del stacked
-    torch.sum(partial, dim=1, out=dst)
+    """``dst = probs [C,H,K] @ values [C,K,D]`` (float32) to float32 precision: ``probs`` split
+    into bf16 terms, each multiplied as bf16 x bf16 -> float32 and added into ``dst``."""
+    terms = [torch.empty(probs.shape, dtype=torch.bfloat16, device=probs.device) for _ in range(PROBABILITY_TERMS)]
+    split_bf16_into(probs, terms)
+    for i, term in enumerate(terms):
+        product_into(dst, term, values, accumulate=i > 0)
 
 
-def _attend_chunk(q, kv, mask, d_ckv, scale, k_scale, operand, fused, out, lse):
+def _attend_chunk(q, kv, mask, d_ckv, scale, k_scale, operand, out, lse):
     """float64 or float32, into ``out [C,H,D]`` and ``lse [C,H]``: one gather of the cache
     rows, one q.k product, the softmax, the P.V product. With a bf16 ``operand`` (float32
     mode, bf16-exact inputs) the products run as bf16 x bf16 -> float32."""
     kv = kv.to(operand)  # [C, K, D+R]
-    scores = scaled_masked_scores(q.to(operand), kv, mask, scale, fused)  # [C, H, K]
+    scores = scaled_masked_scores(q.to(operand), kv, mask, scale)  # [C, H, K]
     probs, row_lse = softmax_and_lse(scores)
     del scores
     lse.copy_(row_lse)
@@ -347,7 +340,7 @@ def _attend_chunk(q, kv, mask, d_ckv, scale, k_scale, operand, fused, out, lse):
     if operand == torch.bfloat16:
         _values_times_split_probs(probs, values, out)
     else:
-        torch.bmm(probs, values, out=out)
+        product_into(out, probs, values)
     if k_scale != 1.0:
         out.mul_(k_scale)
 
@@ -360,7 +353,7 @@ def float32_uses_bf16_products(q_nope, q_pe, ckv, kpe) -> bool:
         and q_pe.dtype == torch.bfloat16
         and ckv.dtype in BF16_EXACT_DTYPES
         and kpe.dtype in BF16_EXACT_DTYPES
-        and bf16_bmm_returns_float32(q_nope.device)
+        and bf16_products_into_float32(q_nope.device)
     )
 
 
@@ -394,21 +387,21 @@ def sparse_mla_reference(
     _check_inputs(q_nope, q_pe, ckv, kpe, slots, lens, mask)
     if mask is None:
         mask = selection_mask(slots, lens)
-    all_selected = _check_values(slots, lens, mask, ckv.shape[0])
+    all_selected, any_empty, any_selected = _check_values(slots, lens, mask, ckv.shape[0])
 
     t, h, d_ckv = q_nope.shape
     out_dtype = {"float64": torch.float64, "float32": torch.float32, "lowp": torch.bfloat16}[mode]
     lse_dtype = torch.float64 if mode == "float64" else torch.float32
     out = torch.empty((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
     lse = torch.empty((t, h), dtype=lse_dtype, device=q_nope.device)
-    if t == 0 or slots.shape[1] == 0:  # every row empty
+    if not any_selected:  # every row empty (no rows, no columns, or nothing selected)
         return out.zero_(), lse.fill_(float("-inf"))
     bf16_products = mode == "float32" and float32_uses_bf16_products(q_nope, q_pe, ckv, kpe)
     operand = torch.bfloat16 if bf16_products else out_dtype
     chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes, bf16_products)
     # once for all rows: q and cache as joined views where they can be, the slots to gather
-    q_parts, cache_parts, idx = joined_parts(q_nope, q_pe), joined_parts(ckv, kpe), gather_index(slots, mask)
-    fused = bf16_products and bf16_baddbmm_returns_float32(q_nope.device)
+    q_parts, cache_parts = joined_parts(q_nope, q_pe), joined_parts(ckv, kpe)
+    idx = slots.long() if all_selected else gather_index(slots, mask)
     scale = float(sm_scale) * float(k_scale)
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
@@ -418,9 +411,10 @@ def sparse_mla_reference(
         if mode == "lowp":
             out[rows], lse[rows] = _attend_chunk_lowp(q, kv, row_mask, d_ckv, scale, float(k_scale))
         else:
-            _attend_chunk(q, kv, row_mask, d_ckv, scale, float(k_scale), operand, fused, out[rows], lse[rows])
+            _attend_chunk(q, kv, row_mask, d_ckv, scale, float(k_scale), operand, out[rows], lse[rows])
         del q, kv
-    empty = ~mask.any(dim=1)  # masked_fill_, not indexing: no host synchronisation
-    out.masked_fill_(empty[:, None, None], 0.0)
-    lse.masked_fill_(empty[:, None], float("-inf"))
+    if any_empty:  # masked_fill_, not indexing: no host synchronisation
+        empty = ~mask.any(dim=1)
+        out.masked_fill_(empty[:, None, None], 0.0)
+        lse.masked_fill_(empty[:, None], float("-inf"))
     return out, lse

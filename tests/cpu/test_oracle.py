@@ -630,3 +630,26 @@ def test_bad_input_is_rejected_naming_the_argument(name):
 def test_out_of_range_slots_outside_the_selection_are_accepted():
     out, _ = call_with(slots=torch.tensor([[0, 1, 2, 3], [3, 4, 99, -(2**31)]]))
     assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("select", ["lens", "mask"])
+def test_empty_cache_with_nothing_selected_gives_empty_rows(select):
+    p = random_problem(seed=17, t=2, h=2, k=4, num_slots=3, lens=[0, 0])
+    p = replace(p, ckv=p.ckv[:0], kpe=p.kpe[:0], slots=torch.tensor([[0, 5, -1, 2], [7, 7, 7, 7]], dtype=torch.int32))
+    out, lse = run(p, use_mask=p.mask if select == "mask" else None)
+    assert bool((out == 0).all()) and bool((lse == -INF).all())
+    with pytest.raises(ValueError, match=r"slots: row 1 column 0 selects slot 7, outside \[0, 0\)"):
+        run(replace(p, lens=torch.tensor([0, 1])))
+
+
+@pytest.mark.parametrize("select", ["lens", "mask"])
+@pytest.mark.parametrize("lens", [[4, 4, 4], [4, 0, 2], [0, 0, 0], [1, 2, 3]])
+def test_full_partial_and_empty_selections_take_their_paths_to_the_same_answer(select, lens):
+    """Every row full (no masking), some rows empty (filled at the end), nothing selected (early
+    return): each path must give what a row-by-row evaluation gives."""
+    p = random_problem(seed=18, t=3, h=2, k=4, num_slots=9, lens=lens)
+    out, lse = run(p, use_mask=p.mask if select == "mask" else None)
+    for row in range(3):
+        o, l = run(replace(p, q_nope=p.q_nope[row:row + 1], q_pe=p.q_pe[row:row + 1], slots=p.slots[row:row + 1],
+                           lens=p.lens[row:row + 1]))
+        assert torch.equal(lse[row], l[0]) and torch.equal(out[row], o[0]), f"row {row} of lens {lens}"

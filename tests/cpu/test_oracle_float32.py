@@ -15,19 +15,11 @@ SM_SCALE = 0.1352
 
 
 @pytest.fixture
-def bf16_products_unfused(monkeypatch):
-    """Route float32 mode through the bf16-product path on this device (CPU)."""
-    monkeypatch.setattr(oracle, "_bmm_f32_out_dtype", oracle._bmm_f32_reference)
-    monkeypatch.setattr(oracle, "bf16_bmm_returns_float32", lambda device: True)
-
-
-@pytest.fixture(params=["fused scale and mask", "separate scale and mask"])
-def bf16_products(request, monkeypatch, bf16_products_unfused):
-    """Both q.k formulations of the GPU: baddbmm with a 0/-inf bias and the scale as alpha
-    (where it returns float32), and bmm followed by a scale and a fill."""
-    fused = request.param == "fused scale and mask"
-    monkeypatch.setattr(oracle, "_baddbmm_f32_out_dtype", oracle._baddbmm_f32_reference)
-    monkeypatch.setattr(oracle, "bf16_baddbmm_returns_float32", lambda device: fused)
+def bf16_products(monkeypatch):
+    """Route float32 mode through the bf16-product path on this device (CPU): the same
+    products, written in place with the scale as alpha, from upcast operands."""
+    monkeypatch.setattr(oracle, "_bf16_product_into", oracle._upcast_product_into)
+    monkeypatch.setattr(oracle, "bf16_products_into_float32", lambda device: True)
 
 
 def problem(seed: int, t=6, h=4, k=64, n=200, rope=64, kv_dtype=torch.bfloat16, full=False):
@@ -75,7 +67,7 @@ def test_fewer_bf16_terms_stay_within_their_bound(count):
 
 
 def test_cpu_has_no_float32_output_bf16_product():
-    assert not oracle.bf16_bmm_returns_float32(torch.device("cpu"))
+    assert not oracle.bf16_products_into_float32(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("selection", ["partial", "full"])
@@ -133,3 +125,32 @@ def test_device_probes_run_once_per_cuda_device_and_never_elsewhere(monkeypatch)
     assert oracle._cuda_probe("x", "cuda:0", check) and oracle._cuda_probe("x", torch.device("cuda:0"), check)
     assert not oracle._cuda_probe("x", "cuda:1", check) and not oracle._cuda_probe("x", "cuda:1", check)
     assert calls == [torch.device("cuda:0"), torch.device("cuda:1")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_product_into_ignores_what_dst_held_unless_accumulating(dtype):
+    """The oracle writes its products into uninitialised buffers: beta 0 must not read them."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(3, 4, 5, generator=g, dtype=dtype), torch.randn(3, 5, 6, generator=g, dtype=dtype)
+    dst = torch.full((3, 4, 6), float("nan"), dtype=dtype)
+    oracle.product_into(dst, a, b, alpha=0.5)
+    torch.testing.assert_close(dst, 0.5 * (a @ b))
+    oracle.product_into(dst, a, b, accumulate=True)
+    torch.testing.assert_close(dst, 1.5 * (a @ b))
+
+
+def test_probe_accepts_exact_float32_products_and_refuses_bf16_rounded_ones(monkeypatch):
+    monkeypatch.setattr(oracle, "_bf16_product_into", oracle._upcast_product_into)
+    assert oracle._bf16_products_keep_float32(torch.device("cpu"))
+
+    def rounded_to_bf16(dst, a, b, alpha, accumulate):
+        return dst.copy_(oracle._upcast_product_into(dst, a, b, alpha, accumulate).to(torch.bfloat16))
+
+    monkeypatch.setattr(oracle, "_bf16_product_into", rounded_to_bf16)
+    assert not oracle._bf16_products_keep_float32(torch.device("cpu"))
+
+    def reads_dst_at_beta_0(dst, a, b, alpha, accumulate):
+        return torch.baddbmm(dst, a.float(), b.float(), beta=1.0, alpha=alpha, out=dst)
+
+    monkeypatch.setattr(oracle, "_bf16_product_into", reads_dst_at_beta_0)
+    assert not oracle._bf16_products_keep_float32(torch.device("cpu"))
