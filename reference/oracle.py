@@ -314,7 +314,7 @@ def bf16_terms(x: torch.Tensor, count: int) -> list[torch.Tensor]:
 # Probabilities in [0, 1] split into two bf16 terms: relative error <= 2**-16 per probability
 # (2**-17 typical worst), within the float32 summation error bound of the P.V product for
 # K >= 256 terms (K * 2**-24) and of the order of its typical size (sqrt(K) * 2**-24), at two
-# passes over P and one product of twice the rows.
+# passes over P and two products, the second accumulated into the first's output.
 PROBABILITY_TERMS = 2
 
 
