@@ -29,7 +29,7 @@ whatever the number of rows.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -97,38 +97,37 @@ def selection_mask(slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return cols.unsqueeze(0) < lens.to(slots.device).unsqueeze(1)
 
 
-def _check_values(slots: torch.Tensor, lens: torch.Tensor | None, mask: torch.Tensor,
-                  num_slots: int) -> tuple[bool, bool, bool]:
-    """Lens within [0, row width] and selected slots within [0, num_slots); returns
-    ``(all_selected, any_row_empty, any_selected)``. The verdicts come back to the host in one
-    transfer (one synchronisation on a GPU) from a handful of reductions; only an error looks
-    further."""
+class SelectionFacts(NamedTuple):
+    all_selected: bool  # every row selects every column: nothing to mask
+    any_row_empty: bool  # some row selects nothing: out 0, lse -inf to fill in
+    any_selected: bool  # some row selects something: anything to compute
+
+
+def check_selection(slots: torch.Tensor, lens: torch.Tensor | None, mask: torch.Tensor,
+                  num_slots: int) -> SelectionFacts:
+    """Lens within [0, row width] and selected slots within [0, num_slots), and what the
+    selection looks like. The facts come back to the host in one transfer (one
+    synchronisation on a GPU) from two min/max reductions; only an error looks further."""
     width = slots.shape[1]
-    verdicts = []  # slot min and max, then lens min and max, or mask all, every row any, any
-    if slots.numel():
-        verdicts += list(torch.aminmax(torch.where(mask, slots, 0)))
-    if lens is not None:
-        verdicts += list(torch.aminmax(lens)) if lens.numel() else []
-    else:
-        verdicts += [mask.all(), mask.any(dim=1).all(), mask.any()]
-    values = torch.stack([v.to(torch.int64) for v in verdicts]).tolist() if verdicts else []
-    slot_range, rest = (values[:2], values[2:]) if slots.numel() else ([0, 0], values)
-    if lens is not None:
-        lens_min, lens_max = rest if rest else (0, 0)
-        if lens_min < 0 or lens_max > width:
-            row = int(((lens < 0) | (lens > width)).nonzero()[0])
-            raise ValueError(f"lens: row {row} has len {int(lens[row])} outside [0, {width}] (row width)")
-        verdict = (lens_min == width, lens_min == 0, lens_max > 0)
-    else:
-        verdict = (bool(rest[0]), not rest[1], bool(rest[2]))
-    bad = mask & ((slots < 0) | (slots >= num_slots)) if slot_range[0] < 0 or slot_range[1] >= num_slots else None
-    if bad is not None and bool(bad.any()):  # (an empty cache fails the range with nothing selected)
-        row, col = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"slots: row {row} column {col} selects slot {int(slots[row, col])}, outside [0, {num_slots}) "
-            f"({int(bad.sum())} such entries)"
-        )
-    return verdict
+    counts = lens if lens is not None else mask.sum(dim=1)  # selected columns per row
+    if counts.numel() == 0:  # no rows
+        return SelectionFacts(all_selected=True, any_row_empty=False, any_selected=False)
+    ranges = [torch.aminmax(counts)] + ([torch.aminmax(torch.where(mask, slots, 0))] if width else [])
+    values = torch.stack([v.to(torch.int64) for pair in ranges for v in pair]).tolist()
+    count_min, count_max = values[:2]
+    slot_min, slot_max = values[2:] if width else (0, 0)
+    if count_min < 0 or count_max > width:  # (mask counts are always in range)
+        row = int(((lens < 0) | (lens > width)).nonzero()[0])
+        raise ValueError(f"lens: row {row} has len {int(lens[row])} outside [0, {width}] (row width)")
+    if slot_min < 0 or slot_max >= num_slots:  # (unselected columns count as 0: an empty cache fails)
+        bad = mask & ((slots < 0) | (slots >= num_slots))
+        if bool(bad.any()):
+            row, col = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"slots: row {row} column {col} selects slot {int(slots[row, col])}, outside [0, {num_slots}) "
+                f"({int(bad.sum())} such entries)"
+            )
+    return SelectionFacts(all_selected=count_min == width, any_row_empty=count_min == 0, any_selected=count_max > 0)
 
 
 def _row_bytes(num_heads: int, width: int, d_ckv: int, d_pe: int, elem: int, operand: int | None = None) -> int:
@@ -387,33 +386,33 @@ def sparse_mla_reference(
     _check_inputs(q_nope, q_pe, ckv, kpe, slots, lens, mask)
     if mask is None:
         mask = selection_mask(slots, lens)
-    all_selected, any_empty, any_selected = _check_values(slots, lens, mask, ckv.shape[0])
+    facts = check_selection(slots, lens, mask, ckv.shape[0])
 
     t, h, d_ckv = q_nope.shape
     out_dtype = {"float64": torch.float64, "float32": torch.float32, "lowp": torch.bfloat16}[mode]
     lse_dtype = torch.float64 if mode == "float64" else torch.float32
     out = torch.empty((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
     lse = torch.empty((t, h), dtype=lse_dtype, device=q_nope.device)
-    if not any_selected:  # every row empty (no rows, no columns, or nothing selected)
+    if not facts.any_selected:  # every row empty (no rows, no columns, or nothing selected)
         return out.zero_(), lse.fill_(float("-inf"))
     bf16_products = mode == "float32" and float32_uses_bf16_products(q_nope, q_pe, ckv, kpe)
     operand = torch.bfloat16 if bf16_products else out_dtype
     chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes, bf16_products)
     # once for all rows: q and cache as joined views where they can be, the slots to gather
     q_parts, cache_parts = joined_parts(q_nope, q_pe), joined_parts(ckv, kpe)
-    idx = slots.long() if all_selected else gather_index(slots, mask)
+    idx = slots.long() if facts.all_selected else gather_index(slots, mask)
     scale = float(sm_scale) * float(k_scale)
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
         q = cat_parts([part[rows] for part in q_parts])  # [C, H, D+R]
         kv = cat_parts([part[idx[rows]] for part in cache_parts])  # [C, K, D+R], as stored
-        row_mask = None if all_selected else mask[rows]  # None: no column to mask
+        row_mask = None if facts.all_selected else mask[rows]  # None: no column to mask
         if mode == "lowp":
             out[rows], lse[rows] = _attend_chunk_lowp(q, kv, row_mask, d_ckv, scale, float(k_scale))
         else:
             _attend_chunk(q, kv, row_mask, d_ckv, scale, float(k_scale), operand, out[rows], lse[rows])
         del q, kv
-    if any_empty:  # masked_fill_, not indexing: no host synchronisation
+    if facts.any_row_empty:  # masked_fill_, not indexing: no host synchronisation
         empty = ~mask.any(dim=1)
         out.masked_fill_(empty[:, None, None], 0.0)
         lse.masked_fill_(empty[:, None], float("-inf"))

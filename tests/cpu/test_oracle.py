@@ -13,6 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from reference.oracle import (
+    SelectionFacts,
+    check_selection,
     COMPUTE_MODES,
     DEFAULT_MEMORY_BUDGET_BYTES,
     LOG2_E,
@@ -653,3 +655,16 @@ def test_full_partial_and_empty_selections_take_their_paths_to_the_same_answer(s
         o, l = run(replace(p, q_nope=p.q_nope[row:row + 1], q_pe=p.q_pe[row:row + 1], slots=p.slots[row:row + 1],
                            lens=p.lens[row:row + 1]))
         assert torch.equal(lse[row], l[0]) and torch.equal(out[row], o[0]), f"row {row} of lens {lens}"
+
+
+@pytest.mark.parametrize("lens, facts", [
+    ([4, 4], SelectionFacts(all_selected=True, any_row_empty=False, any_selected=True)),
+    ([4, 1], SelectionFacts(all_selected=False, any_row_empty=False, any_selected=True)),
+    ([0, 3], SelectionFacts(all_selected=False, any_row_empty=True, any_selected=True)),
+    ([0, 0], SelectionFacts(all_selected=False, any_row_empty=True, any_selected=False)),
+])
+def test_selection_facts_from_lens_and_from_the_same_mask(lens, facts):
+    slots = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    lens = torch.tensor(lens)
+    assert check_selection(slots, lens, selection_mask(slots, lens), 8) == facts
+    assert check_selection(slots, None, selection_mask(slots, lens), 8) == facts
