@@ -222,13 +222,17 @@ def _attend_chunk_lowp(q, kv, mask, d_ckv, scale, k_scale):
 BF16_EXACT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
+def _baddbmm_into(dst, a, b, alpha, accumulate, **kwargs):
+    return torch.baddbmm(dst, a, b, beta=1.0 if accumulate else 0.0, alpha=alpha, out=dst, **kwargs)
+
+
 def _bf16_product_into(dst, a, b, alpha, accumulate):
-    return torch.baddbmm(dst, a, b, beta=1.0 if accumulate else 0.0, alpha=alpha, out_dtype=torch.float32, out=dst)
+    return _baddbmm_into(dst, a, b, alpha, accumulate, out_dtype=torch.float32)
 
 
 def _upcast_product_into(dst, a, b, alpha, accumulate):
     """What :func:`_bf16_product_into` computes, with float32 operands (any device)."""
-    return torch.baddbmm(dst, a.float(), b.float(), beta=1.0 if accumulate else 0.0, alpha=alpha, out=dst)
+    return _baddbmm_into(dst, a.float(), b.float(), alpha, accumulate)
 
 
 def product_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0,
@@ -239,7 +243,7 @@ def product_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: flo
     accumulation, the scale applied once to the float32 sum)."""
     if a.dtype == torch.bfloat16 and dst.dtype == torch.float32:
         return _bf16_product_into(dst, a, b, alpha, accumulate)
-    return torch.baddbmm(dst, a, b, beta=1.0 if accumulate else 0.0, alpha=alpha, out=dst)
+    return _baddbmm_into(dst, a, b, alpha, accumulate)
 
 
 _PROBES: dict[tuple[str, torch.device], bool] = {}
