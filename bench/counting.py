@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 
-KV_LORA_RANK = 512
+from mla_constants import KV_LORA_RANK
+
 Q_BYTES = 2  # bf16
 OUT_BYTES = 2  # bf16
 LSE_BYTES = 4

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fast.layouts import LAYOUTS
+from mla_constants import BF16_ROPE64, FP8_ROPE64, KV_LORA_RANK, TOPK, variant_name
 from reference import AttentionInputs, batch, build_scenario, sparse_mla_reference
 from reference.oracle import float32_uses_bf16_products
 from tests.cases import VARIANTS, KernelConfig
@@ -38,10 +39,6 @@ KERNEL_LAYOUT = "packed"  # the layout of later production (the kernel reads the
 REFERENCE_BUDGET_BYTES = 1 << 30  # memory_budget_bytes handed to the oracle
 REFERENCE_MODES = ("float32", "float64")
 GIB = 1 << 30
-
-
-def variant_name(kv_dtype: str, rope: bool) -> str:
-    return f"{'fp8' if kv_dtype == 'float8_e4m3fn' else 'bf16'}-{'rope' if rope else 'nope'}"
 
 
 @dataclass(frozen=True)
@@ -80,14 +77,14 @@ class Selection:
 
 
 FULL = Selection(
-    name="full", topk=2048, variants=VARIANTS, heads=(16, 64, 128),
+    name="full", topk=TOPK, variants=VARIANTS, heads=(16, 64, 128),
     decode_rows=(1, 64, 256, 1024, 8192), prefill_rows=(64, 256, 1024, 8192),
     plan_rows=(1, 64, 256, 1024, 8192), plan_heads=(16, 64, 128), plan_fp8_heads=(128,), plan_layouts=LAYOUTS,
     graph_rows=(1, 64, 1024), graph_heads=(16, 128), graph_layouts=LAYOUTS,
     reference_rows=(1, 64, 256, 1024, 8192), reference_heads=(16, 64, 128),
 )
 QUICK = Selection(
-    name="quick", topk=2048, variants=VARIANTS[:1], heads=(16, 128),
+    name="quick", topk=TOPK, variants=VARIANTS[:1], heads=(16, 128),
     decode_rows=(1, 256), prefill_rows=(1024,),
     plan_rows=(64, 256), plan_heads=(128,), plan_fp8_heads=(), plan_layouts=LAYOUTS,
     graph_rows=(256,), graph_heads=(128,), graph_layouts=("packed",),
@@ -115,7 +112,7 @@ def describe_subset(sel: Selection) -> dict[str, str]:
                    f"layout {KERNEL_LAYOUT}; the state plans one query row per token, so decode and prefill differ "
                    "only in how much KV the rows share"),
         "plan": (f"layouts {list(sel.plan_layouts)} x rows {list(sel.plan_rows)} x H {list(sel.plan_heads)} "
-                 f"({variant_name(*sel.variants[0][:2])}), plus fp8-rope at H {list(sel.plan_fp8_heads)}; "
+                 f"({variant_name(*sel.variants[0][:2])}), plus {FP8_ROPE64} at H {list(sel.plan_fp8_heads)}; "
                  "decode rows of mixed lengths (some shorter than topk); with and without reuse_plan"),
         "graph": (f"decode rows {list(sel.graph_rows)} x H {list(sel.graph_heads)} x layouts {list(sel.graph_layouts)}, "
                   f"{variant_name(*sel.variants[0][:2])}"),
@@ -258,7 +255,7 @@ class Sets:
     def inputs(self, i: int) -> AttentionInputs:
         j = i % self.count
         q = self.qs[j % len(self.qs)]
-        return AttentionInputs(q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=self.caches[j % len(self.caches)])
+        return AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=self.caches[j % len(self.caches)])
 
     def out(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.outs[i % self.count]
@@ -266,10 +263,10 @@ class Sets:
 
 def make_sets(scenario, caches, rows: int, device, generator, l2_bytes: int) -> Sets:
     spec = scenario.spec
-    per_set = rows * spec.num_heads * (spec.head_dim * 2 + 512 * 2 + 4)
+    per_set = rows * spec.num_heads * (spec.head_dim * 2 + KV_LORA_RANK * 2 + 4)
     count = rotation_count(per_set, l2_bytes)
     qs = [random_q(rows, spec.num_heads, spec.head_dim, device, generator) for _ in range(count)]
-    outs = [(torch.full((rows, spec.num_heads, 512), float("nan"), dtype=torch.bfloat16, device=device),
+    outs = [(torch.full((rows, spec.num_heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16, device=device),
              torch.full((rows, spec.num_heads), float("nan"), dtype=torch.float32, device=device))
             for _ in range(max(count, len(caches)))]
     return Sets(caches, qs, outs)
@@ -718,7 +715,7 @@ def decode_reference_problem(impl, rows: int, heads: int, topk: int, variant, de
     scenario = with_config(base, kv_dtype, rope, k_scale, heads)
     cache = random_cache(scenario, device, generator)
     q = random_q(rows, heads, scenario.spec.head_dim, device, generator)
-    inputs = AttentionInputs(q_nope=q[..., :512], q_pe=q[..., 512:], kv_cache=cache)
+    inputs = AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=cache)
     return scenario, inputs, base.intended_slots()[:rows], planned_lens(impl, base).to(torch.int64)
 
 
@@ -757,7 +754,7 @@ def find(records: list[dict], **where) -> dict | None:
     return None
 
 
-def targets(results: dict, variant: str = "bf16-rope") -> dict:
+def targets(results: dict, variant: str = BF16_ROPE64) -> dict:
     """The two targets of the reference at full scale, from the records."""
     out = {}
     for mode in REFERENCE_MODES:

@@ -4,7 +4,7 @@ a call, peak extra memory and the top device kernels (torch.profiler).
     python3 -m bench.reference_profile --rows 256 --heads 128 --mode float32
     python3 -m bench.reference_profile --rows 4 --heads 4 --topk 64     # any device, tiny
 
-Inputs are the benchmark's (decode rows, each selecting topk slots of its own, bf16-rope, the
+Inputs are the benchmark's (decode rows, each selecting topk slots of its own, bf16-rope64, the
 cache and q as the kernel holds them). The wall time is the median over repetitions of a call
 followed by a synchronisation; "host" is the time until the call returns, which on a GPU is the
 host's share (the call synchronises once, for its input checks, before any work is queued).

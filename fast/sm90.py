@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_constants import KV_LORA_RANK, ROPE_DIM
+
 from .flashinfer_compat import Features, MLAWrapper, planning_kv_dtype
 from .layouts import check_layout, indices_capacity
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-KV_LORA_RANK = 512
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class AttentionConfig:
     layout: str  # strided | packed | compacted
     block_size: int
     sm_scale: float
-    rope_dim: int = 64  # 64, or 0 for NoPE
+    rope_dim: int = ROPE_DIM  # 64, or 0 for NoPE
     kv_dtype: torch.dtype = torch.bfloat16  # or torch.float8_e4m3fn (uint8 storage is planned as e4m3)
     k_scale: float = 1.0  # fp8 dequantisation scale (ckv_scale = kpe_scale)
     # Keep the last plan when a replan has the same num_rows and lens (FlashInfer's plan()
@@ -51,7 +52,7 @@ class AttentionConfig:
         check_layout(self.layout)
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
-        if self.rope_dim not in (0, 64):
+        if self.rope_dim not in (0, ROPE_DIM):
             raise ValueError(f"rope_dim must be 64 or 0 (NoPE), got {self.rope_dim}")
         planning_kv_dtype(self.kv_dtype)
 

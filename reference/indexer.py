@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-INVALID = -1
+from mla_constants import INVALID
 
 
 def buffer_width(topk: int, kpool: int) -> int:

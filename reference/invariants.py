@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rules import INVALID
+from mla_constants import INVALID
 
 
 @dataclass(frozen=True)

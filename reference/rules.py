@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-INVALID = -1
+from mla_constants import INVALID
 
 REGIMES: dict[str, str] = {
     "A": "identity fill, ctx <= topk",

@@ -19,12 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK, ROPE_DIM, TOPK
 from .indexer import buffer_width, decode_rows_use_identity, indexer_rows, prefill_rows_use_identity
 from .rules import classify_rows, convert_rule, request_ids_per_row, route_prefills_to_mha, row_context
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-DEEPSEEK_V32_SM_SCALE = 0.1352  # DeepSeek-V3.2 with YaRN mscale; GLM-5.3-Flash uses 256**-0.5
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
@@ -39,7 +37,7 @@ class Request:
 @dataclass(frozen=True)
 class BatchSpec:
     requests: tuple[Request, ...]
-    topk: int = 2048
+    topk: int = TOPK
     kpool: int = 1
     width: int | None = None  # topk_indices_buffer width; default roundup(topk + kpool - 1, 128)
     block_size: int = 64

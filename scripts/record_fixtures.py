@@ -24,7 +24,7 @@ from fast.environment import runtime_environment  # noqa: E402
 from fast.impl import FastImpl  # noqa: E402
 from reference import batch, build_attention_inputs, build_scenario  # noqa: E402
 from reference.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture  # noqa: E402
-from tests.cases import GLM_NOPE_SM_SCALE  # noqa: E402
+from mla_constants import GLM_NOPE_SM_SCALE  # noqa: E402
 from tests.cpu.test_kvlen_regimes import REGIME_C_FINDING  # noqa: E402
 from tests.gpu.harness import (  # noqa: E402
     DEVICE,

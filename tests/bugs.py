@@ -8,7 +8,7 @@ import torch
 
 from fast import kvlen
 from fast.impl import FastImpl
-from reference.rules import INVALID
+from mla_constants import INVALID
 
 
 class KpoolFromWrongSpec(FastImpl):

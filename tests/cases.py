@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK, variant_name
 from reference import BatchSpec, batch, classify_row
 
-TOPK = 2048
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
 KPOOLS = (1, 4)
 #: Regimes a kpool can reach: identity fill (A) needs a short batch; kpool 1 is H otherwise.
@@ -83,7 +83,6 @@ def all_regime_cases(topk: int = TOPK, **config) -> list[Case]:
 
 # --- kernel configurations for the GPU tier (a covering design, not a cross product) --------
 
-GLM_NOPE_SM_SCALE = 256 ** -0.5
 LONG_CTX_128K = 131_072
 MIN_BLOCK_ID_PAST_2_23 = (1 << 23) // 64 + 1  # with block_size 64 every slot id is >= 2**23
 HEADS = (16, 32, 64, 128)
@@ -101,11 +100,11 @@ class KernelConfig:
 
     @property
     def sm_scale(self) -> float:
-        return DEEPSEEK_SM_SCALE if self.rope else GLM_NOPE_SM_SCALE
+        return DEEPSEEK_V32_SM_SCALE if self.rope else GLM_NOPE_SM_SCALE
 
     @property
     def variant(self) -> str:
-        return f"{'fp8' if self.kv_dtype == 'float8_e4m3fn' else 'bf16'}-{'rope64' if self.rope else 'nope'}"
+        return variant_name(self.kv_dtype, self.rope)
 
     @property
     def id(self) -> str:
@@ -117,7 +116,6 @@ class KernelConfig:
                             k_scale=self.k_scale, sm_scale=self.sm_scale)
 
 
-DEEPSEEK_SM_SCALE = 0.1352
 #: The three kernel variants the tier builds: bf16 and fp8 KV with rope 64, bf16 NoPE.
 VARIANTS = (("bfloat16", True, 1.0), ("float8_e4m3fn", True, 0.5), ("bfloat16", False, 1.0))
 

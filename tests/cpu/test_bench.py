@@ -37,10 +37,10 @@ def test_each_output_set_always_comes_from_the_same_inputs():
 
 def test_a_kernel_output_far_from_the_reference_is_reported():
     data = {"reference": [
-        {"variant": "bf16-rope", "kind": "decode", "rows": 64, "heads": 128, "kernel_rel_l2_vs_float64": 1.4},
-        {"variant": "bf16-rope", "kind": "decode", "rows": 256, "heads": 128, "kernel_rel_l2_vs_float64": 1.8e-3},
-        {"variant": "bf16-rope", "kind": "decode", "rows": 1, "heads": 16, "mode": "float32"},
-        {"variant": "bf16-rope", "kind": "decode", "rows": 1, "heads": 16, "kernel_rel_l2_vs_float64": float("nan")},
+        {"variant": "bf16-rope64", "kind": "decode", "rows": 64, "heads": 128, "kernel_rel_l2_vs_float64": 1.4},
+        {"variant": "bf16-rope64", "kind": "decode", "rows": 256, "heads": 128, "kernel_rel_l2_vs_float64": 1.8e-3},
+        {"variant": "bf16-rope64", "kind": "decode", "rows": 1, "heads": 16, "mode": "float32"},
+        {"variant": "bf16-rope64", "kind": "decode", "rows": 1, "heads": 16, "kernel_rel_l2_vs_float64": float("nan")},
     ]}
     lines = disagreement_lines(data)
     assert len(lines) == 2, lines

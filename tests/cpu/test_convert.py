@@ -10,7 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.rules import INVALID, convert_rule, request_ids_per_row, valid_counts
+from mla_constants import INVALID
+from reference.rules import convert_rule, request_ids_per_row, valid_counts
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

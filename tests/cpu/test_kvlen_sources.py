@@ -7,9 +7,8 @@ import dataclasses
 import torch
 
 from fast import kvlen
+from mla_constants import TOPK
 from reference import batch, build_scenario, kv_len_rule
-
-TOPK = 2048
 
 
 def spec_decode_scenario(async_scheduling: bool, slack: int = 0):

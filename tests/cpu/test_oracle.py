@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK, ROPE_DIM
 from reference.oracle import (
     SelectionFacts,
     check_selection,
@@ -27,9 +28,9 @@ from reference.oracle import (
     sparse_mla_reference,
 )
 
-D = 512
-ROPE = 64
-SM_SCALE = 0.1352
+D = KV_LORA_RANK
+ROPE = ROPE_DIM
+SM_SCALE = DEEPSEEK_V32_SM_SCALE
 F32_UNIT = 2.0**-24  # float32 unit roundoff
 BF16_UNIT = 2.0**-8  # bf16 unit roundoff (7 stored mantissa bits)
 F64_TIGHT = dict(rtol=1e-13, atol=1e-13)  # float64 results that differ only in summation order

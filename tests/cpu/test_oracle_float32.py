@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import reference.oracle as oracle
+from mla_constants import DEEPSEEK_V32_SM_SCALE
 from reference.oracle import PROBABILITY_TERMS, bf16_terms, sparse_mla_reference
 
-SM_SCALE = 0.1352
+SM_SCALE = DEEPSEEK_V32_SM_SCALE
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import torch
 import fast.sm90 as sm90
 from fast.impl import FastImpl
 from fast.sm90 import AttentionConfig, SM90AttentionState
+from mla_constants import DEEPSEEK_V32_SM_SCALE
 
 
 class RecordingWrapper:
@@ -34,7 +35,7 @@ def make_state(monkeypatch):
 
     def make(reuse: bool, layout: str = "packed") -> SM90AttentionState:
         config = AttentionConfig(num_heads=16, max_rows=4, width=128, layout=layout, block_size=64,
-                                 sm_scale=0.1352, reuse_plan=reuse)
+                                 sm_scale=DEEPSEEK_V32_SM_SCALE, reuse_plan=reuse)
         return SM90AttentionState(FastImpl(), config, device="cpu")
 
     return make

@@ -47,11 +47,11 @@ STALE_CLUSTER_FINDING = (
 #: run kpool 1 (their regime C finding is covered elsewhere). Heads 128 (index 3) captured at
 #: the maximum size have cluster size 2; the smaller replays plan cluster size 1.
 GRAPH_PARAMS = [
-    pytest.param("compacted", 4, 2, id="compacted-kpool4-bf16nope-h64"),
-    pytest.param("packed", 1, 1, id="packed-kpool1-fp8-h32"),
-    pytest.param("strided", 1, 8, id="strided-kpool1-bf16nope-h16"),
-    pytest.param("compacted", 1, 9, id="compacted-kpool1-bf16rope-h32"),
-    pytest.param("compacted", 4, 3, id="compacted-kpool4-bf16rope-h128",
+    pytest.param("compacted", 4, 2, id="compacted-kpool4-bf16-nope-h64"),
+    pytest.param("packed", 1, 1, id="packed-kpool1-fp8-rope64-h32"),
+    pytest.param("strided", 1, 8, id="strided-kpool1-bf16-nope-h16"),
+    pytest.param("compacted", 1, 9, id="compacted-kpool1-bf16-rope64-h32"),
+    pytest.param("compacted", 4, 3, id="compacted-kpool4-bf16-rope64-h128",
                  marks=pytest.mark.xfail(reason=STALE_CLUSTER_FINDING, raises=StaleClusterReplay, strict=True)),
 ]
 

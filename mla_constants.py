@@ -1,0 +1,31 @@
+"""The constants and names of sparse MLA that the packages share (no imports: safe anywhere).
+
+``reference/``, ``fast/``, ``harness/``, ``recording/``, the pytest plugin, the benchmark and
+the scripts import these instead of spelling them out.
+"""
+
+# --- shapes ---------------------------------------------------------------------------------
+
+KV_LORA_RANK = 512  # the compressed KV (and absorbed q) width: q_nope, ckv and the output
+ROPE_DIM = 64  # the rope part of q and of each cache row; 0 for NoPE
+TOPK = 2048  # the indexer's top-k of DeepSeek-V3.2 / GLM DSA
+
+# --- slot ids -------------------------------------------------------------------------------
+
+INVALID = -1  # an indexer / convert entry that selects nothing
+
+# --- softmax scales -------------------------------------------------------------------------
+
+DEEPSEEK_V32_SM_SCALE = 0.1352  # DeepSeek-V3.2 with YaRN mscale (rope 64)
+GLM_NOPE_SM_SCALE = 256 ** -0.5  # GLM-5.3-Flash (NoPE)
+
+# --- kernel variants (each JIT-builds separately in FlashInfer) -----------------------------
+
+BF16_ROPE64 = "bf16-rope64"
+FP8_ROPE64 = "fp8-rope64"
+BF16_NOPE = "bf16-nope"
+
+
+def variant_name(kv_dtype: str, rope: bool) -> str:
+    """``bf16-rope64``, ``fp8-rope64``, ``bf16-nope`` (``fp8-nope`` where fp8 NoPE is asked for)."""
+    return f"{'fp8' if kv_dtype == 'float8_e4m3fn' else 'bf16'}-{'rope64' if rope else 'nope'}"
