@@ -2,7 +2,7 @@
 
 import os
 
-from tests.gpu_env import count_gpus_without_cuda
+from harness.gpu_env import count_gpus_without_cuda
 
 # The convert kernel is Triton: without a GPU it runs in Triton's interpreter, which has to be
 # chosen before the kernel is defined (on import of fast.convert).

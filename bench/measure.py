@@ -1,14 +1,14 @@
 """The measurements, each on the project's own production path and scenarios:
 
 - the attention kernel: ``SM90AttentionState.attend`` after a plan and a convert + layout
-  (``tests.gpu.harness`` builds the config and the step inputs, as in the GPU tier);
+  (``harness.launch`` builds the config and the step inputs, as in the GPU tier);
 - ``plan()`` host time per layout, with and without ``AttentionConfig.reuse_plan``, a
   cProfile breakdown of one plan and plan() while the device is still busy;
 - a CUDA-graph replay of one step (convert -> layout -> run) against the eager step;
 - the reference oracle (float32 and float64): time, peak extra memory, and its agreement
   with the kernel.
 
-Scenarios come from ``reference.build_scenario`` (block tables, indexer rows, lens); q and KV
+Scenarios come from ``harness.build_scenario`` (block tables, indexer rows, lens); q and KV
 values are drawn on the device (their values do not matter for timing, and drawing tens of
 GB of them on the host would take minutes). Every unit is guarded: a failure is recorded
 with its shape and the others still run.
@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 import torch
 
 from fast.layouts import LAYOUTS
+from harness import AttentionInputs, batch, build_scenario
+from harness.cases import VARIANTS, KernelConfig
+from harness.timing import Timer, estimate_seconds, summarize, synchronize
 from mla_constants import BF16_ROPE64, FP8_ROPE64, KV_LORA_RANK, TOPK, variant_name
-from reference import AttentionInputs, batch, build_scenario, sparse_mla_reference
+from reference import sparse_mla_reference
 from reference.oracle import float32_uses_bf16_products
-from tests.cases import VARIANTS, KernelConfig
 
 from .counting import attention_bytes, attention_flops, rates, reps_for, roofline_time, rotation_count
-from .timing import Timer, estimate_seconds, summarize, synchronize
 
 KERNEL_LAYOUT = "packed"  # the layout of later production (the kernel reads the same either way)
 REFERENCE_BUDGET_BYTES = 1 << 30  # memory_budget_bytes handed to the oracle
@@ -47,7 +48,7 @@ class Selection:
 
     name: str
     topk: int
-    variants: tuple[tuple[str, bool, float], ...]  # (kv_dtype, rope, k_scale), as tests.cases.VARIANTS
+    variants: tuple[tuple[str, bool, float], ...]  # (kv_dtype, rope, k_scale), as harness.cases.VARIANTS
     heads: tuple[int, ...]
     decode_rows: tuple[int, ...]
     prefill_rows: tuple[int, ...]
@@ -299,7 +300,7 @@ class Prepared:
 
 
 def prepare(ctx: Context, scenario, lens: torch.Tensor, caches, generator, layout: str = KERNEL_LAYOUT) -> Prepared:
-    from tests.gpu.harness import attention_config, launch_inputs
+    from harness.launch import attention_config, launch_inputs
 
     rows = lens.numel()
     sets = make_sets(scenario, caches, rows, ctx.device, generator, ctx.l2_bytes)
@@ -429,7 +430,7 @@ def reference_records(ctx: Context, kind: str, rows: int, scenario, inputs: Atte
 def measure_graph(ctx: Context, prep: Prepared, lens: torch.Tensor, layout: str) -> dict:
     """Eager ``state.step`` against a CUDA graph captured once over the same step, one step
     per rotated set (so one replay runs ``count`` steps); times are per step."""
-    from tests.gpu.harness import attention_config
+    from harness.launch import attention_config
 
     rows = prep.rows
     state = ctx.impl.make_attention_state(attention_config(prep.scenario, layout, rows), ctx.device)
@@ -500,7 +501,7 @@ def profile_table(profile: cProfile.Profile, calls: int, sort: str, limit: int =
 
 
 def plan_state(ctx: Context, scenario, layout: str, rows: int, reuse: bool, max_rows: int | None = None):
-    from tests.gpu.harness import attention_config
+    from harness.launch import attention_config
 
     config = dataclasses.replace(attention_config(scenario, layout, max_rows or rows), reuse_plan=reuse)
     return ctx.impl.make_attention_state(config, ctx.device)
@@ -734,7 +735,7 @@ def run_cpu_references(ctx: Context) -> None:
 
 
 def measure_ceilings(ctx: Context) -> None:
-    from .timing import copy_ceiling, matmul_ceiling
+    from harness.timing import copy_ceiling, matmul_ceiling
 
     sel = ctx.sel
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
@@ -780,6 +781,6 @@ def targets(results: dict, variant: str = BF16_ROPE64) -> dict:
 
 
 def gpu_unavailable_reason() -> str | None:
-    from fast.environment import sm90_flashinfer_unavailable_reason
+    from harness.availability import sm90_flashinfer_unavailable_reason
 
     return sm90_flashinfer_unavailable_reason()

@@ -19,10 +19,10 @@ import time
 import torch
 
 from fast.impl import default_impl
+from harness.timing import synchronize
 from reference.oracle import COMPUTE_MODES, DEFAULT_MEMORY_BUDGET_BYTES, sparse_mla_reference
 
 from .measure import decode_reference_problem, peak_extra_bytes
-from .timing import synchronize
 
 
 def parse_args(argv=None) -> argparse.Namespace:

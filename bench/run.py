@@ -21,11 +21,11 @@ import torch
 
 from fast.environment import runtime_environment
 from fast.impl import default_impl
+from harness.timing import Timer
 
 from . import measure
 from .measure import CPU_SMOKE, FULL, QUICK, Context, describe_subset, gpu_unavailable_reason, log, targets
 from .report import counting_text, markdown, write_json, write_roofline
-from .timing import Timer
 
 SECTIONS = ("ceilings", "plan", "kernel", "graph", "reference")
 DEFAULT_BUDGET_S = 270.0

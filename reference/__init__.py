@@ -16,6 +16,5 @@ from .rules import (
     valid_counts,
     valid_is_prefix,
 )
-from .scenario import AttentionInputs, BatchSpec, Request, Scenario, StepMetadata, batch, build_attention_inputs, build_scenario
 
 __all__ = [name for name in dir() if not name.startswith("_")]

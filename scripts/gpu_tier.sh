@@ -9,7 +9,7 @@
 #
 # For each version: install it from .whl (eval "$(bash .gpu/install-wheels.sh .whl V)"), restore
 # a JIT cache tarball if one is given (JIT_CACHE_IN=DIR holding jit-V.tar.gz), build or load
-# every kernel variant once and time it (tests.gpu.prebuild), run `pytest -n auto -m gpu` with
+# every kernel variant once and time it (harness.prebuild), run `pytest -n auto -m gpu` with
 # junit xml, then save the JIT cache as a tarball and time a restore of it into an empty cache.
 # Environment: OUT (default ./out) for logs, junit, reports and tarballs; CPU_TIER=1 also runs
 # the CPU tier once; WORKERS (default auto); TIER_TIMEOUT seconds per version (default 420);
@@ -17,7 +17,7 @@
 # (the workers then build what they need). BASELINE=1: the first version records a
 # baseline (--record-baseline OUT/baseline-V1), each later one is compared with it
 # (--compare-baseline, report in OUT/compare-V). RECORD_FIXTURES=1: after the tier, record the
-# fixtures' outputs for this version into OUT/fixtures (scripts/record_fixtures.py).
+# fixtures' outputs for this version into OUT/fixtures (python3 -m scripts.record_fixtures).
 # BENCH=1: then the benchmark (python3 -m bench.run $BENCH_ARGS, default --quick) into
 # OUT/bench-V, skipped once the script has run DEADLINE seconds (default 420).
 # PACK=1: at the end logs and reports go into OUT/artifacts.tar.gz, fixtures into
@@ -55,7 +55,7 @@ for v in "${versions[@]}"; do
   start=$(date +%s)
   prebuild_log=$(mktemp)
   if [ "${PREBUILD:-1}" = 1 ]; then
-    timeout 240 python3 -m tests.gpu.prebuild 2>&1 | tee "$prebuild_log" | grep -E "^jit|Error"
+    timeout 240 python3 -m harness.prebuild 2>&1 | tee "$prebuild_log" | grep -E "^jit|Error"
   fi
   baseline_args=()
   if [ "${BASELINE:-0}" = 1 ]; then
@@ -72,7 +72,7 @@ for v in "${versions[@]}"; do
   rc=${PIPESTATUS[0]}
   wall=$(( $(date +%s) - start ))
   if [ "${RECORD_FIXTURES:-0}" = 1 ]; then
-    timeout 180 python3 scripts/record_fixtures.py --dir "$out/fixtures" 2>&1 | tee "$out/fixtures-$v.txt" | tail -3
+    timeout 180 python3 -m scripts.record_fixtures --dir "$out/fixtures" 2>&1 | tee "$out/fixtures-$v.txt" | tail -3
   fi
   if [ "${BENCH:-0}" = 1 ]; then
     if [ "$SECONDS" -lt "${DEADLINE:-420}" ]; then
@@ -91,7 +91,7 @@ for v in "${versions[@]}"; do
     # Does a restored cache skip the builds? Restore into an empty folder and time the variants.
     restored=$(mktemp -d)
     tar -xzf "$out/jit-$v.tar.gz" -C "$restored" && find "$restored" -type f -exec touch {} +
-    restore_line=$(FLASHINFER_WORKSPACE_BASE=$restored timeout 120 python3 -m tests.gpu.prebuild 2>&1 | grep "jit total")
+    restore_line=$(FLASHINFER_WORKSPACE_BASE=$restored timeout 120 python3 -m harness.prebuild 2>&1 | grep "jit total")
     rm -rf "$restored"
   fi
   [ "$size" -le 15 ] || rm -f "$out/jit-$v.tar.gz"

@@ -1,7 +1,7 @@
 """Record the checked-in fixtures on a GPU: each case through the SM90 path of the installed
 FlashInfer, its output added to ``fixtures/<name>.safetensors`` under that version.
 
-    python3 scripts/record_fixtures.py [--dir fixtures]
+    python3 -m scripts.record_fixtures [--dir fixtures]
 
 Run once per FlashInfer version (scripts/gpu_tier.sh does with RECORD_FIXTURES=1): the first
 run writes each file, later runs check that the case's inputs are bit-identical and add their
@@ -12,21 +12,16 @@ file's metadata under ``refused``.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fast.environment import runtime_environment  # noqa: E402
-from fast.impl import FastImpl  # noqa: E402
-from reference import batch, build_attention_inputs, build_scenario  # noqa: E402
-from reference.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture  # noqa: E402
-from mla_constants import GLM_NOPE_SM_SCALE  # noqa: E402
-from tests.cpu.test_kvlen_regimes import REGIME_C_FINDING  # noqa: E402
-from tests.gpu.harness import (  # noqa: E402
+from fast.environment import runtime_environment
+from fast.impl import FastImpl
+from harness import batch, build_attention_inputs, build_scenario
+from harness.findings import REGIME_C_FINDING
+from harness.launch import (
     DEVICE,
     assert_launchable,
     attention_config,
@@ -36,7 +31,9 @@ from tests.gpu.harness import (  # noqa: E402
     prepared,
     sync,
 )
-from tests.pipeline import fixture_from_step  # noqa: E402
+from harness.pipeline import fixture_from_step
+from mla_constants import GLM_NOPE_SM_SCALE
+from reference.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture
 
 SMALL = dict(topk=256, block_size=16)
 NOPE = dict(rope=False, sm_scale=GLM_NOPE_SM_SCALE)
@@ -98,7 +95,7 @@ def run_eager(impl, step, scenario):
 
 def run_graph_replay(impl, case, scenario, step):
     """Capture the step at ``graph_from``'s size, replan for ``scenario`` and replay."""
-    from tests.gpu.test_cuda_graphs import StaticStep
+    from harness.launch import StaticStep
 
     big = build_scenario(case.graph_from, case.seed + 1)
     static = StaticStep([big, scenario], impl)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 from fast.impl import load_impl
 
-from .gpu_env import pin_worker_gpu
+from harness.gpu_env import pin_worker_gpu
 from reference import REGIMES
 
 # Fixed, derandomised examples by default so every run (CI included) checks the same cases;
@@ -51,7 +51,7 @@ def _skip_gpu_items_without_gpu(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
-    from fast.environment import sm90_flashinfer_unavailable_reason
+    from harness.availability import sm90_flashinfer_unavailable_reason
 
     reason = sm90_flashinfer_unavailable_reason()
     config.stash[GPU_REASON] = reason or ""
@@ -323,7 +323,7 @@ def gpu_sharing_workers() -> int:
     import os
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    from tests.gpu_env import count_gpus_without_cuda
+    from harness.gpu_env import count_gpus_without_cuda
 
     return max(1, -(-workers // max(count_gpus_without_cuda(), 1)))
 

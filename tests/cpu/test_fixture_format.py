@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference import batch, build_attention_inputs, build_scenario, sparse_mla_reference
+from harness import batch, build_attention_inputs, build_scenario
+from reference import sparse_mla_reference
 from reference.fixture import METADATA_KEY, FixtureError, bitwise_equal, load_fixture, save_fixture
 from reference.replay import replay
-from tests.pipeline import as_planned, fixture_from_step, intended, prepare_step
+from harness.pipeline import as_planned, fixture_from_step, intended, prepare_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,7 @@ def small_step(impl, layout="compacted", kv_dtype="bfloat16", kpool=4):
 
 def stand_in_kernel(step, inputs):
     """The low-precision reference over the planned slots stands in for a kernel output."""
-    from tests.pipeline import as_planned
+    from harness.pipeline import as_planned
 
     slots, mask = as_planned(step)
     n = step.num_planned

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu_env import pick_gpu, worker_index
+from harness.gpu_env import pick_gpu, worker_index
 
 
 @pytest.mark.parametrize(("worker", "count", "expected"), [

@@ -14,14 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fast.layouts import LAYOUTS
-from reference import BatchSpec, Request, build_attention_inputs, build_scenario, kv_len_rule, valid_counts
-from tests.cases import all_regime_cases, situation_cases
-from tests.pipeline import describe_rows, fixture_from_step, prepare_step, selection_mismatches
-
-REGIME_C_FINDING = (
-    "SPEC §6 #3: pooled rows with ctx < topk and ctx % kpool != 0 (regime C) are not a prefix; "
-    "the {layout} layout plans them as one"
-)
+from harness import BatchSpec, Request, build_attention_inputs, build_scenario
+from reference import kv_len_rule, valid_counts
+from harness.cases import all_regime_cases, situation_cases
+from harness.findings import REGIME_C_FINDING
+from harness.pipeline import describe_rows, fixture_from_step, prepare_step, selection_mismatches
 
 CASES = all_regime_cases() + situation_cases(1) + situation_cases(4)
 

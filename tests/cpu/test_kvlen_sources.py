@@ -8,7 +8,8 @@ import torch
 
 from fast import kvlen
 from mla_constants import TOPK
-from reference import batch, build_scenario, kv_len_rule
+from harness import batch, build_scenario
+from reference import kv_len_rule
 
 
 def spec_decode_scenario(async_scheduling: bool, slack: int = 0):

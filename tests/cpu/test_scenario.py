@@ -11,11 +11,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import BatchSpec, Request, batch, build_attention_inputs, build_scenario, classify_row, kv_len_rule
+from harness import BatchSpec, Request, batch, build_attention_inputs, build_scenario
+from reference import classify_row, kv_len_rule
 from reference.indexer import buffer_width
 from reference.rules import route_prefills_to_mha, valid_is_prefix
 from mla_constants import INVALID, TOPK
-from tests.cases import LONG_CTX, all_regime_cases, situation_cases
+from harness.cases import LONG_CTX, all_regime_cases, situation_cases
 
 BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 

@@ -8,7 +8,7 @@ import json
 import os
 from collections import defaultdict
 
-from tests.gpu.harness import ERROR_KEY
+from tests.gpu.notes import ERROR_KEY
 from tests.plugin import WARNING_KEY
 
 _ERRORS: list[dict] = []

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from fast.layouts import LAYOUTS
-from reference import build_attention_inputs, build_scenario, check_plan_invariants
+from harness import build_attention_inputs, build_scenario
+from harness.cases import all_regime_cases, case_layout_index, covering_config, large_batch_cases, situation_cases
+from harness.findings import REGIME_C_FINDING
+from harness.pipeline import describe_rows
+from reference import check_plan_invariants
 from reference.rules import valid_counts, valid_first
-from tests.cases import all_regime_cases, case_layout_index, covering_config, large_batch_cases, situation_cases
-from tests.cpu.test_kvlen_regimes import REGIME_C_FINDING, has_regime_c
-from tests.gpu.harness import (
+from harness.launch import (
     DEVICE,
     sync,
     assert_launchable,
@@ -32,13 +34,12 @@ from tests.gpu.harness import (
     failure_context,
     launch_inputs,
     nan_buffers,
-    note_baseline,
     prepared,
-    record_errors,
     state_matches_step,
     untouched_rows,
 )
-from tests.pipeline import describe_rows
+from tests.cpu.test_kvlen_regimes import has_regime_c
+from tests.gpu.notes import note_baseline, record_errors
 
 pytestmark = pytest.mark.gpu
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fast.capture import capture_mla
-from reference import AttentionInputs, batch, build_attention_inputs, build_scenario
+from harness import AttentionInputs, batch, build_attention_inputs, build_scenario
 from reference.fixture import load_fixture
 from reference.replay import replay
-from tests.gpu.harness import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
+from harness.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
 
 pytestmark = pytest.mark.gpu
 

@@ -13,21 +13,22 @@ import torch
 
 from fast.flashinfer_compat import fa3_mla_cluster_size
 from fast.sm90 import PlanDuringCaptureError
-from reference import build_attention_inputs, build_scenario
-from tests.cases import covering_config, graph_replay_sequence
-from tests.gpu.harness import (
+from harness import build_attention_inputs, build_scenario
+from harness.cases import covering_config, graph_replay_sequence
+from harness.findings import STALE_CLUSTER_FINDING
+from harness.launch import (
     DEVICE,
-    sync,
+    StaticStep,
     assert_launchable,
     assert_within_budget,
     attention_config,
     compare_with_references,
     failure_context,
-    nan_buffers,
     prepared,
-    record_errors,
     state_matches_step,
+    sync,
 )
+from tests.gpu.notes import record_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -36,12 +37,6 @@ class StaleClusterReplay(AssertionError):
     """Replays differ from eager runs exactly where the plan's cluster size differs from the
     captured one."""
 
-
-STALE_CLUSTER_FINDING = (
-    "SPEC §6 #8 (stale plan state in a replay): FlashInfer's fa3 MLA plan picks cluster size 2 when "
-    "rows * heads // max_rows > 64, else 1; a graph captured at the maximum size with heads > 64 and "
-    "replayed after a plan with cluster size 1 does not compute the eager result"
-)
 
 #: (layout, kpool, covering-config index): compacted meets regime C rows; packed and strided
 #: run kpool 1 (their regime C finding is covered elsewhere). Heads 128 (index 3) captured at
@@ -54,53 +49,6 @@ GRAPH_PARAMS = [
     pytest.param("compacted", 4, 3, id="compacted-kpool4-bf16-rope64-h128",
                  marks=pytest.mark.xfail(reason=STALE_CLUSTER_FINDING, raises=StaleClusterReplay, strict=True)),
 ]
-
-
-class StaticStep:
-    """Fixed-address buffers a captured step reads: every batch is copied into them."""
-
-    def __init__(self, scenarios, impl):
-        self.impl = impl
-        first = scenarios[0]
-        spec = first.spec
-        self.max_rows = max(s.topk_indices.shape[0] for s in scenarios)
-        self.max_reqs = max(max(s.meta.num_reqs for s in scenarios), 1)
-        table_width = max(s.block_table.shape[1] for s in scenarios)
-        self.num_blocks = max(s.num_blocks for s in scenarios)
-        width = spec.resolved_width
-        self.topk = torch.full((self.max_rows, width), -1, dtype=torch.int32, device=DEVICE)
-        self.table = torch.zeros((self.max_reqs, table_width), dtype=torch.int32, device=DEVICE)
-        self.req = torch.zeros(self.max_rows, dtype=torch.int32, device=DEVICE)
-        self.q = torch.zeros((self.max_rows, spec.num_heads, spec.head_dim), dtype=torch.bfloat16, device=DEVICE)
-        self.cache = torch.empty((self.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=DEVICE)
-        self.out, self.lse = nan_buffers(self.max_rows, spec.num_heads)
-
-    @property
-    def ckv(self):
-        return self.cache.view(-1, 1, self.cache.shape[-1])[..., :512]
-
-    @property
-    def kpe(self):
-        return self.cache.view(-1, 1, self.cache.shape[-1])[..., 512:]
-
-    def load(self, scenario, inputs) -> None:
-        rows = scenario.topk_indices.shape[0]
-        self.topk.fill_(-1)
-        self.topk[:rows] = scenario.topk_indices.to(DEVICE)
-        self.table.zero_()
-        t = scenario.block_table
-        self.table[: t.shape[0], : t.shape[1]] = t.to(DEVICE)
-        self.req.copy_(self.impl.request_ids(scenario.meta.query_start_loc_cpu.to(DEVICE), self.max_rows))
-        self.q.zero_()
-        if rows:
-            self.q[:rows] = torch.cat([inputs.q_nope, inputs.q_pe], dim=-1)
-        self.cache.view(torch.uint8).fill_(0xFF)  # NaN in bf16 and in e4m3
-        self.cache[: scenario.num_blocks] = inputs.kv_cache
-        self.out.fill_(float("nan"))
-        self.lse.fill_(float("nan"))
-
-    def args(self):
-        return (self.topk, self.table, self.req, self.q[..., :512], self.q[..., 512:], self.ckv, self.kpe, self.out, self.lse)
 
 
 @pytest.mark.parametrize(("layout", "kpool", "config_index"), GRAPH_PARAMS)

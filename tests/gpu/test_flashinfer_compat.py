@@ -24,10 +24,9 @@ from fast.flashinfer_compat import (
     recorded_warnings,
     unsupported_reason,
 )
-from reference import batch, build_attention_inputs, build_scenario, compare_to_budget, lse_to_base2
-from reference.budget import LSE_ULPS
-from tests.cases import covering_config
-from tests.gpu.harness import (
+from harness import batch, build_attention_inputs, build_scenario
+from harness.cases import covering_config
+from harness.launch import (
     DEVICE,
     sync,
     assert_launchable,
@@ -38,9 +37,11 @@ from tests.gpu.harness import (
     launch_inputs,
     nan_buffers,
     prepared,
-    record_errors,
     references,
 )
+from reference import compare_to_budget, lse_to_base2
+from reference.budget import LSE_ULPS
+from tests.gpu.notes import record_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -151,7 +152,7 @@ def test_full_width_strided_lens_in_a_subprocess(features):
     refuses it (ValueError, nothing launched); on <= 0.6.x it launches and reads slot -1 (it
     may fault). Either way this process's CUDA context stays healthy."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.full_width_strided", "41"], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "harness.full_width_strided", "41"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     outcome = json.loads(lines[-1]) if lines else {"stage": "crashed", "returncode": proc.returncode}

@@ -11,21 +11,22 @@ import dataclasses
 import pytest
 import torch
 
-from reference import batch, build_attention_inputs, build_scenario
-from tests.cases import TOPK, covering_config
-from tests.gpu.harness import (
+from harness import batch, build_attention_inputs, build_scenario
+from harness.cases import covering_config
+from harness.launch import (
     DEVICE,
+    StaticStep,
     assert_launchable,
     assert_within_budget,
     attention_config,
     compare_with_references,
     failure_context,
     prepared,
-    record_errors,
     state_matches_step,
     sync,
 )
-from tests.gpu.test_cuda_graphs import StaticStep
+from mla_constants import TOPK
+from tests.gpu.notes import record_errors
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """Build (or load) every FlashInfer kernel variant the GPU tier uses, one after the other, and
 print how long each took: a cold JIT cache shows the build time, a warm or restored one the
-load time. ``python -m tests.gpu.prebuild``"""
+load time. ``python3 -m harness.prebuild``"""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import time
 import torch
 
 from fast.impl import default_impl
-from reference import batch, build_scenario
-from tests.cases import VARIANTS, KernelConfig
-from tests.gpu.harness import attention_config
+from mla_constants import TOPK
+
+from .cases import VARIANTS, KernelConfig
+from .launch import attention_config
+from .scenario import batch, build_scenario
 
 
 def build_variant(impl, kv_dtype: str, rope: bool, k_scale: float) -> float:
     config = KernelConfig(kv_dtype, rope, 16, k_scale)
-    scenario = build_scenario(config.apply(batch((9, 1), topk=2048, kpool=1)), seed=0)
+    scenario = build_scenario(config.apply(batch((9, 1), topk=TOPK, kpool=1)), seed=0)
     state = impl.make_attention_state(attention_config(scenario, "packed", 1), "cuda")
     started = time.perf_counter()
     state.plan(1, torch.tensor([9], dtype=torch.int32))

@@ -1,13 +1,15 @@
 """The case catalogue both tiers draw from: the contexts that reach every regime, and the batch
-situations of SPEC §4, as :class:`reference.BatchSpec` values (built by the one scenario
-builder, ``reference.build_scenario``)."""
+situations of SPEC §4, as :class:`harness.BatchSpec` values (built by the one scenario
+builder, ``harness.build_scenario``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK, variant_name
-from reference import BatchSpec, batch, classify_row
+from reference import classify_row
+
+from .scenario import BatchSpec, batch
 
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
 KPOOLS = (1, 4)

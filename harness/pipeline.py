@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fast.layouts import indices_capacity
-from reference import Scenario, Violation, check_plan_invariants, intended_selection, planned_selection
+from reference import Violation, check_plan_invariants, intended_selection, planned_selection
 from reference.invariants import same_multisets
 from reference.rules import valid_first
+
+from .scenario import Scenario
 
 
 @dataclass

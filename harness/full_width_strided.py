@@ -10,14 +10,16 @@ import sys
 
 import torch
 
+from mla_constants import TOPK
+
 
 def main(seed: int) -> dict:
     from fast.impl import default_impl
-    from reference import batch, build_attention_inputs, build_scenario
-    from tests.gpu.harness import attention_config, launch_inputs, nan_buffers
+    from harness.launch import attention_config, launch_inputs, nan_buffers
+    from harness.scenario import batch, build_attention_inputs, build_scenario
 
     impl = default_impl()
-    scenario = build_scenario(batch((300, 1), (1500, 1), (9, 1), topk=2048, kpool=1), seed)
+    scenario = build_scenario(batch((300, 1), (1500, 1), (9, 1), topk=TOPK, kpool=1), seed)
     inputs = build_attention_inputs(scenario, "cuda")
     rows = scenario.topk_indices.shape[0]
     state = impl.make_attention_state(attention_config(scenario, "strided", rows), "cuda")

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK, ROPE_DIM, TOPK
-from .indexer import buffer_width, decode_rows_use_identity, indexer_rows, prefill_rows_use_identity
-from .rules import classify_rows, convert_rule, request_ids_per_row, route_prefills_to_mha, row_context
+from reference.indexer import buffer_width, decode_rows_use_identity, indexer_rows, prefill_rows_use_identity
+from reference.rules import classify_rows, convert_rule, request_ids_per_row, route_prefills_to_mha, row_context
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import functools
 import os
 
 import torch
 
 from fast.sm90 import AttentionConfig
+from mla_constants import KV_LORA_RANK
+from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
-from reference import AttentionInputs, Comparison, Scenario, build_attention_inputs, sparse_mla_reference
-from tests.pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
+
+from .pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
+from .scenario import AttentionInputs, Scenario
 
 DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
-ERROR_KEY = "sparse_mla_kernel_error"
 
 
 def attention_config(scenario: Scenario, layout: str, max_rows: int | None = None) -> AttentionConfig:
@@ -58,7 +59,7 @@ def assert_launchable(step: Step, version: str) -> None:
 
 
 def nan_buffers(rows: int, num_heads: int, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.full((rows, num_heads, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    out = torch.full((rows, num_heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full((rows, num_heads), float("nan"), dtype=torch.float32, device=device)
     return out, lse
 
@@ -135,20 +136,6 @@ def compare_with_references(step: Step, inputs: AttentionInputs, out: torch.Tens
     return compare_attention(out[:n], lse[:n], truth, lowp, step.scenario.spec.kv_dtype)
 
 
-def record_errors(node, step: Step, comparisons: list[Comparison], label: str = "") -> None:
-    """Attach the measured ratios to the test report (summed up by tests/gpu/conftest.py)."""
-    spec = step.scenario.spec
-    entry = {
-        "kv_dtype": spec.kv_dtype,
-        "rope": spec.rope_dim,
-        "heads": spec.num_heads,
-        "layout": step.layout,
-        "label": label,
-        **{f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio", "rel_l2", "max_err")},
-    }
-    node.user_properties.append((ERROR_KEY, entry))
-
-
 def assert_within_budget(step: Step, comparisons: list[Comparison], version: str, what: str = "kernel vs (b)") -> None:
     bad = [c for c in comparisons if not c.ok]
     assert not bad, f"{what} beyond the error budget; {failure_context(step, version)}\n" + "\n".join(
@@ -176,34 +163,48 @@ def untouched_rows(out: torch.Tensor, start: int) -> bool:
     return bool(torch.isnan(out[start:].float()).all())
 
 
-@functools.lru_cache(maxsize=1)
-def case_timer():
-    """The benchmark's timer (CUDA events over a held stream), calibrated once per process."""
-    from bench.timing import Timer
+class StaticStep:
+    """Fixed-address buffers a captured step reads: every batch is copied into them."""
 
-    timer = Timer(torch.device(DEVICE))
-    timer.calibrate()
-    return timer
+    def __init__(self, scenarios, impl):
+        self.impl = impl
+        first = scenarios[0]
+        spec = first.spec
+        self.max_rows = max(s.topk_indices.shape[0] for s in scenarios)
+        self.max_reqs = max(max(s.meta.num_reqs for s in scenarios), 1)
+        table_width = max(s.block_table.shape[1] for s in scenarios)
+        self.num_blocks = max(s.num_blocks for s in scenarios)
+        width = spec.resolved_width
+        self.topk = torch.full((self.max_rows, width), -1, dtype=torch.int32, device=DEVICE)
+        self.table = torch.zeros((self.max_reqs, table_width), dtype=torch.int32, device=DEVICE)
+        self.req = torch.zeros(self.max_rows, dtype=torch.int32, device=DEVICE)
+        self.q = torch.zeros((self.max_rows, spec.num_heads, spec.head_dim), dtype=torch.bfloat16, device=DEVICE)
+        self.cache = torch.empty((self.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=DEVICE)
+        self.out, self.lse = nan_buffers(self.max_rows, spec.num_heads)
 
+    @property
+    def ckv(self):
+        return self.cache.view(-1, 1, self.cache.shape[-1])[..., :KV_LORA_RANK]
 
-def note_baseline(request, state, launch: Launch, step: Step, out, lse, comparisons) -> None:
-    """With --record-baseline / --compare-baseline: the case's outputs, ratios and times."""
-    from tests.plugin import baseline_directory
+    @property
+    def kpe(self):
+        return self.cache.view(-1, 1, self.cache.shape[-1])[..., KV_LORA_RANK:]
 
-    if baseline_directory(request.config) is None:
-        return
-    n = step.num_planned
-    ratios = {f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio")}
-    from bench.timing import summarize
+    def load(self, scenario, inputs) -> None:
+        rows = scenario.topk_indices.shape[0]
+        self.topk.fill_(-1)
+        self.topk[:rows] = scenario.topk_indices.to(DEVICE)
+        self.table.zero_()
+        t = scenario.block_table
+        self.table[: t.shape[0], : t.shape[1]] = t.to(DEVICE)
+        self.req.copy_(self.impl.request_ids(scenario.meta.query_start_loc_cpu.to(DEVICE), self.max_rows))
+        self.q.zero_()
+        if rows:
+            self.q[:rows] = torch.cat([inputs.q_nope, inputs.q_pe], dim=-1)
+        self.cache.view(torch.uint8).fill_(0xFF)  # NaN in bf16 and in e4m3
+        self.cache[: scenario.num_blocks] = inputs.kv_cache
+        self.out.fill_(float("nan"))
+        self.lse.fill_(float("nan"))
 
-    scratch_out, scratch_lse = nan_buffers(out.shape[0], out.shape[1])
-    i = launch.inputs
-    timer = case_timer()
-    kernel_us = None
-    if n:
-        times, _ = timer.device_times(lambda _: state.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, scratch_out, scratch_lse), 15)
-        kernel_us = summarize(times)["median_s"] * 1e6
-    plan_us = summarize(timer.host_times(lambda _: state.plan(n, step.planned_lens), 15, warmup=3))["median_s"] * 1e6
-    request.getfixturevalue("baseline").note(
-        ratios=ratios, kernel_us=kernel_us, plan_us=plan_us, outputs={"out": out[:n], "lse": lse[:n]}
-    )
+    def args(self):
+        return (self.topk, self.table, self.req, self.q[..., :KV_LORA_RANK], self.q[..., KV_LORA_RANK:], self.ckv, self.kpe, self.out, self.lse)
