@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fast.environment import runtime_environment
+from recording.environment import runtime_environment
 from fast.impl import default_impl
 from harness.timing import Timer
 

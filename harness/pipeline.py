@@ -121,7 +121,7 @@ def fixture_from_step(step: Step, inputs, outputs=None, **meta):
     """A replayable fixture of the step's planned rows (only the referenced KV slots kept)."""
     import dataclasses
 
-    from reference.fixture import build_fixture
+    from recording.fixture import build_fixture
 
     sc, spec = step.scenario, step.scenario.spec
     n = step.num_planned

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fast.environment import runtime_environment
+from recording.environment import runtime_environment
 from fast.impl import FastImpl
 from harness import batch, build_attention_inputs, build_scenario
 from harness.findings import REGIME_C_FINDING
@@ -33,7 +33,7 @@ from harness.launch import (
 )
 from harness.pipeline import fixture_from_step
 from mla_constants import GLM_NOPE_SM_SCALE
-from reference.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture
+from recording.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture
 
 SMALL = dict(topk=256, block_size=16)
 NOPE = dict(rope=False, sm_scale=GLM_NOPE_SM_SCALE)

@@ -242,7 +242,7 @@ class FailureDump:
     def dump(self) -> str | None:
         if not self.directory or self._build is None:
             return None
-        from reference.fixture import save_fixture
+        from recording.fixture import save_fixture
 
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
         fixture = self._build()
@@ -310,7 +310,7 @@ def _write_baseline_record(item, report, outcome: str) -> None:
     if directory is None or note is None:
         return
     warnings = [w for k, v in report.user_properties if k == WARNING_KEY for w in v]
-    from fast.environment import flashinfer_version
+    from recording.environment import flashinfer_version
 
     record = CaseRecord(case=item.nodeid, outcome=outcome, flashinfer=flashinfer_version(), warnings=warnings,
                         timing_workers=gpu_sharing_workers(),

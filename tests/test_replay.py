@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from reference.fixture import FixtureError, fixture_paths, load_fixture
-from reference.replay import replay
+from recording.fixture import FixtureError, fixture_paths, load_fixture
+from recording.replay import replay
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FIXTURES = ROOT / "fixtures"
@@ -65,7 +65,7 @@ def write_heatmaps(report) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    from reference.replay import reference_outputs
+    from recording.replay import reference_outputs
 
     fx = report.fixture
     truth, _ = reference_outputs(fx, "planned", "float64")

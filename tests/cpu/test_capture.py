@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from fast.capture import capture_mla
+from recording.capture import capture_mla
 from harness import batch, build_attention_inputs, build_scenario
 from reference import lse_to_base2, sparse_mla_reference
-from reference.fixture import load_fixture
-from reference.replay import replay
+from recording.fixture import load_fixture
+from recording.replay import replay
 
 
 class StandInWrapper:

@@ -11,8 +11,8 @@ import torch
 
 from harness import batch, build_attention_inputs, build_scenario
 from reference import sparse_mla_reference
-from reference.fixture import METADATA_KEY, FixtureError, bitwise_equal, load_fixture, save_fixture
-from reference.replay import replay
+from recording.fixture import METADATA_KEY, FixtureError, bitwise_equal, load_fixture, save_fixture
+from recording.replay import replay
 from harness.pipeline import as_planned, fixture_from_step, intended, prepare_step
 
 ROOT = Path(__file__).resolve().parents[2]

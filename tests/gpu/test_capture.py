@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fast.capture import capture_mla
+from recording.capture import capture_mla
 from harness import AttentionInputs, batch, build_attention_inputs, build_scenario
-from reference.fixture import load_fixture
-from reference.replay import replay
+from recording.fixture import load_fixture
+from recording.replay import replay
 from harness.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
 
 pytestmark = pytest.mark.gpu

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from reference.fixture import build_fixture, save_fixture
-
 from .environment import runtime_environment
+from .fixture import build_fixture, save_fixture
 
 PLAN_FLAT = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads", "head_dim_ckv", "head_dim_kpe",
              "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type")

@@ -179,7 +179,7 @@ def build_fixture(
 
     ``ckv``/``kpe`` are the whole cache (``[N,D]`` or ``[N,1,D]``); ``kv_indices`` the plan's
     buffer; ``intended`` the converted indexer rows (defaults to the planned spans)."""
-    from .oracle import flatten_slots_view
+    from reference.oracle import flatten_slots_view
 
     rows = kv_len.numel()
     indptr = kv_indptr[: rows + 1].to(torch.int64).cpu()

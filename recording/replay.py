@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .budget import Comparison, compare_attention
+from reference.budget import Comparison, compare_attention
+from reference.invariants import check_row_invariants, planned_selection, same_multisets
+from reference.oracle import sparse_mla_reference
+
 from .fixture import Fixture
-from .invariants import check_row_invariants, planned_selection, same_multisets
-from .oracle import sparse_mla_reference
 
 
 @dataclass
@@ -120,7 +121,7 @@ def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def _rows_as_read(fx: Fixture) -> torch.Tensor:
     """The rows the plan's layout reads, for the invariant check: the intended rows as laid
     out (compacted: valid entries first), as the production layouts read them."""
-    from .rules import valid_first
+    from reference.rules import valid_first
 
     rows = fx["intended"]
     return valid_first(rows) if fx.meta.get("layout") == "compacted" else rows
