@@ -67,7 +67,7 @@ for v in "${versions[@]}"; do
     fi
   fi
   SPARSE_MLA_GPU_REPORT="$out/report-$v.json" timeout "${TIER_TIMEOUT:-420}" \
-    python3 -m pytest -n "$workers" -m gpu -p tests.gpu.report -p no:cacheprovider "${baseline_args[@]}" \
+    python3 -m pytest -n "$workers" -m gpu -p no:cacheprovider "${baseline_args[@]}" \
     --junitxml="$out/junit-$v.xml" --durations=5 -rfEx 2>&1 | tee "$out/log-$v.txt" | tail -45
   rc=${PIPESTATUS[0]}
   wall=$(( $(date +%s) - start ))

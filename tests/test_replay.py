@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_sparse_mla.keys import REPLAY_KEY
 from recording.fixture import FixtureError, fixture_paths, load_fixture
 from recording.replay import replay
 
@@ -44,7 +45,7 @@ def test_replay_fixture(fixture_path, request, regime_log):
     report = replay(fx)
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(reproduce_command(fixture_path))
-    request.node.user_properties.append(("sparse_mla_replay", text))
+    request.node.user_properties.append((REPLAY_KEY, text))
     if request.config.getoption("--replay"):
         write_heatmaps(report)
     assert report.kernel_ok, f"kernel != as-planned reference beyond the error budget\n{text}"

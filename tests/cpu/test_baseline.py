@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from tests.baseline import CaseRecord, compare_case, compare_directories, drift, write_record, write_report
+from recording.baseline import CaseRecord, compare_case, compare_directories, drift, write_record, write_report
 
 
 def rec(**kw) -> CaseRecord:

@@ -1,11 +1,11 @@
 """GPU-tier fixtures: the installed FlashInfer's features, and the FlashInfer warnings each test
-raised attached to its report (summed up by ``-p tests.gpu.report``)."""
+raised attached to its report (summed up by ``pytest_sparse_mla.gpus``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.plugin import WARNING_KEY
+from pytest_sparse_mla.keys import WARNING_KEY
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,12 @@ import torch
 
 from harness.launch import DEVICE, Launch, nan_buffers
 from harness.pipeline import Step
+from pytest_sparse_mla.keys import ERROR_KEY
 from reference import Comparison
-
-ERROR_KEY = "sparse_mla_kernel_error"
 
 
 def record_errors(node, step: Step, comparisons: list[Comparison], label: str = "") -> None:
-    """Attach the measured ratios to the test report (summed up by the plugin's GPU report)."""
+    """Attach the measured ratios to the test report (summed up by pytest_sparse_mla.gpus)."""
     spec = step.scenario.spec
     entry = {
         "kv_dtype": spec.kv_dtype,
@@ -41,7 +40,7 @@ def case_timer():
 
 def note_baseline(request, state, launch: Launch, step: Step, out, lse, comparisons) -> None:
     """With --record-baseline / --compare-baseline: the case's outputs, ratios and times."""
-    from tests.plugin import baseline_directory
+    from pytest_sparse_mla.baselines import baseline_directory
 
     if baseline_directory(request.config) is None:
         return

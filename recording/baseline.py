@@ -1,5 +1,6 @@
 """Upgrade validation: record what every GPU-tier case did on the installed FlashInfer, and
-compare another version against such a record.
+compare another version against such a record (the record format, the comparison and the
+report; the options and hooks are ``pytest_sparse_mla.baselines``).
 
 ``--record-baseline DIR`` writes, per case, a JSON record (outcome, error FlashInfer raised,
 its warnings, error-budget ratios, kernel and plan() times) and a safetensors file of the

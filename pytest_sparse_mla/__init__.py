@@ -1,0 +1,25 @@
+"""The suite's pytest plugin, one module per job, each declaring its own options beside its
+hooks. The root ``conftest.py`` loads it (``pytest_plugins = ("pytest_sparse_mla", ...)``);
+no ``-p`` is needed.
+
+- ``hypothesis_profiles``: the ``ci`` (default, derandomised) and ``thorough`` profiles;
+- ``impl``: ``--impl``, the ``impl`` fixture, GPU gating of ``gpu``-marked tests;
+- ``baselines``: ``--record-baseline`` / ``--compare-baseline`` / ``--baseline-out``;
+- ``replay``: ``--replay``, ``--dump-failures`` and the replay diagnostics;
+- ``regimes``: the ``regime_log`` fixture and the per-regime summary;
+- ``gpus``: per-worker GPU pinning, the GPU each xdist worker used, and the kernel
+  error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
+  a file).
+
+Hooks of the same kind run last-registered first, so the end-of-run lines come in the reverse
+of this list: GPUs, regimes, replay, upgrade report, then the implementation under test.
+"""
+
+pytest_plugins = [
+    "pytest_sparse_mla.hypothesis_profiles",
+    "pytest_sparse_mla.impl",
+    "pytest_sparse_mla.baselines",
+    "pytest_sparse_mla.replay",
+    "pytest_sparse_mla.regimes",
+    "pytest_sparse_mla.gpus",
+]

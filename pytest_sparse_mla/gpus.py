@@ -1,0 +1,126 @@
+"""The GPUs of a run: each xdist worker pinned to one GPU at configure time (before anything
+touches CUDA), the device each worker used, and on the controlling process a summary of the
+kernel error ratios and the FlashInfer warnings the GPU tests attached to their reports (a
+terminal section, and a JSON file when ``SPARSE_MLA_GPU_REPORT`` names one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+import pytest
+
+from harness.gpu_env import pin_worker_gpu
+
+from .keys import ERROR_KEY, WARNING_KEY
+
+GPU_USED_KEY = "sparse_mla_gpu"  # workeroutput: the device a worker used
+GPUS_USED = pytest.StashKey[dict]()  # worker id -> the device it used (controller)
+REPORT_ENV = "SPARSE_MLA_GPU_REPORT"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    pin_worker_gpu(getattr(config, "workerinput", {}).get("workerid"))
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(GpuReport())
+
+
+# --- which GPU each xdist worker used ---------------------------------------------------------
+
+
+def gpu_identity() -> str:
+    """The visible devices and, where CUDA was initialised by the tests, the device's bus id."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus = getattr(props, "pci_bus_id", None)
+        return f"CUDA_VISIBLE_DEVICES={visible} -> {props.name}" + (f" (PCI bus {bus})" if bus is not None else "")
+    return f"CUDA_VISIBLE_DEVICES={visible} (CUDA not used)"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        session.config.workeroutput[GPU_USED_KEY] = gpu_identity()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    used = getattr(node, "workeroutput", {}).get(GPU_USED_KEY)
+    if used:
+        node.config.stash.setdefault(GPUS_USED, {})[node.workerinput["workerid"]] = used
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):
+        return
+    used = config.stash.get(GPUS_USED, {})
+    if len(set(used.values())) > 1 or any("CUDA not used" not in v for v in used.values()):
+        terminalreporter.section("GPU per xdist worker")
+        for worker in sorted(used, key=lambda w: int(w[2:]) if w[2:].isdigit() else 0):
+            terminalreporter.write_line(f"{worker}: {used[worker]}")
+
+
+# --- kernel error ratios and FlashInfer warnings ------------------------------------------------
+
+
+def ratio_summary(errors: list[dict]) -> dict[str, dict[str, float]]:
+    """Per kv dtype (and rope): worst and mean of each measured ratio."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for e in errors:
+        groups[f"{e['kv_dtype']} R={e['rope']}"].append(e)
+    out = {}
+    for name, rows in sorted(groups.items()):
+        summary = {"cases": len(rows)}
+        for metric in ("out_max_ratio", "out_mean_ratio", "lse_max_ratio", "lse_mean_ratio", "out_rel_l2"):
+            values = [r[metric] for r in rows if metric in r]
+            if values:
+                summary[f"{metric}_worst"] = max(values)
+                summary[f"{metric}_mean"] = sum(values) / len(values)
+        out[name] = summary
+    return out
+
+
+class GpuReport:
+    """Registered on the controlling process, one per session: what the GPU tests attached."""
+
+    def __init__(self):
+        self.errors: list[dict] = []
+        self.warnings: dict[str, int] = defaultdict(int)
+
+    def pytest_runtest_logreport(self, report):
+        # Errors are attached during the call; warnings at teardown (so only its report has them).
+        for key, value in report.user_properties:
+            if key == ERROR_KEY and report.when == "call":
+                self.errors.append({"test": report.nodeid, **value})
+            elif key == WARNING_KEY and report.when == "teardown":
+                for message in value:
+                    self.warnings[message] += 1
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        summary = ratio_summary(self.errors)
+        if summary:
+            terminalreporter.section("kernel error / working-precision error (compare_to_budget ratios)")
+            terminalreporter.write_line(f"{'kv':<22}{'cases':>6}{'out max':>10}{'(mean)':>9}{'out mean':>10}{'(mean)':>9}"
+                                        f"{'lse max':>10}{'(mean)':>9}{'rel L2':>10}")
+            for name, s in summary.items():
+                terminalreporter.write_line(
+                    f"{name:<22}{s['cases']:>6}{s.get('out_max_ratio_worst', 0):>10.2f}{s.get('out_max_ratio_mean', 0):>9.2f}"
+                    f"{s.get('out_mean_ratio_worst', 0):>10.2f}{s.get('out_mean_ratio_mean', 0):>9.2f}"
+                    f"{s.get('lse_max_ratio_worst', 0):>10.2f}{s.get('lse_max_ratio_mean', 0):>9.2f}"
+                    f"{s.get('out_rel_l2_worst', 0):>10.2e}"
+                )
+        if self.warnings:
+            terminalreporter.section("warnings raised by FlashInfer")
+            for message, count in sorted(self.warnings.items(), key=lambda kv: -kv[1]):
+                terminalreporter.write_line(f"{count:>5} tests: {message[:300]}")
+        path = os.environ.get(REPORT_ENV)
+        if path:
+            with open(path, "w") as f:
+                json.dump({"ratios": summary, "errors": self.errors, "warnings": dict(self.warnings)}, f, indent=1,
+                          default=str)

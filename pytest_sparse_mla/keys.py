@@ -1,0 +1,9 @@
+"""Names of the properties tests attach to their reports (``node.user_properties``), shared by
+the tests that write them and the plugin modules that sum them up."""
+
+REGIME_KEY = "sparse_mla_regimes"  # rows checked per regime and the regimes the outcome credits
+REPLAY_KEY = "sparse_mla_replay"  # a replayed fixture's diagnostics text
+ERROR_KEY = "sparse_mla_kernel_error"  # a GPU case's measured error ratios
+WARNING_KEY = "flashinfer_warnings"  # the FlashInfer warnings a test raised (attached at teardown)
+
+GROUP = ("sparse-mla", "sparse MLA differential tester")  # the options' group in --help
