@@ -23,6 +23,7 @@ import pstats
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -484,9 +485,12 @@ def measure_graph(ctx: Context, prep: Prepared, lens: torch.Tensor, layout: str)
 # --- plan() ----------------------------------------------------------------------------------
 
 
+REPO_ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+
+
 def short_function(key: tuple) -> str:
     file, line, name = key
-    for marker in ("site-packages/", "dist-packages/", "/work/main/"):
+    for marker in ("site-packages/", "dist-packages/", REPO_ROOT):
         if marker in file:
             file = file.split(marker, 1)[1]
     return f"{file}:{line}({name})"

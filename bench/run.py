@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from recording.environment import runtime_environment
 from fast.impl import default_impl
 from harness.timing import Timer
+from recording.environment import runtime_environment
 
 from . import measure
 from .measure import CPU_SMOKE, FULL, QUICK, Context, describe_subset, gpu_unavailable_reason, log, targets

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from recording.environment import runtime_environment
 from fast.impl import FastImpl
 from harness import batch, build_attention_inputs, build_scenario
 from harness.findings import REGIME_C_FINDING
@@ -33,6 +32,7 @@ from harness.launch import (
 )
 from harness.pipeline import fixture_from_step
 from mla_constants import GLM_NOPE_SM_SCALE
+from recording.environment import runtime_environment
 from recording.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture
 
 SMALL = dict(topk=256, block_size=16)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from recording.capture import capture_mla
 from harness import batch, build_attention_inputs, build_scenario
-from reference import lse_to_base2, sparse_mla_reference
+from recording.capture import capture_mla
 from recording.fixture import load_fixture
 from recording.replay import replay
+from reference import lse_to_base2, sparse_mla_reference
 
 
 class StandInWrapper:

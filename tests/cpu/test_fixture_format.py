@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from harness import batch, build_attention_inputs, build_scenario
-from reference import sparse_mla_reference
+from harness.pipeline import as_planned, fixture_from_step, intended, prepare_step
 from recording.fixture import METADATA_KEY, FixtureError, bitwise_equal, load_fixture, save_fixture
 from recording.replay import replay
-from harness.pipeline import as_planned, fixture_from_step, intended, prepare_step
+from reference import sparse_mla_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import dataclasses
 import torch
 
 from fast import kvlen
-from mla_constants import TOPK
 from harness import batch, build_scenario
+from mla_constants import TOPK
 from reference import kv_len_rule
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference.oracle as oracle
 from mla_constants import DEEPSEEK_V32_SM_SCALE
+import reference.oracle as oracle
 from reference.oracle import PROBABILITY_TERMS, bf16_terms, sparse_mla_reference
 
 SM_SCALE = DEEPSEEK_V32_SM_SCALE

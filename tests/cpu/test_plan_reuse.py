@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fast.sm90 as sm90
 from fast.impl import FastImpl
+import fast.sm90 as sm90
 from fast.sm90 import AttentionConfig, SM90AttentionState
 from mla_constants import DEEPSEEK_V32_SM_SCALE
 

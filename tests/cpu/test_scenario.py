@@ -1,4 +1,4 @@
-"""The scenario builder (reference.scenario): reproducible tensors, the block table and KV
+"""The scenario builder (harness.scenario): reproducible tensors, the block table and KV
 cache it lays out, the indexer rows it writes (SPEC §3) and the regime of every row (SPEC §4)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import BatchSpec, Request, batch, build_attention_inputs, build_scenario
+from harness.cases import LONG_CTX, all_regime_cases, situation_cases
+from mla_constants import INVALID, TOPK
 from reference import classify_row, kv_len_rule
 from reference.indexer import buffer_width
 from reference.rules import route_prefills_to_mha, valid_is_prefix
-from mla_constants import INVALID, TOPK
-from harness.cases import LONG_CTX, all_regime_cases, situation_cases
 
 BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 

@@ -4,7 +4,7 @@
 Each case: invariants and (b) == (a) before launch (a violation fails without launching),
 then plan + convert + layout + run on NaN-filled outputs, a bitwise rerun, and the kernel
 against the as-implemented reference (b) within the error budget. Kernel configurations
-(kv dtype x rope x heads) follow a covering design (tests.cases.covering_config): every
+(kv dtype x rope x heads) follow a covering design (harness.cases.covering_config): every
 regime meets each kernel variant, and the whole set meets every variant x heads pair.
 """
 
@@ -20,9 +20,6 @@ from fast.layouts import LAYOUTS
 from harness import build_attention_inputs, build_scenario
 from harness.cases import all_regime_cases, case_layout_index, covering_config, large_batch_cases, situation_cases
 from harness.findings import REGIME_C_FINDING
-from harness.pipeline import describe_rows
-from reference import check_plan_invariants
-from reference.rules import valid_counts, valid_first
 from harness.launch import (
     DEVICE,
     sync,
@@ -38,6 +35,9 @@ from harness.launch import (
     state_matches_step,
     untouched_rows,
 )
+from harness.pipeline import describe_rows
+from reference import check_plan_invariants
+from reference.rules import valid_counts, valid_first
 from tests.cpu.test_kvlen_regimes import has_regime_c
 from tests.gpu.notes import note_baseline, record_errors
 

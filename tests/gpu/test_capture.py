@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recording.capture import capture_mla
 from harness import AttentionInputs, batch, build_attention_inputs, build_scenario
+from harness.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
+from recording.capture import capture_mla
 from recording.fixture import load_fixture
 from recording.replay import replay
-from harness.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
 
 pytestmark = pytest.mark.gpu
 
