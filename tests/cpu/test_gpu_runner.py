@@ -1,0 +1,108 @@
+"""scripts/gpu_runner.py's pure parts: junit parsing, the JIT build log, the table, arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "gpu_runner.py"
+_spec = importlib.util.spec_from_file_location("gpu_runner_under_test", _PATH)
+runner = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(runner)
+
+GPU = f'<properties><property name="{runner.GPU_PROPERTY}" value="1"/></properties>'
+JUNIT = f"""<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="7">
+ <testcase classname="tests.cpu.test_a" name="test_ok" time="0.50"/>
+ <testcase classname="tests.cpu.test_a" name="test_bad[x]" time="2.25"><failure message="assert 0">boom</failure></testcase>
+ <testcase classname="tests.cpu.test_a.TestGroup" name="test_err" time="0.10"><error message="fixture">e</error></testcase>
+ <testcase classname="tests.gpu.test_b" name="test_kernel[1]" time="9.00">{GPU}</testcase>
+ <testcase classname="tests.gpu.test_b" name="test_known[2]" time="3.00">{GPU}<skipped type="pytest.xfail" message="SPEC 4"/></testcase>
+ <testcase classname="tests.gpu.test_b" name="test_skipped" time="0.00">{GPU}<skipped type="pytest.skip" message="GPU tier: no GPU"/></testcase>
+ <testcase classname="tests.cpu.test_c" name="test_plain_skip" time="0.00"><skipped type="pytest.skip" message="x"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_parse_junit_counts_each_outcome_and_the_gpu_tier():
+    c = runner.parse_junit(JUNIT, slowest=2)
+    assert (c.passed, c.failed, c.errors, c.xfailed, c.skipped) == (2, 1, 1, 1, 2)
+    assert (c.gpu_ran, c.gpu_skipped) == (2, 1)
+    assert c.total == 7
+    assert c.slowest == [(9.0, "tests/gpu/test_b.py::test_kernel[1]"), (3.0, "tests/gpu/test_b.py::test_known[2]")]
+
+
+def test_case_id_rebuilds_the_node_id_with_classes():
+    c = runner.parse_junit(JUNIT, slowest=7)
+    assert "tests/cpu/test_a.py::TestGroup::test_err" in [name for _, name in c.slowest]
+
+
+def test_jit_builds_counts_only_real_builds():
+    lines = [json.dumps({"name": "a", "seconds": 21.5}), json.dumps({"name": "a", "seconds": 0.01}), "",
+             json.dumps({"name": "b", "seconds": 19.0})]
+    assert runner.jit_builds(lines) == (2, 40.5)
+    assert runner.jit_builds([]) == (0, 0)
+
+
+def _run(phase, wall, text=JUNIT, jit=None, release="0.7.4", code=1):
+    return runner.Run(release, phase, wall, code, runner.parse_junit(text) if text else None, jit)
+
+
+def test_table_has_one_row_per_release_with_both_walls_and_the_problems():
+    green = JUNIT.replace('<failure message="assert 0">boom</failure>', "").replace('<error message="fixture">e</error>', "")
+    runs = [_run("cold", 118.4, jit=(3, 70.0)), _run("warm", 95.0, green, jit=(0, 0.0), code=0),
+            runner.Run("0.6.18.post1", "install failed")]
+    rows = runner.table_rows(runs)
+    assert [r["release"] for r in rows] == ["0.7.4", "0.6.18.post1"]
+    first = rows[0]
+    assert (first["cold_wall_s"], first["warm_wall_s"]) == (118.4, 95.0)
+    assert (first["passed"], first["failed"], first["gpu_ran"], first["gpu_total"]) == (4, 0, 2, 3)
+    assert first["problems"] == ["cold: 1 failed, 1 errors"]
+    assert rows[1]["problems"] == ["install failed: install failed"]
+    text = runner.markdown_table(rows)
+    lines = text.splitlines()
+    assert lines[0].startswith("| release | passed | failed |") and len(lines) == 4
+    assert "118 s" in lines[2] and "95 s" in lines[2] and "cold 3 (70 s); warm 0 (0 s)" in lines[2]
+    assert "| 2/3 |" in lines[2]
+    assert lines[3].startswith("| 0.6.18.post1 | - |")
+
+
+def test_a_run_where_every_gpu_test_skipped_is_a_problem():
+    all_skipped = JUNIT.replace(f'{GPU}</testcase>', f'{GPU}<skipped type="pytest.skip" message="no GPU"/></testcase>')
+    all_skipped = all_skipped.replace('<failure message="assert 0">boom</failure>', "").replace('<error message="fixture">e</error>', "")
+    run = runner.Run("installed", "warm", 10.0, 0, runner.parse_junit(all_skipped))
+    assert run.counts.gpu_ran == 1  # the xfailed one ran
+    no_gpu = all_skipped.replace('type="pytest.xfail"', 'type="pytest.skip"')
+    run = runner.Run("installed", "warm", 10.0, 0, runner.parse_junit(no_gpu))
+    assert run.problem() == "the GPU tier did not run (3 gpu tests skipped)"
+    assert runner.Run("installed", "warm", 10.0, 4, None).problem() == "no junit xml (pytest exit 4)"
+
+
+def test_arguments_split_off_the_extra_pytest_args():
+    args, extra = runner.parse_args(["--wheels", "w", "--release", "0.7.4", "--warm-only", "--", "-k", "regime", "-x"])
+    assert args.wheels == Path("w") and args.release == ["0.7.4"] and args.warm_only
+    assert extra == ["-k", "regime", "-x"]
+    command = runner.build_pytest_command(Path("j.xml"), extra)
+    assert command[1:8] == ["-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-p"]
+    assert command[-3:] == ["-k", "regime", "-x"]
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--release", "0.7.4"])
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--cold-and-warm", "--warm-only"])
+
+
+def test_wheel_folders_and_fixed_mtimes(tmp_path):
+    for d, name in (("common", "tvm.whl"), ("0.7.4", "fi-0.7.4.whl"), ("0.6.18.post1", "fi-0.6.whl")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / name).write_text("x")
+    (tmp_path / "empty").mkdir()
+    assert runner.releases_in(tmp_path) == ["0.6.18.post1", "0.7.4"]
+    assert [f.name for f in runner.wheel_files(tmp_path, "0.7.4")] == ["tvm.whl", "fi-0.7.4.whl"]
+    with pytest.raises(ValueError):
+        runner.wheel_files(tmp_path, "empty")
+    runner.set_mtimes(tmp_path)
+    assert {int(os.stat(f).st_mtime) for f in tmp_path.rglob("*.whl")} == {runner.INSTALL_MTIME}
