@@ -1,6 +1,7 @@
 """The dense oracle (reference.oracle.sparse_mla_reference) against hand-computed answers, a
 naive per-element float64 loop, and the algebraic properties of attention over a multiset of
-slots (SPEC §1, §8); plus its input validation and memory chunking."""
+slots (docs/computation.md#the-computation); its float32 and lowp modes against the float64
+definition; plus its input validation and memory chunking."""
 
 from __future__ import annotations
 
@@ -14,19 +15,16 @@ from hypothesis import strategies as st
 
 from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK, ROPE_DIM
 from reference.oracle import (
-    SelectionFacts,
-    check_selection,
     COMPUTE_MODES,
     DEFAULT_MEMORY_BUDGET_BYTES,
     LOG2_E,
-    _row_bytes,
-    joined_parts,
     lse_from_base2,
     lse_to_base2,
-    rows_per_chunk,
-    selection_mask,
+    sparse_mla_float64,
     sparse_mla_reference,
 )
+from reference.oracle_fast import _row_bytes, joined_parts, rows_per_chunk
+from reference.oracle_inputs import SelectionFacts, check_selection, selection_mask
 
 D = KV_LORA_RANK
 ROPE = ROPE_DIM
@@ -100,7 +98,8 @@ def problems(draw, min_len: int = 0) -> Problem:
 
 
 def naive_attention(p: Problem, mask: torch.Tensor, k_scale: float = 1.0):
-    """Per row, head and selected entry, in float64 Python loops (the definition of SPEC §1)."""
+    """Per row, head and selected entry, in float64 Python loops: the definition
+    (docs/computation.md#the-computation) written independently of reference/oracle.py."""
     t_rows, heads, _ = p.q_nope.shape
     qn, qp = p.q_nope.double(), p.q_pe.double()
     ckv, kpe = p.ckv.double() * k_scale, p.kpe.double() * k_scale
@@ -233,6 +232,14 @@ def test_float64_matches_naive_loop():
     ref_out, ref_lse = naive_attention(p, mask)
     torch.testing.assert_close(out, ref_out, **F64_TIGHT)
     torch.testing.assert_close(lse, ref_lse, **F64_TIGHT)
+
+
+def test_float64_mode_is_the_definition():
+    """The entry point's float64 mode is sparse_mla_float64 on the checked inputs, bit for bit."""
+    p, mask = naive_case()
+    for a, b, what in zip(run(p, use_mask=mask), sparse_mla_float64(p.q_nope, p.q_pe, p.ckv, p.kpe, p.slots, mask,
+                                                                    sm_scale=p.sm_scale), ("out", "lse")):
+        assert_same(a, b, f"float64 {what}")
 
 
 def test_float32_matches_naive_loop_within_float32_rounding():

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mla_constants import DEEPSEEK_V32_SM_SCALE
-import reference.oracle as oracle
-from reference.oracle import PROBABILITY_TERMS, bf16_terms, sparse_mla_reference
+import reference.oracle_fast as oracle_fast
+from reference.oracle import sparse_mla_reference
+from reference.oracle_fast import PROBABILITY_TERMS, bf16_terms
 
 SM_SCALE = DEEPSEEK_V32_SM_SCALE
 
@@ -19,8 +20,8 @@ SM_SCALE = DEEPSEEK_V32_SM_SCALE
 def bf16_products(monkeypatch):
     """Route float32 mode through the bf16-product path on this device (CPU): the same
     products, written in place with the scale as alpha, from upcast operands."""
-    monkeypatch.setattr(oracle, "_bf16_product_into", oracle._upcast_product_into)
-    monkeypatch.setattr(oracle, "bf16_products_into_float32", lambda device: True)
+    monkeypatch.setattr(oracle_fast, "_bf16_product_into", oracle_fast._upcast_product_into)
+    monkeypatch.setattr(oracle_fast, "bf16_products_into_float32", lambda device: True)
 
 
 def problem(seed: int, t=6, h=4, k=64, n=200, rope=64, kv_dtype=torch.bfloat16, full=False):
@@ -68,7 +69,7 @@ def test_fewer_bf16_terms_stay_within_their_bound(count):
 
 
 def test_cpu_has_no_float32_output_bf16_product():
-    assert not oracle.bf16_products_into_float32(torch.device("cpu"))
+    assert not oracle_fast.bf16_products_into_float32(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("selection", ["partial", "full"])
@@ -76,7 +77,7 @@ def test_cpu_has_no_float32_output_bf16_product():
 @pytest.mark.parametrize("rope", [64, 0])
 def test_bf16_products_agree_with_float64(bf16_products, kv_dtype, rope, selection):
     p = problem(3, rope=rope, kv_dtype=kv_dtype, full=selection == "full")
-    assert oracle.float32_uses_bf16_products(*p[:4])
+    assert oracle_fast.float32_uses_bf16_products(*p[:4])
     out, lse = reference(p, "float32")
     truth_out, truth_lse = reference(p, "float64")
     assert out.dtype == lse.dtype == torch.float32
@@ -109,11 +110,11 @@ def test_bf16_products_keep_poisoned_unselected_slots_out(bf16_products):
 
 def test_float32_inputs_take_the_float32_products():
     q_nope, q_pe, ckv, kpe, _, _ = problem(6)
-    assert not oracle.float32_uses_bf16_products(q_nope.float(), q_pe.float(), ckv, kpe)
+    assert not oracle_fast.float32_uses_bf16_products(q_nope.float(), q_pe.float(), ckv, kpe)
 
 
 def test_device_probes_run_once_per_cuda_device_and_never_elsewhere(monkeypatch):
-    monkeypatch.setattr(oracle, "_PROBES", {})
+    monkeypatch.setattr(oracle_fast, "_PROBES", {})
     calls = []
 
     def check(device):
@@ -122,9 +123,9 @@ def test_device_probes_run_once_per_cuda_device_and_never_elsewhere(monkeypatch)
             raise RuntimeError("no such kernel")
         return True
 
-    assert not oracle._cuda_probe("x", torch.device("cpu"), check)
-    assert oracle._cuda_probe("x", "cuda:0", check) and oracle._cuda_probe("x", torch.device("cuda:0"), check)
-    assert not oracle._cuda_probe("x", "cuda:1", check) and not oracle._cuda_probe("x", "cuda:1", check)
+    assert not oracle_fast._cuda_probe("x", torch.device("cpu"), check)
+    assert oracle_fast._cuda_probe("x", "cuda:0", check) and oracle_fast._cuda_probe("x", torch.device("cuda:0"), check)
+    assert not oracle_fast._cuda_probe("x", "cuda:1", check) and not oracle_fast._cuda_probe("x", "cuda:1", check)
     assert calls == [torch.device("cuda:0"), torch.device("cuda:1")]
 
 
@@ -134,24 +135,24 @@ def test_product_into_ignores_what_dst_held_unless_accumulating(dtype):
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(3, 4, 5, generator=g, dtype=dtype), torch.randn(3, 5, 6, generator=g, dtype=dtype)
     dst = torch.full((3, 4, 6), float("nan"), dtype=dtype)
-    oracle.product_into(dst, a, b, alpha=0.5)
+    oracle_fast.product_into(dst, a, b, alpha=0.5)
     torch.testing.assert_close(dst, 0.5 * (a @ b))
-    oracle.product_into(dst, a, b, accumulate=True)
+    oracle_fast.product_into(dst, a, b, accumulate=True)
     torch.testing.assert_close(dst, 1.5 * (a @ b))
 
 
 def test_probe_accepts_exact_float32_products_and_refuses_bf16_rounded_ones(monkeypatch):
-    monkeypatch.setattr(oracle, "_bf16_product_into", oracle._upcast_product_into)
-    assert oracle._bf16_products_keep_float32(torch.device("cpu"))
+    monkeypatch.setattr(oracle_fast, "_bf16_product_into", oracle_fast._upcast_product_into)
+    assert oracle_fast._bf16_products_keep_float32(torch.device("cpu"))
 
     def rounded_to_bf16(dst, a, b, alpha, accumulate):
-        return dst.copy_(oracle._upcast_product_into(dst, a, b, alpha, accumulate).to(torch.bfloat16))
+        return dst.copy_(oracle_fast._upcast_product_into(dst, a, b, alpha, accumulate).to(torch.bfloat16))
 
-    monkeypatch.setattr(oracle, "_bf16_product_into", rounded_to_bf16)
-    assert not oracle._bf16_products_keep_float32(torch.device("cpu"))
+    monkeypatch.setattr(oracle_fast, "_bf16_product_into", rounded_to_bf16)
+    assert not oracle_fast._bf16_products_keep_float32(torch.device("cpu"))
 
     def reads_dst_at_beta_0(dst, a, b, alpha, accumulate):
         return torch.baddbmm(dst, a.float(), b.float(), beta=1.0, alpha=alpha, out=dst)
 
-    monkeypatch.setattr(oracle, "_bf16_product_into", reads_dst_at_beta_0)
-    assert not oracle._bf16_products_keep_float32(torch.device("cpu"))
+    monkeypatch.setattr(oracle_fast, "_bf16_product_into", reads_dst_at_beta_0)
+    assert not oracle_fast._bf16_products_keep_float32(torch.device("cpu"))
