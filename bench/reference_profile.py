@@ -22,7 +22,7 @@ from fast.impl import default_impl
 from harness.timing import synchronize
 from reference.oracle import COMPUTE_MODES, DEFAULT_MEMORY_BUDGET_BYTES, sparse_mla_reference
 
-from .measure import decode_reference_problem, peak_extra_bytes
+from .reference_section import decode_reference_problem, peak_extra_bytes
 
 
 def parse_args(argv=None) -> argparse.Namespace:

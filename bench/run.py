@@ -23,9 +23,13 @@ from fast.impl import default_impl
 from harness.timing import Timer
 from recording.environment import runtime_environment
 
-from . import measure
-from .measure import CPU_SMOKE, FULL, QUICK, Context, describe_subset, gpu_unavailable_reason, log, targets
+from .ceilings import measure_ceilings
+from .context import Context, gpu_unavailable_reason, log
+from .kernel import run_scenarios
+from .plan_cost import run_plan_study
+from .reference_section import run_cpu_references, targets
 from .report import counting_text, markdown, write_json, write_roofline
+from .selection import CPU_SMOKE, FULL, QUICK, describe_subset
 
 SECTIONS = ("ceilings", "plan", "kernel", "graph", "reference")
 DEFAULT_BUDGET_S = 270.0
@@ -85,10 +89,10 @@ def make_context(args, device: torch.device, start: float) -> Context:
 def run_gpu(ctx: Context, data: dict) -> None:
     if "plan" in ctx.sections:
         log("plan() study")
-        measure.run_plan_study(ctx)
+        run_plan_study(ctx)
     if ctx.sections & {"kernel", "graph", "reference"}:
         log("kernel / reference / graph")
-        measure.run_scenarios(ctx)
+        run_scenarios(ctx)
 
 
 def run_cpu(ctx: Context, data: dict) -> None:
@@ -96,7 +100,7 @@ def run_cpu(ctx: Context, data: dict) -> None:
     data["not_run"] = {name: reason for name in ("kernel", "plan", "graph")}
     if "reference" in ctx.sections:
         log("reference at tiny shapes (CPU)")
-        measure.run_cpu_references(ctx)
+        run_cpu_references(ctx)
 
 
 def main(argv=None) -> int:
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
     else:
         if "ceilings" in ctx.sections:
             log("ceilings")
-            measure.measure_ceilings(ctx)
+            measure_ceilings(ctx)
         ctx.timer.calibrate()  # after the ceilings: clocks are up
         data["environment"]["sleep_cycles_per_s"] = ctx.timer.sleep_cycles_per_s
         (run_cpu if device.type == "cpu" else run_gpu)(ctx, data)

@@ -9,7 +9,7 @@ import json
 import torch
 
 from bench import run
-from bench.measure import Sets
+from bench.scenarios import Sets
 from bench.report import disagreement_lines
 
 
