@@ -14,12 +14,20 @@ signatures (never assumed from the version alone where a signature can tell):
   ``ckv_scale``/``kpe_scale`` at run). An fp8 cache is planned as ``torch.float8_e4m3fn``,
   never as its storage dtype.
 
+What a release checks before it launches differs within one minor series (0.7.0.post1 and
+0.7.2.post1 have the plan-time page-count check but launch a run whose cache does not cover
+the planned pages; 0.7.4 refuses that run), so those behaviours are probed on the GPU, never
+derived from the version: :func:`probe_behaviour`, cached once per process and device by
+``detect_features(device)``. ``Features.describe()`` names what was found.
+
 Every warning FlashInfer raises inside a call made here is recorded (and not re-emitted)
 so that reports can show deprecations: see :func:`recorded_warnings`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -28,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from mla_constants import KV_LORA_RANK, ROPE_DIM
 
 NOPE_MIN_VERSION = (0, 6, 18)
 FP8_KV_MIN_VERSION = (0, 6, 14)
@@ -45,9 +55,19 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
+#: The behaviours :func:`probe_behaviour` finds out, with what each one means.
+PROBED_BEHAVIOURS = {
+    "plan_checks_page_counts": "plan() refuses kv_indptr page counts other than ceil(kv_len / page_size)",
+    "run_checks_cache_coverage": "run() refuses a KV cache that does not cover the planned page indices",
+    "run_checks_query_shape": "run() refuses q rows other than the planned rows",
+}
+
+
 @dataclass(frozen=True)
 class Features:
-    """What the installed FlashInfer offers for the sparse-MLA path."""
+    """What the installed FlashInfer offers for the sparse-MLA path: call forms from the
+    wrapper's signatures, version gates, and (where probed on a GPU, else None) what its
+    plan() and run() check before launching."""
 
     version: str
     canonical_plan: bool  # plan(metadata=MLAPlanMetadata.csr(...), query_layout=, kv_cache_layout=)
@@ -57,20 +77,33 @@ class Features:
     run_kv_scales: bool  # run(ckv_scale=, kpe_scale=)
     nope: bool
     fp8_kv: bool
-    csr_page_count_check: bool  # plan rejects kv_indptr page counts != ceil(kv_len / page_size)
+    plan_checks_page_counts: bool | None = None  # see PROBED_BEHAVIOURS
+    run_checks_cache_coverage: bool | None = None
+    run_checks_query_shape: bool | None = None
 
     @property
     def version_tuple(self) -> tuple[int, int, int]:
         return parse_version(self.version)
 
+    @property
+    def probed(self) -> bool:
+        return all(getattr(self, name) is not None for name in PROBED_BEHAVIOURS)
+
     def describe(self) -> str:
+        """``flashinfer V: <call forms and gates>; probed: <each behaviour: yes / no>`` (or
+        ``not probed``)."""
         on = [name for name in ("canonical_plan", "structural_run", "plan_lse_mode", "run_lse_base_e",
-                                "run_kv_scales", "nope", "fp8_kv", "csr_page_count_check") if getattr(self, name)]
-        return f"flashinfer {self.version}: " + ", ".join(on)
+                                "run_kv_scales", "nope", "fp8_kv") if getattr(self, name)]
+        if self.probed:
+            found = ", ".join(f"{name} {'yes' if getattr(self, name) else 'no'}" for name in PROBED_BEHAVIOURS)
+        else:
+            found = "not probed"
+        return f"flashinfer {self.version}: " + ", ".join(on) + f"; probed: {found}"
 
 
 def features_from(version: str, plan_params, run_params, has_plan_metadata: bool) -> Features:
-    """Features from a version string and the parameter names of ``plan``/``run`` (pure)."""
+    """Features from a version string and the parameter names of ``plan``/``run`` (pure);
+    the probed behaviours stay None."""
     v = parse_version(version)
     plan_params, run_params = set(plan_params), set(run_params)
     run_kv_scales = {"ckv_scale", "kpe_scale"} <= run_params
@@ -83,12 +116,12 @@ def features_from(version: str, plan_params, run_params, has_plan_metadata: bool
         run_kv_scales=run_kv_scales,
         nope=v >= NOPE_MIN_VERSION,
         fp8_kv=v >= FP8_KV_MIN_VERSION and run_kv_scales,
-        csr_page_count_check=v >= CANONICAL_MIN_VERSION,
     )
 
 
-def detect_features() -> Features:
-    """Features of the FlashInfer importable here (raises ImportError without one)."""
+def signature_features() -> Features:
+    """Features of the FlashInfer importable here from its version and signatures, nothing
+    probed (host only; raises ImportError without FlashInfer)."""
     with recording():
         import flashinfer
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -99,6 +132,20 @@ def detect_features() -> Features:
         inspect.signature(BatchMLAPagedAttentionWrapper.run).parameters,
         hasattr(mla, "MLAPlanMetadata"),
     )
+
+
+def detect_features(device=None) -> Features:
+    """Features of the FlashInfer importable here. With a CUDA ``device`` the behaviours of
+    :data:`PROBED_BEHAVIOURS` are probed on it as well (once per process and device)."""
+    features = signature_features()
+    if device is None:
+        return features
+    return dataclasses.replace(features, **dataclasses.asdict(_probed_once(str(torch.device(device)))))
+
+
+@functools.lru_cache(maxsize=None)
+def _probed_once(device: str) -> Behaviour:
+    return probe_behaviour(device, features=signature_features())
 
 
 def unsupported_reason(features: Features, *, rope_dim: int, kv_dtype: torch.dtype) -> str | None:
@@ -268,3 +315,109 @@ class MLAWrapper:
                 self._wrapper.run(q_nope, q_pe, ckv, kpe, **kwargs)
         if self.lse_base_e and not self._kernel_lse_base_e:
             lse.mul_(LN_2)
+
+
+# --- probed behaviour ----------------------------------------------------------------------
+
+#: The probe plans one query row of PROBE_HEADS heads reading slot PROBE_SLOT, with the kernel
+#: variant the GPU tier builds anyway (bf16 q and KV, head_dim_ckv 512, rope 64), so it
+#: compiles nothing of its own.
+PROBE_HEADS = 16
+PROBE_SLOT = 1
+PROBE_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """What the installed FlashInfer checks before it launches (see PROBED_BEHAVIOURS)."""
+
+    plan_checks_page_counts: bool
+    run_checks_cache_coverage: bool
+    run_checks_query_shape: bool
+
+
+class ProbeError(RuntimeError):
+    """The installed FlashInfer did something the probe cannot classify."""
+
+
+def refusal(call) -> str | None:
+    """The message of the ValueError ``call()`` raises, or None when it returns. Any other
+    exception propagates."""
+    try:
+        call()
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    return None
+
+
+def classify_run(what: str, refused: str | None, wrote: bool) -> bool:
+    """True when a run was refused before launching, False when it launched; ProbeError for
+    anything else (refused after writing its output, or returned without writing it)."""
+    if refused is not None and not wrote:
+        return True
+    if refused is None and wrote:
+        return False
+    if refused is not None:
+        raise ProbeError(f"{what}: refused ({refused}) after writing its output")
+    raise ProbeError(f"{what}: returned without writing its output")
+
+
+def probe_behaviour(device, *, features: Features | None = None, make_wrapper=None) -> Behaviour:
+    """Find out what the installed FlashInfer's plan() and run() check, by calling them.
+
+    One wrapper, one query row planned to read slot ``PROBE_SLOT`` (page size 1):
+
+    - plan with ``kv_indptr`` counting 2 pages for ``kv_len`` 1: refused or accepted (plan
+      only, nothing launched either way);
+    - run on a cache of ``PROBE_SLOT + 1`` slots: must launch and write the row (the control);
+    - run on a view of its first ``PROBE_SLOT`` slots, which does not cover the planned slot:
+      refused, or launched, reading the slot that the view leaves out but the allocation holds
+      (memory-safe either way);
+    - run with 2 q rows for the 1 planned row: refused, or launched (the kernel reads the
+      planned row only).
+
+    ``make_wrapper`` defaults to :class:`MLAWrapper` (tests pass a fake)."""
+    dev = torch.device(device)
+    make_wrapper = make_wrapper or MLAWrapper
+    i32 = dict(dtype=torch.int32)
+    kv_indices = torch.full((2,), PROBE_SLOT, device=dev, **i32)  # room for the 2-page plan
+    wrapper = make_wrapper(
+        torch.empty(PROBE_WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
+        qo_indptr=torch.zeros(2, device=dev, **i32), kv_indptr=torch.zeros(2, device=dev, **i32),
+        kv_indices=kv_indices, kv_len_arr=torch.zeros(1, device=dev, **i32), features=features,
+    )
+
+    def plan(pages: int) -> None:
+        wrapper.plan(
+            qo_indptr=torch.tensor([0, 1], **i32), kv_indptr=torch.tensor([0, pages], **i32), kv_indices=kv_indices,
+            kv_len_arr=torch.tensor([1], **i32), num_heads=PROBE_HEADS, head_dim_ckv=KV_LORA_RANK,
+            head_dim_kpe=ROPE_DIM, sm_scale=1.0, kv_dtype=torch.bfloat16,
+        )
+
+    bf16 = dict(dtype=torch.bfloat16, device=dev)
+    ckv = torch.zeros(PROBE_SLOT + 1, 1, KV_LORA_RANK, **bf16)
+    kpe = torch.zeros(PROBE_SLOT + 1, 1, ROPE_DIM, **bf16)
+    q_nope = torch.zeros(2, PROBE_HEADS, KV_LORA_RANK, **bf16)
+    q_pe = torch.zeros(2, PROBE_HEADS, ROPE_DIM, **bf16)
+
+    def run(q_rows: int, cache_slots: int) -> tuple[str | None, bool]:
+        out = torch.full((q_rows, PROBE_HEADS, KV_LORA_RANK), float("nan"), **bf16)
+        lse = torch.full((q_rows, PROBE_HEADS), float("nan"), dtype=torch.float32, device=dev)
+        refused = refusal(lambda: wrapper.run(q_nope[:q_rows], q_pe[:q_rows], ckv[:cache_slots], kpe[:cache_slots],
+                                              out=out, lse=lse))
+        return refused, not bool(out[0].isnan().any())
+
+    control = refusal(lambda: plan(1))
+    if control is not None:
+        raise ProbeError(f"the probe's own plan was refused: {control}")
+    plan_checks = refusal(lambda: plan(2)) is not None
+    plan(1)
+    refused, wrote = run(1, PROBE_SLOT + 1)
+    if refused is not None:
+        raise ProbeError(f"the control run (a cache that covers the planned slot) was refused: {refused}")
+    classify_run("the control run", refused, wrote)
+    return Behaviour(
+        plan_checks_page_counts=plan_checks,
+        run_checks_cache_coverage=classify_run("the run on a cache short of the planned slot", *run(1, PROBE_SLOT)),
+        run_checks_query_shape=classify_run("the run with more q rows than planned", *run(2, PROBE_SLOT + 1)),
+    )

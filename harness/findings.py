@@ -1,16 +1,39 @@
 """The known production findings the suite keeps visible: the reason strings of its strict
-xfails (and of the recorded fixtures that must keep showing a finding). A finding that gets
-fixed turns its xfails into failures that ask for the marker to go."""
+xfails (short, each linking its section of docs/findings.md, and shown in the run's short
+summary), and the exceptions those xfails expect, so that no other error can pass for a
+finding. A finding that gets fixed turns its xfails into failures that ask for the marker to go."""
+
+from __future__ import annotations
+
+FINDINGS_DOC = "docs/findings.md"
 
 #: Regime C rows under the strided and packed layouts (format with ``layout=``).
-REGIME_C_FINDING = (
-    "SPEC §6 #3: pooled rows with ctx < topk and ctx % kpool != 0 (regime C) are not a prefix; "
-    "the {layout} layout plans them as one"
-)
+REGIME_C_FINDING = "regime C rows planned as a prefix under {layout}: " + FINDINGS_DOC + "#regime-c-planned-as-a-prefix"
 
 #: A CUDA graph replayed after a plan whose cluster size differs from the captured one.
 STALE_CLUSTER_FINDING = (
-    "SPEC §6 #8 (stale plan state in a replay): FlashInfer's fa3 MLA plan picks cluster size 2 when "
-    "rows * heads // max_rows > 64, else 1; a graph captured at the maximum size with heads > 64 and "
-    "replayed after a plan with cluster size 1 does not compute the eager result"
+    "graph replay keeps the captured cluster size: " + FINDINGS_DOC + "#graph-replay-with-stale-plan-state"
 )
+
+
+class RegimeCPlannedAsPrefix(AssertionError):
+    """The plan reads a regime C row's hole instead of its tail, on regime C rows and no other
+    (raised before launch)."""
+
+
+def regime_c_finding(step) -> str | None:
+    """What a step shows of the regime C finding: a description when its invariant violations
+    and selection mismatches are all on regime C rows (and there is at least one), else None
+    (a clean step, or one that fails on other rows too: not this finding)."""
+    from .pipeline import describe_rows, selection_mismatches
+
+    regimes = step.scenario.row_regime
+    violating = {v.row for v in step.violations}
+    mismatching = set(selection_mismatches(step))
+    bad = violating | mismatching
+    if not bad or None in bad or any(r >= len(regimes) or regimes[r] != "C" for r in bad):
+        return None
+    return (
+        f"{len(bad)} regime C rows planned as a prefix under {step.layout} (kernel not launched); "
+        f"{step.context()}\n" + describe_rows(step, sorted(bad))
+    )

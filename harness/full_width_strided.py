@@ -1,7 +1,10 @@
 """Run in a subprocess by the crash-safety test: plan the strided layout with full-width lens
-(SPEC §6 #4, every row's -1 tail inside the planned span) and launch, the way the seed did.
-On FlashInfer <= 0.6.x this may fault the device, which is why it runs in its own process.
-Prints one JSON line: what happened."""
+(docs/findings.md#full-width-lengths-strided, every row's -1 tail inside the planned span) and
+launch, the way the seed did. A FlashInfer that does not check cache coverage at run launches
+it and reads slot -1, which may fault the device: that is why it runs in its own process.
+Prints one JSON line per stage reached (the last one says what happened, even when the process
+dies): ``stage`` is write, plan, run (run() called), sync (run() returned: launched) or done,
+with ``error`` where one was raised and, when done, the rows whose output holds NaN."""
 
 from __future__ import annotations
 
@@ -26,20 +29,28 @@ def main(seed: int) -> dict:
     launch = launch_inputs(impl, scenario, inputs, rows)
     out, lse = nan_buffers(rows, scenario.spec.num_heads)
     full = torch.full((rows,), scenario.spec.resolved_width, dtype=torch.int32)
-    result = {"version": state.features.version, "stage": "write"}
+    result = {"version": state.features.version, "rows": rows}
+
+    def reached(stage: str) -> None:
+        result["stage"] = stage
+        print(json.dumps(result), flush=True)
+
     try:
+        reached("write")
         state.write_indices(launch.topk_indices, launch.block_table, launch.req_id)  # -1 tails in kv_indices
-        result["stage"] = "plan"
+        reached("plan")
         state.plan(rows, full)
-        result["stage"] = "run"
+        reached("run")
         state.attend(inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, out, lse)
+        reached("sync")
         torch.cuda.synchronize()
-        result["stage"] = "done"
         result["nan_rows"] = int(torch.isnan(out.float()).flatten(1).any(dim=1).sum())
+        reached("done")
     except Exception as exc:  # the outcome is the report
         result["error"] = f"{type(exc).__name__}: {exc}"
+        print(json.dumps(result), flush=True)
     return result
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)), flush=True)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)

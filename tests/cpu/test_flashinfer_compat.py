@@ -1,20 +1,29 @@
 """The FlashInfer compatibility layer's pure parts: version parsing, feature detection from
 signatures, the version gates and their skip reasons, the dtype fp8 caches are planned with
-(SPEC §6 #6), and the cluster-size rule behind the graph-replay finding."""
+(SPEC §6 #6), the cluster-size rule behind the graph-replay finding, and the behaviour probe
+against stand-ins for FlashInfer releases that check, or do not check, before launching."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 import torch
 
 from fast.flashinfer_compat import (
+    PROBE_SLOT,
+    PROBED_BEHAVIOURS,
+    Behaviour,
+    ProbeError,
+    classify_run,
     fa3_mla_cluster_size,
     features_from,
     kernel_kv_view,
     parse_version,
     planning_kv_dtype,
+    probe_behaviour,
+    refusal,
     unsupported_reason,
 )
 
@@ -41,12 +50,12 @@ def test_0_7_signatures_give_the_canonical_forms():
     f = features_from("0.7.4", FLAT_PLAN + ("metadata", "query_layout", "kv_cache_layout", "lse_mode"),
                       FLAT_RUN + ("query", "kv_cache", "return_lse_base_on_e") + SCALES, has_plan_metadata=True)
     assert f.canonical_plan and f.structural_run and f.plan_lse_mode and f.run_lse_base_e
-    assert f.nope and f.fp8_kv and f.csr_page_count_check
+    assert f.nope and f.fp8_kv
 
 
 def test_0_6_signatures_give_the_flat_forms():
     f = features_from("0.6.18.post1", FLAT_PLAN, FLAT_RUN + ("return_lse_base_on_e",) + SCALES, has_plan_metadata=False)
-    assert not f.canonical_plan and not f.structural_run and not f.csr_page_count_check
+    assert not f.canonical_plan and not f.structural_run
     assert f.nope and f.fp8_kv and f.run_lse_base_e
 
 
@@ -90,3 +99,115 @@ def test_fp8_caches_are_planned_as_e4m3_never_their_storage_dtype():
 ])
 def test_cluster_size_rule(rows, heads, reserved, cluster):
     assert fa3_mla_cluster_size(rows, heads, reserved) == cluster
+
+
+def test_signatures_alone_probe_nothing():
+    f = features_from("0.7.4", FLAT_PLAN + ("metadata", "query_layout", "kv_cache_layout"), FLAT_RUN, True)
+    assert (f.plan_checks_page_counts, f.run_checks_cache_coverage, f.run_checks_query_shape) == (None, None, None)
+    assert not f.probed and f.describe().endswith("; probed: not probed")
+
+
+def test_describe_names_each_probed_behaviour():
+    f = features_from("0.7.2.post1", FLAT_PLAN, FLAT_RUN, has_plan_metadata=False)
+    f = dataclasses.replace(f, plan_checks_page_counts=True, run_checks_cache_coverage=False, run_checks_query_shape=False)
+    assert f.probed
+    assert f.describe().endswith(
+        "probed: plan_checks_page_counts yes, run_checks_cache_coverage no, run_checks_query_shape no"
+    ), f.describe()
+
+
+# --- the probe, against stand-ins for the wrapper ------------------------------------------
+
+
+class FakeRelease:
+    """Stands in for fast.flashinfer_compat.MLAWrapper on a release that does (or does not)
+    check page counts at plan, cache coverage and q rows at run. A launch writes zeros into the
+    planned rows of ``out`` after reading the planned slots from the storage under the cache
+    view (as the kernel would)."""
+
+    checks = Behaviour(False, False, False)
+    run_error: Exception | None = None
+
+    def __init__(self, workspace, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr, features=None):
+        self.kv_indices = kv_indices
+        self.planned_rows = 0
+        self.planned_slots: list[int] = []
+        self.launches = 0
+
+    def plan(self, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr, **kwargs):
+        pages = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+        if self.checks.plan_checks_page_counts and pages != kv_len_arr.tolist():
+            raise ValueError("CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size).")
+        self.planned_rows = int(qo_indptr[-1])
+        self.planned_slots = kv_indices[int(kv_indptr[0]):int(kv_indptr[-1])].tolist()
+
+    def run(self, q_nope, q_pe, ckv, kpe, *, out, lse):
+        if self.run_error is not None:
+            raise self.run_error
+        if self.checks.run_checks_query_shape and q_nope.shape[0] != self.planned_rows:
+            raise ValueError("q_nope rows and heads must match the planned query shape.")
+        if self.checks.run_checks_cache_coverage and ckv.shape[0] < max(self.planned_slots) + 1:
+            raise ValueError("KV cache does not cover the planned CSR page indices.")
+        storage = ckv.untyped_storage().nbytes() // (ckv.element_size() * ckv[0].numel())
+        assert max(self.planned_slots) < storage, "the probe let the kernel read past the allocation"
+        self.launches += 1
+        out[: self.planned_rows] = 0
+        lse[: self.planned_rows] = 0
+
+
+def release(plan_pages: bool, run_cache: bool, run_q: bool, **attrs):
+    return type("Release", (FakeRelease,), {"checks": Behaviour(plan_pages, run_cache, run_q), **attrs})
+
+
+@pytest.mark.parametrize("checks", [
+    Behaviour(False, False, False),  # as 0.6.18.post1 reads
+    Behaviour(True, False, False),  # as 0.7.0.post1 and 0.7.2.post1 read
+    Behaviour(True, True, True),  # as 0.7.4 reads
+    Behaviour(False, True, False),
+])
+def test_probe_finds_what_the_release_checks(checks):
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(release(*dataclasses.astuple(checks))(*args, **kwargs))
+        return made[-1]
+
+    assert probe_behaviour("cpu", make_wrapper=make) == checks
+    assert made[0].planned_slots == [PROBE_SLOT], "the probe must leave the wrapper planned for its one row"
+    assert made[0].launches == 1 + (not checks.run_checks_cache_coverage) + (not checks.run_checks_query_shape)
+
+
+def test_probe_behaviours_are_the_described_ones():
+    assert [f.name for f in dataclasses.fields(Behaviour)] == list(PROBED_BEHAVIOURS)
+
+
+def test_probe_lets_other_exceptions_through():
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        probe_behaviour("cpu", make_wrapper=release(True, True, True, run_error=TypeError("unexpected keyword")))
+
+
+def test_probe_refused_control_run_is_an_error():
+    with pytest.raises(ProbeError, match="control run .* refused: ValueError: no"):
+        probe_behaviour("cpu", make_wrapper=release(True, True, True, run_error=ValueError("no")))
+
+
+def test_refusal_is_a_value_error_message_or_none():
+    assert refusal(lambda: None) is None
+
+    def refuse():
+        raise ValueError("KV cache does not cover")
+
+    assert refusal(refuse) == "ValueError: KV cache does not cover"
+
+
+@pytest.mark.parametrize(("refused", "wrote", "expected"), [("ValueError: x", False, True), (None, True, False)])
+def test_classify_run(refused, wrote, expected):
+    assert classify_run("run", refused, wrote) is expected
+
+
+@pytest.mark.parametrize(("refused", "wrote", "message"), [
+    ("ValueError: x", True, "refused .* after writing"), (None, False, "without writing"),
+])
+def test_classify_run_rejects_what_it_cannot_tell(refused, wrote, message):
+    with pytest.raises(ProbeError, match=message):
+        classify_run("run", refused, wrote)

@@ -1,5 +1,6 @@
-"""GPU-tier fixtures: the installed FlashInfer's features, and the FlashInfer warnings each test
-raised attached to its report (summed up by ``pytest_sparse_mla.gpus``)."""
+"""GPU-tier fixtures: the installed FlashInfer's features (its checks probed on the GPU), and
+the FlashInfer warnings each test raised attached to its report (summed up by
+``pytest_sparse_mla.gpus``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pytest_sparse_mla.keys import WARNING_KEY
 
 @pytest.fixture(scope="session")
 def features():
-    """Features of the installed FlashInfer (fast.flashinfer_compat.Features)."""
+    """Features of the installed FlashInfer (fast.flashinfer_compat.Features), its checks
+    before launch probed on this process's GPU."""
     from fast.flashinfer_compat import detect_features
+    from harness.launch import DEVICE
 
-    return detect_features()
+    return detect_features(DEVICE)
 
 
 @pytest.fixture(autouse=True)

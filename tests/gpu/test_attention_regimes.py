@@ -19,7 +19,7 @@ import torch
 from fast.layouts import LAYOUTS
 from harness import build_attention_inputs, build_scenario
 from harness.cases import all_regime_cases, case_layout_index, covering_config, large_batch_cases, situation_cases
-from harness.findings import REGIME_C_FINDING
+from harness.findings import REGIME_C_FINDING, RegimeCPlannedAsPrefix, regime_c_finding
 from harness.launch import (
     DEVICE,
     sync,
@@ -55,15 +55,17 @@ def params(cases, offset: int = 0):
             config = covering_config(case_layout_index(offset + i, j))
             marks = []
             if c_rows and layout != "compacted":
-                marks.append(pytest.mark.xfail(reason=REGIME_C_FINDING.format(layout=layout), strict=True))
+                marks.append(pytest.mark.xfail(reason=REGIME_C_FINDING.format(layout=layout),
+                                               raises=RegimeCPlannedAsPrefix, strict=True))
             out.append(pytest.param(case, layout, config, id=f"{case.id}-{layout}-{config.id}", marks=marks))
     return out
 
 
 def strided_rejected(features, step) -> bool:
-    """FlashInfer >= 0.7 refuses a strided plan whose live rows are not all full width."""
+    """A FlashInfer whose plan checks page counts (probed) refuses a strided plan whose live
+    rows are not all full width."""
     width = step.scenario.spec.resolved_width
-    return step.layout == "strided" and features.csr_page_count_check and bool((step.planned_lens != width).any())
+    return step.layout == "strided" and features.plan_checks_page_counts and bool((step.planned_lens != width).any())
 
 
 def run_case(impl, features, request, regime_log, case, layout, config, seed: int, *, scenario=None, label=""):
@@ -76,6 +78,9 @@ def run_case(impl, features, request, regime_log, case, layout, config, seed: in
     assert step.num_planned == scenario.planned_rows, (
         f"{step.num_planned} rows planned but q has {scenario.planned_rows}; {failure_context(step, features.version)}"
     )
+    finding = regime_c_finding(step)
+    if finding:
+        raise RegimeCPlannedAsPrefix(finding)
     assert_launchable(step, features.version)
 
     inputs = build_attention_inputs(scenario, DEVICE)

@@ -23,8 +23,9 @@ def program(impl, layout: str) -> list[torch.Tensor]:
              batch((5000, 4), (261, 4), topk=256, kpool=4, num_heads=16, block_size=16, decode_threshold=4)]
     scenarios = [build_scenario(s, seed=50 + i) for i, s in enumerate(specs)]
     state = impl.make_attention_state(attention_config(scenarios[0], layout, max_rows=8), DEVICE)
-    # One KV cache for the whole program, as in an engine (FlashInfer >= 0.7 checks at run
-    # that the cache covers every index in the reserved kv_indices buffer).
+    # One KV cache for the whole program, as in an engine (a FlashInfer that checks cache
+    # coverage at run, Features.run_checks_cache_coverage, refuses a cache short of the
+    # planned slots).
     spec = scenarios[0].spec
     cache = torch.empty((max(s.num_blocks for s in scenarios), spec.block_size, spec.head_dim), dtype=torch.bfloat16,
                         device=DEVICE)

@@ -65,7 +65,7 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
     state = impl.make_attention_state(attention_config(scenarios[0], layout, static.max_rows), DEVICE)
 
     first = steps[0]
-    if features.csr_page_count_check and layout == "strided":
+    if features.plan_checks_page_counts and layout == "strided":
         with pytest.raises(ValueError, match="CSR metadata page counts in kv_indptr must equal ceil"):
             state.plan(first.num_planned, first.planned_lens)
         return

@@ -1,7 +1,7 @@
-"""The FlashInfer compatibility layer on the installed version: feature detection, the LSE base
-actually returned (SPEC §6 #7), the flat call forms and their deprecation warnings, fp8 planned
-as float8_e4m3fn whatever the storage dtype (SPEC §6 #6), and crash safety for the full-width
-strided lens (SPEC §6 #4) in a subprocess."""
+"""The FlashInfer compatibility layer on the installed version: feature detection and the probed
+checks before launch, the LSE base actually returned (SPEC §6 #7), the flat call forms and their
+deprecation warnings, fp8 planned as float8_e4m3fn whatever the storage dtype (SPEC §6 #6), and
+the full-width strided lens (docs/findings.md#full-width-lengths-strided) in a subprocess."""
 
 from __future__ import annotations
 
@@ -68,10 +68,22 @@ def launch_compacted(impl, scenario, **state_kwargs):
     return step, inputs, state, launch, out, lse
 
 
+#: What each release's fa3 backend checks before launching, read from its wheel's source
+#: (plan: ``_batch_mla/_planning.py``; run: ``_check_planned_geometry`` in
+#: ``_batch_mla/_backends/_fa_common.py``), as (page counts at plan, cache coverage at run,
+#: q rows at run). Only to check the probe: the suite keys on what the probe finds.
+CHECKS_IN_SOURCE = {
+    "0.6.18.post1": (False, False, False),
+    "0.7.0.post1": (True, False, False),
+    "0.7.2.post1": (True, False, False),
+    "0.7.4": (True, True, True),
+}
+
+
 def test_features_match_the_installed_version(features):
     v = parse_version(features.version)
     assert features.canonical_plan == features.structural_run == (v >= CANONICAL_MIN_VERSION), features.describe()
-    assert features.csr_page_count_check == (v >= CANONICAL_MIN_VERSION)
+    assert features.probed, f"the GPU tier's features were not probed: {features.describe()}"
     assert features.run_lse_base_e, f"return_lse_base_on_e missing in {features.version} (expected from 0.5.3)"
     assert features.nope == (v >= (0, 6, 18)) and features.fp8_kv == (v >= (0, 6, 14))
     old = features_from("0.6.10", ["qo_indptr"], ["q_nope", "return_lse_base_on_e"], False)
@@ -79,6 +91,16 @@ def test_features_match_the_installed_version(features):
     assert unsupported_reason(old, rope_dim=64, kv_dtype=torch.float8_e4m3fn).startswith("fp8 KV")
     assert unsupported_reason(features_from("0.8.1", [], [], True), rope_dim=64, kv_dtype=torch.bfloat16)
     assert planning_kv_dtype(torch.uint8) == planning_kv_dtype(torch.float8_e4m3fn) == torch.float8_e4m3fn
+
+
+def test_probe_finds_the_checks_in_the_release_source(features, record_property):
+    """The probe against what the source of the installed release checks (where it was read)."""
+    record_property("flashinfer_features", features.describe())
+    print(features.describe())
+    if features.version not in CHECKS_IN_SOURCE:
+        pytest.skip(f"no source reading for flashinfer {features.version}; probed: {features.describe()}")
+    found = (features.plan_checks_page_counts, features.run_checks_cache_coverage, features.run_checks_query_shape)
+    assert found == CHECKS_IN_SOURCE[features.version], features.describe()
 
 
 @pytest.mark.parametrize("config_index", [0, 1], ids=["bf16", "fp8"])
@@ -147,21 +169,37 @@ def test_fp8_cache_in_uint8_storage_is_planned_as_e4m3(impl, features, request, 
         )
 
 
-def test_full_width_strided_lens_in_a_subprocess(features):
-    """Full-width kv_len with -1 tails (SPEC §6 #4) runs in its own process: on >= 0.7 run()
-    refuses it (ValueError, nothing launched); on <= 0.6.x it launches and reads slot -1 (it
-    may fault). Either way this process's CUDA context stays healthy."""
+def run_full_width_strided() -> tuple[dict, str]:
+    """The last stage ``harness.full_width_strided`` reached (with ``returncode`` and
+    ``died`` when the process did not exit cleanly), and its stderr tail."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "harness.full_width_strided", "41"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    outcome = json.loads(lines[-1]) if lines else {"stage": "crashed", "returncode": proc.returncode}
-    detail = f"flashinfer {features.version}: outcome {outcome}; stderr tail: {proc.stderr[-800:]}"
-    if features.csr_page_count_check:
-        assert outcome.get("stage") == "run" and "KV cache does not cover" in outcome.get("error", ""), detail
+    outcome = json.loads(lines[-1]) if lines else {"stage": None}
+    if proc.returncode != 0:
+        outcome.update(returncode=proc.returncode, died=True)
+    return outcome, proc.stderr[-800:]
+
+
+def test_full_width_strided_lens_in_a_subprocess(features, record_property):
+    """Full-width kv_len with -1 tails (docs/findings.md#full-width-lengths-strided), in its own
+    process. A FlashInfer whose run() checks cache coverage (probed) refuses it before launching;
+    one that does not launches it and reads slot -1: it may finish (the rows holding NaN are
+    recorded), fault at the sync, or kill the process. Either way this process's CUDA context
+    stays healthy."""
+    outcome, stderr = run_full_width_strided()
+    record_property("full_width_strided", outcome)
+    detail = f"{features.describe()}; outcome {outcome}; stderr tail: {stderr}"
+    print(detail)
+    error = outcome.get("error", "")
+    if features.run_checks_cache_coverage:
+        assert outcome.get("stage") == "run" and error.startswith("ValueError: KV cache does not cover"), detail
+        assert not outcome.get("died"), detail
     else:
-        assert outcome.get("stage") in ("run", "done", "crashed"), detail
-        print(detail)
+        assert outcome.get("stage") in ("sync", "done") and not error.startswith("ValueError"), (
+            "expected a launch (run() returned), as the probe found no cache-coverage check; " + detail
+        )
     sync()
-    probe = torch.arange(1 << 20, device=DEVICE, dtype=torch.float32)
-    assert math.isclose(float(probe.sum()), (1 << 20) * ((1 << 20) - 1) / 2, rel_tol=1e-6)
+    healthy = torch.arange(1 << 20, device=DEVICE, dtype=torch.float32)
+    assert math.isclose(float(healthy.sum()), (1 << 20) * ((1 << 20) - 1) / 2, rel_tol=1e-6)
