@@ -65,3 +65,43 @@ def pin_worker_gpu(worker_id: str | None) -> None:
     if choice is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = choice
 
+
+
+def gpus_without_cuda() -> list[tuple[str, str]]:
+    """``(name, compute capability such as "9.0")`` of each NVIDIA GPU, asked of NVML or
+    nvidia-smi so that CUDA stays uninitialised; the capability is "" where the driver does
+    not report it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            gpus = []
+            for i in range(int(pynvml.nvmlDeviceGetCount())):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                name = pynvml.nvmlDeviceGetName(handle)
+                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+                gpus.append((name.decode() if isinstance(name, bytes) else str(name), f"{major}.{minor}"))
+            return gpus
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    if not shutil.which("nvidia-smi"):
+        return []
+    for fields in ("name,compute_cap", "name"):  # older drivers do not know compute_cap
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return []
+        if done.returncode == 0:
+            rows = [[part.strip() for part in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+            return [(row[0], row[1] if len(row) > 1 else "") for row in rows]
+    return []
+
+
+def every_gpu_hidden() -> bool:
+    """CUDA_VISIBLE_DEVICES is set to hide every GPU ("" or "-1")."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.strip() in ("", "-1")

@@ -8,11 +8,13 @@ plan + run on top of the same :class:`Step`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from fast.layouts import indices_capacity
+from recording.case_log import note_step
 from reference import Violation, check_plan_invariants, intended_selection, planned_selection
 from reference.invariants import same_multisets
 from reference.rules import valid_first
@@ -45,9 +47,17 @@ class Step:
         return f"layout={self.layout} {self.scenario.describe()}"
 
 
+def meta_on_device(meta, device):
+    """The step metadata with the tensors the engine keeps on the device (seq_lens,
+    positions) on ``device``; the host ones stay on the host."""
+    positions = None if meta.positions is None else meta.positions.to(device)
+    return dataclasses.replace(meta, seq_lens=meta.seq_lens.to(device), positions=positions)
+
+
 def prepare_step(impl, scenario: Scenario, layout: str, device="cpu", max_rows: int | None = None) -> Step:
-    """Convert, compute lens, lay out kv_indices, and check the invariants (no kernel)."""
-    spec, meta = scenario.spec, scenario.meta
+    """Convert, compute lens, lay out kv_indices, and check the invariants (no kernel), with
+    the device tensors of the step on ``device``."""
+    spec, meta = scenario.spec, meta_on_device(scenario.meta, device)
     rows = scenario.topk_indices.shape[0]
     max_rows = max(rows, 1) if max_rows is None else max_rows
     width = spec.resolved_width
@@ -73,7 +83,9 @@ def prepare_step(impl, scenario: Scenario, layout: str, device="cpu", max_rows: 
         width=width,
         regimes=scenario.row_regime,
     )
-    return Step(scenario, layout, max_rows, slots, counts, lens, planned, indptr, kv_indices, violations)
+    step = Step(scenario, layout, max_rows, slots, counts, lens, planned, indptr, kv_indices, violations)
+    note_step(step)  # the case a failing test dumps under --dump-failures
+    return step
 
 
 def intended(step: Step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +131,6 @@ def describe_rows(step: Step, rows: list[int], limit: int = 6) -> str:
 
 def fixture_from_step(step: Step, inputs, outputs=None, **meta):
     """A replayable fixture of the step's planned rows (only the referenced KV slots kept)."""
-    import dataclasses
-
     from recording.fixture import build_fixture
 
     sc, spec = step.scenario, step.scenario.spec

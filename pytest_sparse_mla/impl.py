@@ -1,45 +1,88 @@
-"""The implementation under test (``--impl module:factory``, the ``impl`` fixture) and the GPU
-gating of ``gpu``-marked tests: skipped with the reason where no SM90 GPU with FlashInfer is
-usable."""
+"""The implementation under test (``--impl module:factory``, the ``impl`` fixture), the device
+production code runs on (``--device``, the ``device`` fixture), and the GPU gating of
+``gpu``-marked tests: skipped with the reason where no SM90 GPU with FlashInfer is usable, and
+said plainly (header and summary) where an NVIDIA GPU is visible but the GPU tier cannot run;
+``--require-gpu-tier`` makes that a failure.
+
+Who decides what: the controlling process (the only one under plain pytest) never touches
+CUDA nor imports FlashInfer; it asks NVML / nvidia-smi and ``importlib`` for the header and for
+``--require-gpu-tier``. The processes that run tests (xdist workers, after their GPU pinning)
+make the full check (CUDA, the FlashInfer import) when they collect ``gpu`` tests, and hand
+its result to the controller (``workeroutput``) for the summary.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
 
+import pytest
+import torch
+
+from fast import convert as fast_convert
 from fast.impl import DEFAULT_IMPL_SPEC, load_impl
+from harness import availability, gpu_env
 
 from .keys import GROUP
 
 IMPL_SPEC = pytest.StashKey[str]()
-GPU_REASON = pytest.StashKey[str]()  # why the GPU tier is skipped ("" when it runs)
+GPU_REASON = pytest.StashKey[str]()  # why the GPU tier is skipped ("" when it runs), per test process
+WORKER_GPU_REASONS = pytest.StashKey[set]()  # the workers' GPU_REASON (controller)
+GPU_STATUS = pytest.StashKey["GpuTierStatus"]()  # the controller's CUDA-free view
+GPU_REASON_KEY = "sparse_mla_gpu_tier"  # workeroutput: a worker's GPU_REASON
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 def pytest_addoption(parser):
-    parser.getgroup(*GROUP).addoption(
+    group = parser.getgroup(*GROUP)
+    group.addoption(
         "--impl",
         default=DEFAULT_IMPL_SPEC,
         metavar="MODULE:FACTORY",
         help="implementation under test: a factory returning an object with the fast.impl.SparseMLAImpl "
         f"methods (default: {DEFAULT_IMPL_SPEC})",
     )
+    group.addoption(
+        "--device",
+        default="auto",
+        choices=DEVICE_CHOICES,
+        help="device the tests hand the implementation under test its inputs on (default auto: cuda where "
+        "torch sees a CUDA GPU and TRITON_INTERPRET is not 1, else cpu)",
+    )
+    group.addoption(
+        "--require-gpu-tier",
+        action="store_true",
+        default=False,
+        help="fail the run, instead of skipping the gpu-marked tests, where the GPU tier cannot run "
+        "(no NVIDIA GPU, not sm_90, FlashInfer missing or failing to import)",
+    )
 
 
-def pytest_configure(config):
-    config.stash[IMPL_SPEC] = config.getoption("--impl")
+# --- device ------------------------------------------------------------------------------------
 
 
-def pytest_collection_modifyitems(config, items):
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
-        return
-    from harness.availability import sm90_flashinfer_unavailable_reason
+def resolve_device(choice: str, *, cuda_available: bool, interpreted: bool) -> torch.device:
+    """``auto``: cuda where CUDA is usable and the convert kernel is compiled, else cpu."""
+    if choice == "auto":
+        return torch.device("cuda" if cuda_available and not interpreted else "cpu")
+    return torch.device(choice)
 
-    reason = sm90_flashinfer_unavailable_reason()
-    config.stash[GPU_REASON] = reason or ""
-    if reason:
-        skip = pytest.mark.skip(reason=f"GPU tier: {reason}")
-        for item in gpu_items:
-            item.add_marker(skip)
+
+def device_problem(device: torch.device, *, cuda_available: bool, interpreted: bool, default_impl: bool) -> str | None:
+    """Why production code cannot run on ``device`` here, or None."""
+    if device.type == "cuda" and not cuda_available:
+        return "--device=cuda, but torch sees no CUDA GPU here"
+    if device.type == "cpu" and not interpreted and default_impl:
+        return ("the convert kernel is compiled (TRITON_INTERPRET is not 1) and takes CUDA tensors only; "
+                "for --device=cpu on a GPU machine set TRITON_INTERPRET=1")
+    return None
+
+
+def kernel_line(device: torch.device, gpu_name: str | None, *, interpreted: bool) -> str:
+    """Where the project's convert kernel runs, for the header."""
+    if device.type == "cpu":
+        return "convert kernel: Triton interpreter on CPU" if interpreted else "convert kernel: compiled Triton on CPU"
+    where = f"cuda:0 ({gpu_name})" if gpu_name else "cuda:0"
+    return f"convert kernel: {'Triton interpreter' if interpreted else 'compiled Triton'} on {where}"
 
 
 @pytest.fixture(scope="session")
@@ -48,12 +91,150 @@ def impl(pytestconfig):
     return load_impl(pytestconfig.stash[IMPL_SPEC])
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if hasattr(config, "workerinput"):
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> torch.device:
+    """The device of the inputs every test hands the implementation under test (``--device``).
+    Inputs are built on the host (identical on every machine) and moved here; references may
+    run on the host and compare after ``.cpu()``."""
+    interpreted = fast_convert.INTERPRETED
+    cuda_available = torch.cuda.is_available()  # after this worker's GPU pinning
+    chosen = resolve_device(pytestconfig.getoption("--device"), cuda_available=cuda_available, interpreted=interpreted)
+    problem = device_problem(chosen, cuda_available=cuda_available, interpreted=interpreted,
+                             default_impl=pytestconfig.stash[IMPL_SPEC] == DEFAULT_IMPL_SPEC)
+    if problem:
+        pytest.fail(f"device {chosen}: {problem}", pytrace=False)
+    return chosen
+
+
+# --- GPU tier status ------------------------------------------------------------------------------
+
+
+class GpuTierStatus:
+    """The controller's view, without CUDA: the NVIDIA GPUs found and why the tier cannot run."""
+
+    def __init__(self, gpus: list[tuple[str, str]], reason: str | None):
+        self.gpus = gpus
+        self.reason = reason
+
+    @property
+    def gpu_name(self) -> str | None:
+        return self.gpus[0][0] if self.gpus else None
+
+    def machine(self) -> str:
+        return f"{len(self.gpus)} NVIDIA GPU{'s' if len(self.gpus) != 1 else ''} ({self.gpu_name})"
+
+    def header_line(self) -> str:
+        if not self.gpus:
+            return "GPU tier: not run here (no NVIDIA GPU found)"
+        if self.reason:
+            return f"GPU tier: NOT RUN on this machine with {self.machine()}: {self.reason}"
+        return f"GPU tier: runs on {self.machine()}, sm_90, flashinfer installed (its import is checked when the GPU tests are collected)"
+
+
+def not_run_line(reason: str, status: GpuTierStatus | None) -> str:
+    """The summary's line on a GPU tier that did not run: plain where a GPU is visible."""
+    if status is not None and status.gpus:
+        return f"GPU tier NOT RUN on a machine with {status.machine()}: {reason}"
+    return f"GPU tier skipped: {reason}"
+
+
+def require_gpu_tier_error(status: GpuTierStatus) -> str:
+    return f"--require-gpu-tier: the GPU tier cannot run here: {status.reason}"
+
+
+def cuda_seen_without_cuda(gpus: list[tuple[str, str]]) -> bool:
+    """What ``torch.cuda.is_available()`` will say, asked without initialising CUDA."""
+    return bool(gpus) and torch.version.cuda is not None and not gpu_env.every_gpu_hidden()
+
+
+def is_controller(config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    config.stash[IMPL_SPEC] = config.getoption("--impl")
+    if not is_controller(config):
         return
-    reason = config.stash.get(GPU_REASON, None)
-    if reason:
-        terminalreporter.write_line(f"GPU tier skipped: {reason}")
+    gpus = gpu_env.gpus_without_cuda()
+    status = GpuTierStatus(gpus, availability.reason_without_cuda(gpus))
+    config.stash[GPU_STATUS] = status
+    if config.getoption("--require-gpu-tier") and status.reason:
+        raise pytest.UsageError(require_gpu_tier_error(status))
+    cuda_seen = cuda_seen_without_cuda(gpus)
+    chosen = resolve_device(config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED)
+    problem = device_problem(chosen, cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED,
+                             default_impl=config.stash[IMPL_SPEC] == DEFAULT_IMPL_SPEC)
+    if problem:
+        raise pytest.UsageError(problem)
+
+
+def pytest_report_header(config):
+    if not is_controller(config):
+        return []
+    status = config.stash[GPU_STATUS]
+    cuda_seen = cuda_seen_without_cuda(status.gpus)
+    chosen = resolve_device(config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED)
+    spec = config.stash[IMPL_SPEC]
+    lines = []
+    if spec == DEFAULT_IMPL_SPEC:
+        lines.append(kernel_line(chosen, status.gpu_name, interpreted=fast_convert.INTERPRETED))
+    else:
+        lines.append(f"implementation under test: {spec}, inputs on {chosen}")
+    lines.append(status.header_line())
+    return lines
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = availability.sm90_flashinfer_unavailable_reason()
+    config.stash[GPU_REASON] = reason or ""
+    if reason and not config.getoption("--require-gpu-tier"):
+        skip = pytest.mark.skip(reason=f"GPU tier: {reason}")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    """Under ``--require-gpu-tier`` a GPU test that cannot run fails with the reason."""
+    reason = item.config.stash.get(GPU_REASON, "")
+    if reason and item.config.getoption("--require-gpu-tier") and item.get_closest_marker("gpu"):
+        pytest.fail(f"--require-gpu-tier: the GPU tier cannot run: {reason}", pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if not is_controller(config) and GPU_REASON in config.stash:
+        config.workeroutput[GPU_REASON_KEY] = config.stash[GPU_REASON]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    reason = getattr(node, "workeroutput", {}).get(GPU_REASON_KEY)
+    if reason is not None:
+        node.config.stash.setdefault(WORKER_GPU_REASONS, set()).add(reason)
+
+
+def gpu_tier_reasons(config) -> list[str]:
+    """Why the GPU tier did not run: what the test processes found where they collected GPU
+    tests, else the controller's CUDA-free view where a GPU is visible."""
+    found = set(config.stash.get(WORKER_GPU_REASONS, set()))
+    if GPU_REASON in config.stash:
+        found.add(config.stash[GPU_REASON])
+    if found:
+        return sorted(r for r in found if r)
+    status = config.stash.get(GPU_STATUS, None)
+    return [status.reason] if status is not None and status.gpus and status.reason else []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not is_controller(config):
+        return
+    status = config.stash.get(GPU_STATUS, None)
+    for reason in gpu_tier_reasons(config):
+        visible = status is not None and bool(status.gpus)
+        terminalreporter.write_line(not_run_line(reason, status), red=visible, bold=visible)
     impl_spec = config.stash.get(IMPL_SPEC, None)
     if impl_spec:
         terminalreporter.write_line(f"implementation under test: {impl_spec}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from harness import batch, build_attention_inputs, build_scenario
+from harness.pipeline import meta_on_device
 from recording.capture import capture_mla
 from recording.fixture import load_fixture
 from recording.replay import replay
@@ -15,7 +16,8 @@ from reference import lse_to_base2, sparse_mla_reference
 
 
 class StandInWrapper:
-    """FlashInfer-0.6-shaped MLA wrapper computing with the float32 reference."""
+    """FlashInfer-0.6-shaped MLA wrapper computing with the float32 reference on the host
+    (whatever device the program's kv_indices are on)."""
 
     def __init__(self, kv_indices: torch.Tensor):
         self.kv_indices = kv_indices
@@ -25,12 +27,13 @@ class StandInWrapper:
         self._plan = (qo_indptr.clone(), kv_indptr.clone(), kv_len_arr.clone(), sm_scale)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, return_lse_base_on_e=False):
-        qo, kv_indptr, kv_len, sm_scale = self._plan
+        qo, kv_indptr, kv_len, sm_scale = (t.cpu() if isinstance(t, torch.Tensor) else t for t in self._plan)
         rows = int(qo[-1])
         width = int(kv_len[:rows].max()) if rows else 0
         pos = kv_indptr[:rows, None] + torch.arange(width)
         mask = torch.arange(width) < kv_len[:rows, None]
-        slots = torch.where(mask, self.kv_indices[pos.clamp(max=self.kv_indices.numel() - 1)], 0)
+        kv_indices = self.kv_indices.cpu()
+        slots = torch.where(mask, kv_indices[pos.clamp(max=kv_indices.numel() - 1)], 0)
         o, l = sparse_mla_reference(q_nope[:rows], q_pe[:rows], ckv_cache, kpe_cache, slots, mask=mask, sm_scale=sm_scale,
                                     mode="float32")
         o = o.to(q_nope.dtype)
@@ -38,22 +41,23 @@ class StandInWrapper:
         return (o, l) if return_lse else o
 
 
-def seed_style_program(impl, steps: list, max_rows: int, width: int) -> list[torch.Tensor]:
-    """Reserved buffers; per step: convert into kv_indices (strided), plan with exact lens, run."""
-    kv_indices = torch.full((max_rows * width + 1,), -1, dtype=torch.int32)
+def seed_style_program(impl, device, steps: list, max_rows: int, width: int) -> list[torch.Tensor]:
+    """Reserved buffers on ``device``; per step: convert into kv_indices (strided), plan with
+    exact lens, run."""
+    kv_indices = torch.full((max_rows * width + 1,), -1, dtype=torch.int32, device=device)
     wrapper = StandInWrapper(kv_indices)
     outputs = []
     for scenario, inputs in steps:
         n = scenario.num_rows
-        lens = impl.kv_lens(scenario.meta, topk=scenario.spec.topk, kpool=scenario.spec.kpool, async_scheduling=False)
+        lens = impl.kv_lens(meta_on_device(scenario.meta, device), topk=scenario.spec.topk, kpool=scenario.spec.kpool, async_scheduling=False)
         qo = torch.arange(max_rows + 1, dtype=torch.int32).clamp(max=n)
         wrapper.plan(qo, qo * width, kv_indices, torch.cat([lens, torch.full((max_rows - n,), width, dtype=torch.int32)]),
                      scenario.spec.num_heads, 512, 64, 1, False, scenario.spec.sm_scale)
         rows = kv_indices[: max_rows * width].view(max_rows, width)
-        req = impl.request_ids(scenario.meta.query_start_loc_cpu, max_rows)
-        topk = torch.full((max_rows, width), -1, dtype=torch.int32)
-        topk[:n] = scenario.topk_indices[:n]
-        impl.convert(topk, scenario.block_table, req, scenario.spec.block_size, out=rows)
+        req = impl.request_ids(scenario.meta.query_start_loc_cpu.to(device), max_rows)
+        topk = torch.full((max_rows, width), -1, dtype=torch.int32, device=device)
+        topk[:n] = scenario.topk_indices[:n].to(device)
+        impl.convert(topk, scenario.block_table.to(device), req, scenario.spec.block_size, out=rows)
         out, lse = wrapper.run(inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, return_lse=True)
         outputs.append(torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1))
     return outputs
@@ -67,13 +71,13 @@ def program_steps():
     return steps
 
 
-def test_capture_records_replayable_fixtures_without_changing_results(impl, tmp_path):
+def test_capture_records_replayable_fixtures_without_changing_results(impl, device, tmp_path):
     steps = program_steps()
-    plain = seed_style_program(impl, steps, max_rows=4, width=256)
+    plain = seed_style_program(impl, device, steps, max_rows=4, width=256)
     originals = (StandInWrapper.plan, StandInWrapper.run)
     with capture_mla(tmp_path, every=1, max_cases=10, wrapper_cls=StandInWrapper) as log:
         assert (StandInWrapper.plan, StandInWrapper.run) != originals, "capture did not hook the wrapper"
-        captured = seed_style_program(impl, steps, max_rows=4, width=256)
+        captured = seed_style_program(impl, device, steps, max_rows=4, width=256)
     assert all(torch.equal(a, b) for a, b in zip(plain, captured)), "capturing changed the program's results"
     assert (StandInWrapper.plan, StandInWrapper.run) == originals, "capture did not restore the wrapper"
     assert len(log.written) == 3, log.skipped
@@ -84,14 +88,14 @@ def test_capture_records_replayable_fixtures_without_changing_results(impl, tmp_
         assert report.plan_ok and report.kernel_ok, report.render()
 
 
-def test_capture_respects_sampling_and_caps(impl, tmp_path):
+def test_capture_respects_sampling_and_caps(impl, device, tmp_path):
     steps = program_steps() * 3  # nine runs
     with capture_mla(tmp_path / "every", every=4, wrapper_cls=StandInWrapper) as log:
-        seed_style_program(impl, steps, max_rows=4, width=256)
+        seed_style_program(impl, device, steps, max_rows=4, width=256)
     assert [load_fixture(p).meta["run_index"] for p in log.written] == [1, 5, 9]
     with capture_mla(tmp_path / "count", max_cases=2, wrapper_cls=StandInWrapper) as log:
-        seed_style_program(impl, steps, max_rows=4, width=256)
+        seed_style_program(impl, device, steps, max_rows=4, width=256)
     assert len(log.written) == 2
     with capture_mla(tmp_path / "bytes", max_bytes=1, wrapper_cls=StandInWrapper) as log:
-        seed_style_program(impl, steps, max_rows=4, width=256)
+        seed_style_program(impl, device, steps, max_rows=4, width=256)
     assert not log.written and log.skipped.get("byte cap reached") == 9

@@ -1,6 +1,12 @@
-"""The convert kernel (request-local top-k token indices -> global slot ids, SPEC §2 step 2)
+"""The convert kernel (request-local top-k token indices -> global slot ids, docs/computation.md#convert-kernel)
 bit-exact against reference.rules.convert_rule, through the implementation under test
-(``impl.convert`` / ``impl.request_ids``; on CPU the Triton kernel runs interpreted)."""
+(``impl.convert`` / ``impl.request_ids``) on the test device (``--device``: the compiled
+kernel on a GPU; on CPU the Triton kernel runs interpreted). Inputs are built on the host and
+moved to the device; the rule runs on the host.
+
+Tests marked ``input_rules`` check the project's own input rules (exception types, accepted
+dtypes and strides, ``out=`` buffers) rather than what the kernel computes; an external
+implementation is judged with ``-m "not input_rules"``."""
 
 from __future__ import annotations
 
@@ -21,8 +27,12 @@ DIRTY = 0x5A5A5A5A
 # --- helpers -------------------------------------------------------------------------------
 
 
-def qsl_tensor(q_lens) -> torch.Tensor:
-    return torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+def qsl_tensor(q_lens, device="cpu") -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=device)
+
+
+def on(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device) for t in tensors)
 
 
 def mismatches(actual: torch.Tensor, expected: torch.Tensor, topk: torch.Tensor, req: torch.Tensor, limit: int = 6) -> str:
@@ -36,9 +46,16 @@ def mismatches(actual: torch.Tensor, expected: torch.Tensor, topk: torch.Tensor,
 
 
 def assert_matches_rule(impl, topk, table, req, block_size, **kwargs):
-    """Run the kernel and check it bit-exactly against the rule (and its counts if asked)."""
+    """Run the kernel on the inputs' device and check it bit-exactly against the rule, run on
+    the host (and its counts if asked). Returns host copies of the slots and counts."""
     result = impl.convert(topk, table, req, block_size, **kwargs)
     slots, counts = result if kwargs.get("with_counts") else (result, None)
+    assert slots.device == topk.device, f"slots on {slots.device}, inputs on {topk.device}"
+    if kwargs.get("out") is not None:
+        assert slots.data_ptr() == kwargs["out"].data_ptr(), "the kernel did not write into the given buffer"
+    slots = slots.cpu()
+    counts = None if counts is None else counts.cpu()
+    topk, table, req = topk.cpu(), table.cpu(), req.cpu()
     expected = convert_rule(topk, table, req, block_size)
     assert slots.dtype == torch.int32 and slots.shape == topk.shape, f"{slots.dtype} {tuple(slots.shape)}"
     assert torch.equal(slots, expected), f"block_size={block_size}: " + mismatches(slots, expected, topk, req)
@@ -101,11 +118,12 @@ def zoo_rows(width: int = 128):
 
 
 @pytest.mark.parametrize("width", [128, 2176])
-def test_invalid_index_zoo_maps_exactly(impl, width):
+def test_invalid_index_zoo_maps_exactly(impl, device, width):
     topk, expected, cols = zoo_rows(width)
-    req = impl.request_ids(qsl_tensor([1, 1]), 3)
+    req = impl.request_ids(qsl_tensor([1, 1], device), 3)
     assert req.tolist() == [0, 1, 0]
-    slots, counts = impl.convert(topk, ZOO_TABLE, req, BS, with_counts=True)
+    slots, counts = impl.convert(*on(device, topk, ZOO_TABLE), req, BS, with_counts=True)
+    slots, counts, req = slots.cpu(), counts.cpu(), req.cpu()
     for col, (tok, _, _, why) in zip(cols, ZOO):
         for row in range(3):
             assert int(slots[row, col]) == int(expected[row, col]), (
@@ -116,15 +134,15 @@ def test_invalid_index_zoo_maps_exactly(impl, width):
     assert counts.tolist() == [int((expected[r] != INVALID).sum()) for r in range(3)]
 
 
-def test_table_view_narrower_than_its_storage_uses_the_view_width(impl):
+def test_table_view_narrower_than_its_storage_uses_the_view_width(impl, device):
     """A column-sliced table: block columns past the view's width are invalid even though the
     storage behind the row holds entries there."""
-    storage = torch.arange(1, 25, dtype=torch.int32).view(2, 12)
+    storage = torch.arange(1, 25, dtype=torch.int32).view(2, 12).to(device)
     table = storage[:, :3]
     topk = torch.full((2, 128), -1, dtype=torch.int32)
     topk[:, :4] = torch.tensor([0, 2 * BS + 1, 3 * BS, 5 * BS])
     req = torch.tensor([0, 1], dtype=torch.int32)
-    slots, _ = assert_matches_rule(impl, topk, table, req, BS)
+    slots, _ = assert_matches_rule(impl, topk.to(device), table, req.to(device), BS)
     assert slots[:, :4].tolist() == [[1 * BS, 3 * BS + 1, -1, -1], [13 * BS, 15 * BS + 1, -1, -1]]
 
 
@@ -132,17 +150,17 @@ def test_table_view_narrower_than_its_storage_uses_the_view_width(impl):
 
 
 @pytest.mark.parametrize("width", [128, 2048, 2176])
-def test_random_rows_match_rule_at_production_widths(impl, width):
+def test_random_rows_match_rule_at_production_widths(impl, device, width):
     """70 rows: more than one program's worth of rows in the interpreter."""
     topk, table, req = random_case(seed=width, rows=70, width=width, num_reqs=3, table_width=40, block_size=64)
-    assert_matches_rule(impl, topk, table, req, 64, with_counts=True)
+    assert_matches_rule(impl, *on(device, topk, table, req), 64, with_counts=True)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_block_sizes_match_rule(impl, block_size):
+def test_block_sizes_match_rule(impl, device, block_size):
     topk, table, req = random_case(seed=block_size, rows=9, width=256, num_reqs=2, table_width=2048 // block_size + 1,
                                    block_size=block_size)
-    slots, _ = assert_matches_rule(impl, topk, table, req, block_size, with_counts=True)
+    slots, _ = assert_matches_rule(impl, *on(device, topk, table, req), block_size, with_counts=True)
     tok = int(topk[0][topk[0] >= 0][0])
     col = int((topk[0] == tok).nonzero()[0])
     if tok // block_size < table.shape[1]:
@@ -151,21 +169,57 @@ def test_block_sizes_match_rule(impl, block_size):
 
 
 @pytest.mark.parametrize("width", [128, 2176])
-def test_counts_equal_valid_entries(impl, width):
+def test_counts_equal_valid_entries(impl, device, width):
     topk, table, req = random_case(seed=7, rows=5, width=width, num_reqs=2, table_width=8, block_size=16,
                                    invalid_frac=0.6)
     topk[1] = -1  # a row with nothing valid
     topk[2, 3] = 8 * 16  # a lone out-of-table column must not count
-    slots, counts = assert_matches_rule(impl, topk, table, req, 16, with_counts=True)
+    slots, counts = assert_matches_rule(impl, *on(device, topk, table, req), 16, with_counts=True)
     assert int(counts[1]) == 0
     assert counts.tolist() == (slots != -1).sum(dim=1).tolist()
 
 
-def test_empty_batch(impl):
-    topk = torch.empty((0, 2176), dtype=torch.int32)
-    req = impl.request_ids(torch.zeros(1, dtype=torch.int32), 0)
-    slots, counts = impl.convert(topk, ZOO_TABLE, req, BS, with_counts=True)
+def test_empty_batch(impl, device):
+    topk = torch.empty((0, 2176), dtype=torch.int32, device=device)
+    req = impl.request_ids(torch.zeros(1, dtype=torch.int32, device=device), 0)
+    slots, counts = impl.convert(topk, ZOO_TABLE.to(device), req, BS, with_counts=True)
     assert slots.shape == (0, 2176) and counts.shape == (0,)
+
+
+# --- block ids the table may hold -------------------------------------------------------------
+
+
+def test_block_id_zero_maps_like_any_block(impl, device):
+    """Physical block 0 is an ordinary block to the kernel: token ``b*BS + off`` in a column
+    holding 0 maps to slot ``off``, and counts as valid (the scenarios never allocate block 0,
+    so that an attended slot 0 shows the packed layout's clamp, docs/regimes.md)."""
+    table = torch.tensor([[0, 5, 2], [3, 0, 0]], dtype=torch.int32)
+    topk = torch.full((2, 128), -1, dtype=torch.int32)
+    topk[:, :4] = torch.tensor([0, 7, BS + 2, 2 * BS + 15])
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    slots, counts = assert_matches_rule(impl, *on(device, topk, table, req), BS, with_counts=True)
+    assert slots[0, :4].tolist() == [0, 7, 5 * BS + 2, 2 * BS + 15], "request 0: block 0 in column 0"
+    assert slots[1, :4].tolist() == [3 * BS, 3 * BS + 7, 2, 15], "request 1: block 0 in columns 1 and 2"
+    assert counts.tolist() == [4, 4]
+
+
+@pytest.mark.parametrize("stale", ["zeroed", "left by an earlier request"])
+def test_tokens_past_the_allocation_map_through_stale_table_entries(impl, device, stale):
+    """The kernel knows the table width, not each request's allocation: a token past the
+    request's allocated blocks but inside the table maps through whatever the table holds
+    there (a zeroed entry: block 0; an earlier request's block id), never to -1. Only
+    columns past the table width are -1; kv_len keeps the stale columns out of the plan."""
+    allocated = [4, 9]  # the request's two blocks
+    past = [0, 0, 0] if stale == "zeroed" else [7, 2, 11]
+    table = torch.tensor([allocated + past, [1, 3, 6, 8, 10]], dtype=torch.int32)
+    tokens = [BS - 1, BS, 2 * BS, 3 * BS + 4, 5 * BS - 1, 5 * BS]  # two allocated, three stale, one past the width
+    topk = torch.full((2, 128), -1, dtype=torch.int32)
+    topk[:, : len(tokens)] = torch.tensor(tokens)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    slots, counts = assert_matches_rule(impl, *on(device, topk, table, req), BS, with_counts=True)
+    want = [4 * BS + BS - 1, 9 * BS, past[0] * BS, past[1] * BS + 4, past[2] * BS + BS - 1, -1]
+    assert slots[0, : len(tokens)].tolist() == want, f"stale entries {stale}"
+    assert int(counts[0]) == 5
 
 
 # --- request ids and padded rows -----------------------------------------------------------
@@ -178,22 +232,23 @@ def test_empty_batch(impl):
     ([1] * 5, 5),
     ([], 3),  # empty batch, padding only
 ])
-def test_request_ids_repeat_over_query_start_loc_padding_maps_to_zero(impl, q_lens, num_rows):
+def test_request_ids_repeat_over_query_start_loc_padding_maps_to_zero(impl, device, q_lens, num_rows):
     qsl = qsl_tensor(q_lens)
-    got = impl.request_ids(qsl, num_rows)
+    got = impl.request_ids(qsl.to(device), num_rows)
+    assert got.device == qsl.to(device).device, f"request ids on {got.device}, query_start_loc on {device}"
+    got = got.cpu()
     want = request_ids_per_row(qsl, num_rows)
     assert got.dtype == torch.int32 and got.tolist() == want.tolist(), f"qsl={qsl.tolist()}: {got.tolist()} != {want.tolist()}"
     tokens = sum(q_lens)
     assert got[tokens:].tolist() == [0] * (num_rows - tokens)
 
 
-def test_padded_rows_map_through_request_zero(impl):
+def test_padded_rows_map_through_request_zero(impl, device):
     table = torch.tensor([[5, 6, 7], [1, 2, 3], [9, 8, 4]], dtype=torch.int32)
-    qsl = qsl_tensor([1, 2, 1])
-    req = impl.request_ids(qsl, 7)
+    req = impl.request_ids(qsl_tensor([1, 2, 1], device), 7)
     topk = torch.full((7, 128), -1, dtype=torch.int32)
     topk[:, :3] = torch.tensor([0, 17, 40])  # every row, padding included, holds the same tokens
-    slots, _ = assert_matches_rule(impl, topk, table, req, 16)
+    slots, _ = assert_matches_rule(impl, *on(device, topk, table), req, 16)
     request_zero = [5 * 16, 6 * 16 + 1, 7 * 16 + 8]
     for row in range(4, 7):
         assert slots[row, :3].tolist() == request_zero, f"padded row {row} did not map through request 0"
@@ -203,63 +258,79 @@ def test_padded_rows_map_through_request_zero(impl):
 # --- output buffers and input views --------------------------------------------------------
 
 
-def test_dirty_out_buffer_is_fully_overwritten(impl):
-    topk, table, req = random_case(seed=3, rows=66, width=2176, num_reqs=2, table_width=10, block_size=64,
-                                   invalid_frac=0.7)
+@pytest.mark.input_rules
+def test_dirty_out_buffer_is_fully_overwritten(impl, device):
+    topk, table, req = on(device, *random_case(seed=3, rows=66, width=2176, num_reqs=2, table_width=10, block_size=64,
+                                               invalid_frac=0.7))
     out = torch.full_like(topk, DIRTY)
-    slots, _ = assert_matches_rule(impl, topk, table, req, 64, out=out, with_counts=True)
-    assert slots.data_ptr() == out.data_ptr(), "the kernel did not write into the given buffer"
+    assert_matches_rule(impl, topk, table, req, 64, out=out, with_counts=True)
     assert not bool((out == DIRTY).any())
 
 
-def test_row_strided_view_of_a_flat_buffer(impl):
+@pytest.mark.input_rules
+def test_row_strided_view_of_a_flat_buffer(impl, device):
     """``out`` is rows of a bigger flat buffer (the strided kv_indices layout with padding
     between rows): the rows are written, the gaps and the tail are left alone."""
     rows, width, stride, tail = 5, 128, 384, 7
     topk, table, req = random_case(seed=4, rows=rows, width=width, num_reqs=2, table_width=6, block_size=16)
-    flat = torch.full((rows * stride + tail,), DIRTY, dtype=torch.int32)
+    flat = torch.full((rows * stride + tail,), DIRTY, dtype=torch.int32, device=device)
     out = flat[: rows * stride].view(rows, stride)[:, :width]
-    assert_matches_rule(impl, topk, table, req, 16, out=out)
+    assert_matches_rule(impl, *on(device, topk, table, req), 16, out=out)
+    flat = flat.cpu()
     gaps = flat[: rows * stride].view(rows, stride)[:, width:]
     assert bool((gaps == DIRTY).all()), f"{int((gaps != DIRTY).sum())} entries written between rows"
     assert bool((flat[rows * stride:] == DIRTY).all()), "the tail past the last row was written"
 
 
-def test_row_strided_input_view(impl):
-    big, table, req = random_case(seed=5, rows=4, width=384, num_reqs=2, table_width=6, block_size=16)
+@pytest.mark.input_rules
+def test_row_strided_input_view(impl, device):
+    big, table, req = on(device, *random_case(seed=5, rows=4, width=384, num_reqs=2, table_width=6, block_size=16))
     assert_matches_rule(impl, big[:, 128:256], table, req, 16)
 
 
 # --- rejected inputs -----------------------------------------------------------------------
 
 
-def ok_inputs():
-    topk, table, req = random_case(seed=6, rows=4, width=128, num_reqs=2, table_width=4, block_size=16)
-    return topk, table, req
+def ok_inputs(device):
+    return on(device, *random_case(seed=6, rows=4, width=128, num_reqs=2, table_width=4, block_size=16))
 
 
 @pytest.mark.parametrize("req_rows", [3, 5])
-def test_req_id_rows_must_equal_token_rows(impl, req_rows):
-    topk, table, _ = ok_inputs()
-    with pytest.raises(ValueError, match="req_id"):
-        impl.convert(topk, table, torch.zeros(req_rows, dtype=torch.int32), 16)
-    with pytest.raises(ValueError, match="req_id"):
-        convert_rule(topk, table, torch.zeros(req_rows, dtype=torch.int32), 16)
+def test_req_id_rows_must_equal_token_rows(impl, device, req_rows):
+    """A req_id that does not give every token row its request is refused rather than mapped
+    through a guess (fewer ids would leave rows to request 0)."""
+    topk, table, _ = ok_inputs(device)
+    with pytest.raises(Exception) as refused:
+        impl.convert(topk, table, torch.zeros(req_rows, dtype=torch.int32, device=device), 16)
+    assert not isinstance(refused.value, AssertionError), refused.value
 
 
+@pytest.mark.input_rules
+@pytest.mark.parametrize("req_rows", [3, 5])
+def test_req_id_rows_mismatch_is_a_value_error_naming_req_id(impl, device, req_rows):
+    topk, table, _ = ok_inputs(device)
+    with pytest.raises(ValueError, match="req_id"):
+        impl.convert(topk, table, torch.zeros(req_rows, dtype=torch.int32, device=device), 16)
+    with pytest.raises(ValueError, match="req_id"):
+        convert_rule(topk.cpu(), table.cpu(), torch.zeros(req_rows, dtype=torch.int32), 16)
+
+
+@pytest.mark.input_rules
 @pytest.mark.parametrize(("name", "make", "pattern"), [
     ("topk_indices int64", lambda t, b, r: (t.long(), b, r, {}), "topk_indices"),
     ("topk_indices 1-d", lambda t, b, r: (t[0], b, r[:1], {}), "topk_indices"),
     ("width not a multiple of 128", lambda t, b, r: (t[:, :100], b, r, {}), "multiple of 128"),
     ("block_table int64", lambda t, b, r: (t, b.long(), r, {}), "block_table"),
     ("block_table 1-d", lambda t, b, r: (t, b[0], r, {}), "block_table"),
-    ("out int64", lambda t, b, r: (t, b, r, {"out": torch.empty(t.shape, dtype=torch.int64)}), "out"),
-    ("out wrong shape", lambda t, b, r: (t, b, r, {"out": torch.empty((4, 256), dtype=torch.int32)}), "out"),
-    ("out column-strided", lambda t, b, r: (t, b, r, {"out": torch.empty((4, 256), dtype=torch.int32)[:, ::2]}), "out"),
+    ("out int64", lambda t, b, r: (t, b, r, {"out": torch.empty(t.shape, dtype=torch.int64, device=t.device)}), "out"),
+    ("out wrong shape", lambda t, b, r: (t, b, r, {"out": torch.empty((4, 256), dtype=torch.int32, device=t.device)}),
+     "out"),
+    ("out column-strided",
+     lambda t, b, r: (t, b, r, {"out": torch.empty((4, 256), dtype=torch.int32, device=t.device)[:, ::2]}), "out"),
     ("topk_indices column-strided", lambda t, b, r: (torch.cat([t, t], 1)[:, ::2], b, r, {}), "unit column stride"),
 ])
-def test_bad_inputs_are_rejected(impl, name, make, pattern):
-    topk, table, req, kwargs = make(*ok_inputs())
+def test_bad_inputs_are_rejected(impl, device, name, make, pattern):
+    topk, table, req, kwargs = make(*ok_inputs(device))
     with pytest.raises(ValueError, match=pattern):
         impl.convert(topk, table, req, 16, **kwargs)
 
@@ -281,10 +352,10 @@ def convert_cases(draw):
 
 
 @given(case=convert_cases())
-def test_random_tables_and_indices_match_rule(impl, case):
+def test_random_tables_and_indices_match_rule(impl, device, case):
     q_lens, rows, width, block_size, table_width, seed, invalid, with_counts = case
     topk, table, _ = random_case(seed, rows, width, len(q_lens), table_width, block_size, invalid_frac=invalid,
                                  num_blocks=2**31 // max(block_size, 64))
-    req = impl.request_ids(qsl_tensor(q_lens), rows)
+    req = impl.request_ids(qsl_tensor(q_lens, device), rows)
     assert req.tolist() == request_ids_per_row(qsl_tensor(q_lens), rows).tolist()
-    assert_matches_rule(impl, topk, table, req, block_size, with_counts=with_counts)
+    assert_matches_rule(impl, *on(device, topk, table), req, block_size, with_counts=with_counts)

@@ -18,11 +18,11 @@ from reference import sparse_mla_reference
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def small_step(impl, layout="compacted", kv_dtype="bfloat16", kpool=4):
+def small_step(impl, device, layout="compacted", kv_dtype="bfloat16", kpool=4):
     spec = batch((1001, 1), (2051, 1), (132, 1), (5000, 1), topk=2048, kpool=kpool, num_heads=2, kv_dtype=kv_dtype,
                  k_scale=0.5 if kv_dtype != "bfloat16" else 1.0, block_size=16)
     scenario = build_scenario(spec, seed=11)
-    return prepare_step(impl, scenario, layout), build_attention_inputs(scenario)
+    return prepare_step(impl, scenario, layout, device), build_attention_inputs(scenario)
 
 
 def stand_in_kernel(step, inputs):
@@ -38,8 +38,8 @@ def stand_in_kernel(step, inputs):
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_round_trip_is_bit_exact_and_keeps_only_referenced_slots(impl, tmp_path, kv_dtype):
-    step, inputs = small_step(impl, kv_dtype=kv_dtype)
+def test_round_trip_is_bit_exact_and_keeps_only_referenced_slots(impl, device, tmp_path, kv_dtype):
+    step, inputs = small_step(impl, device, kv_dtype=kv_dtype)
     fx = fixture_from_step(step, inputs, outputs={"stand-in": stand_in_kernel(step, inputs)}, name="rt")
     back = load_fixture(save_fixture(tmp_path / "rt.safetensors", fx))
     for key, value in fx.tensors.items():
@@ -55,8 +55,8 @@ def test_round_trip_is_bit_exact_and_keeps_only_referenced_slots(impl, tmp_path,
     assert bitwise_equal(back["ckv"], inputs.ckv[back["slot_ids"], 0].contiguous())
 
 
-def test_replay_passes_a_good_case_and_names_the_row_of_a_bad_one(impl, tmp_path):
-    step, inputs = small_step(impl)
+def test_replay_passes_a_good_case_and_names_the_row_of_a_bad_one(impl, device, tmp_path):
+    step, inputs = small_step(impl, device)
     out, lse = stand_in_kernel(step, inputs)
     assert replay(fixture_from_step(step, inputs, outputs={"good": (out, lse)})).kernel_ok
     bad = out.clone()
@@ -67,8 +67,8 @@ def test_replay_passes_a_good_case_and_names_the_row_of_a_bad_one(impl, tmp_path
     assert "row 1 head" in text and f"regime {step.scenario.row_regime[1]}" in text and "reproduce: cmd" in text
 
 
-def test_replay_shows_the_regime_c_finding_of_the_packed_layout(impl):
-    step, inputs = small_step(impl, layout="packed")
+def test_replay_shows_the_regime_c_finding_of_the_packed_layout(impl, device):
+    step, inputs = small_step(impl, device, layout="packed")
     report = replay(fixture_from_step(step, inputs, outputs={"stand-in": stand_in_kernel(step, inputs)}))
     c_rows = [r for r, g in enumerate(step.scenario.row_regime) if g == "C"]
     assert c_rows and report.plan_mismatch_rows == c_rows
@@ -80,8 +80,8 @@ def test_replay_shows_the_regime_c_finding_of_the_packed_layout(impl):
 
 
 @pytest.fixture
-def good_file(impl, tmp_path) -> Path:
-    step, inputs = small_step(impl, kpool=1)
+def good_file(impl, device, tmp_path) -> Path:
+    step, inputs = small_step(impl, device, kpool=1)
     return save_fixture(tmp_path / "good.safetensors", fixture_from_step(step, inputs, outputs={"v": stand_in_kernel(step, inputs)}))
 
 

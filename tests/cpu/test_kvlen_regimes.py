@@ -1,8 +1,9 @@
 """kv_len against the convert kernel's count of valid entries, and the prefix invariant, in
-every context regime (SPEC §3–§5), for kpool 1 and 4 and every kv_indices layout.
+every context regime (docs/regimes.md#context-regimes), for kpool 1 and 4 and every kv_indices layout.
 
 Where the production layouts are wrong (regime C under strided and packed), the case is a
-strict xfail naming SPEC §6 #3: CI stays green while the finding stands, and the day it is
+strict xfail naming docs/findings.md#regime-c-planned-as-a-prefix: CI stays green while the
+finding stands, and the day it is
 fixed the xfail turns into a failure that asks for the marker to go.
 """
 
@@ -41,11 +42,11 @@ def layout_params():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_kv_len_equals_valid_count(impl, case, regime_log):
+def test_kv_len_equals_valid_count(impl, device, case, regime_log):
     """Every planned row's kv_len equals the convert kernel's count of valid entries, and the
     planned rows are exactly the rows q hands to the kernel."""
     scenario = build_scenario(case.spec, seed=1)
-    step = prepare_step(impl, scenario, "compacted")
+    step = prepare_step(impl, scenario, "compacted", device)
     regime_log.record(step.regimes(), focus=case.focus or None)
     counts = step.counts[: step.num_planned].cpu()
     bad = (counts != step.planned_lens).nonzero().flatten().tolist()
@@ -58,11 +59,11 @@ def test_kv_len_equals_valid_count(impl, case, regime_log):
 
 
 @pytest.mark.parametrize(("case", "layout"), layout_params())
-def test_plan_reads_the_intended_slots(impl, case, layout, regime_log, failure_dump):
+def test_plan_reads_the_intended_slots(impl, device, case, layout, regime_log, failure_dump):
     """Invariants hold and the plan makes the kernel read exactly the valid slots of each
     indexer row (as-implemented selection == intended selection)."""
     scenario = build_scenario(case.spec, seed=2)
-    step = prepare_step(impl, scenario, layout)
+    step = prepare_step(impl, scenario, layout, device)
     failure_dump.arm(lambda: fixture_from_step(step, build_attention_inputs(scenario), focus=list(case.focus)))
     regime_log.record(step.regimes(), focus=case.focus or None)
     regime_log.blame(step.regimes([v.row for v in step.violations if v.row is not None]))
@@ -73,11 +74,11 @@ def test_plan_reads_the_intended_slots(impl, case, layout, regime_log, failure_d
 
 
 @pytest.mark.parametrize("layout", ["strided", "packed"])
-def test_regime_c_reads_slot_zero_or_minus_one(impl, layout):
+def test_regime_c_reads_slot_zero_or_minus_one(impl, device, layout):
     """The consequence of the regime C finding, shown exactly: under packed the row attends
     slot 0 for its r newest tokens; under strided its planned span holds -1."""
     scenario = build_scenario(batch_regime_c(), seed=3)
-    step = prepare_step(impl, scenario, layout)
+    step = prepare_step(impl, scenario, layout, device)
     row = 0
     assert scenario.row_regime[row] == "C"
     ctx, kpool = int(scenario.row_ctx[row]), scenario.spec.kpool
@@ -124,10 +125,10 @@ def batch_specs(draw) -> BatchSpec:
 
 
 @given(spec=batch_specs(), seed=st.integers(0, 2**31 - 1))
-def test_random_batches_plan_intended_slots_compacted(impl, spec, seed):
+def test_random_batches_plan_intended_slots_compacted(impl, device, spec, seed):
     """Random batches: kv_len == valid count, and the compacted plan reads the intended slots."""
     scenario = build_scenario(spec, seed)
-    step = prepare_step(impl, scenario, "compacted")
+    step = prepare_step(impl, scenario, "compacted", device)
     assert torch.equal(step.counts[: scenario.num_rows].cpu(), valid_counts(scenario.intended_slots())[: scenario.num_rows])
     assert torch.equal(step.lens.to(torch.int64), kv_len_rule(scenario.row_ctx, spec.topk, spec.kpool)), step.context()
     assert not step.violations, step.context() + "\n" + "\n".join(map(str, step.violations[:8]))
@@ -136,10 +137,10 @@ def test_random_batches_plan_intended_slots_compacted(impl, spec, seed):
 
 
 @given(spec=batch_specs(), seed=st.integers(0, 2**31 - 1))
-def test_random_batches_packed_fails_only_on_regime_c(impl, spec, seed):
+def test_random_batches_packed_fails_only_on_regime_c(impl, device, spec, seed):
     """The packed layout's only mismatches are regime C rows (and every regime C row mismatches)."""
     scenario = build_scenario(spec, seed)
-    step = prepare_step(impl, scenario, "packed")
+    step = prepare_step(impl, scenario, "packed", device)
     bad = set(selection_mismatches(step))
     c_rows = {r for r, g in enumerate(scenario.row_regime[: step.num_planned]) if g == "C"}
     assert bad == c_rows, step.context() + "\n" + describe_rows(step, sorted(bad ^ c_rows))

@@ -1,4 +1,6 @@
-"""Host kv_len from each of the three context sources, and the MHA decode-prefix cut."""
+"""Host kv_len from each of the three context sources, and the MHA decode-prefix cut, through
+the implementation under test (``impl.kv_lens`` / ``impl.planned_lens``), with the metadata's
+device tensors (seq_lens, positions) on the test device."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ import dataclasses
 
 import torch
 
-from fast import kvlen
 from harness import batch, build_scenario
+from harness.pipeline import meta_on_device
 from mla_constants import TOPK
 from reference import kv_len_rule
 
@@ -18,52 +20,67 @@ def spec_decode_scenario(async_scheduling: bool, slack: int = 0):
     return build_scenario(spec, seed=5)
 
 
-def test_sync_path_reads_the_host_bound_without_touching_device_tensors():
+def host_lens(impl, meta, *, kpool: int = 4, async_scheduling: bool) -> torch.Tensor:
+    lens = impl.kv_lens(meta, topk=TOPK, kpool=kpool, async_scheduling=async_scheduling)
+    assert lens.device.type == "cpu" and lens.dtype == torch.int32, f"kv_lens must be host int32, got {lens.dtype} on {lens.device}"
+    return lens
+
+
+def test_sync_path_reads_the_host_bound_without_touching_device_tensors(impl, device):
     scenario = spec_decode_scenario(async_scheduling=False)
-    meta = dataclasses.replace(scenario.meta, positions=None, seq_lens=torch.full_like(scenario.meta.seq_lens, -99))
-    lens = kvlen.kv_lens_host(meta, TOPK, 4, async_scheduling=False)
+    meta = dataclasses.replace(meta_on_device(scenario.meta, device), positions=None,
+                               seq_lens=torch.full_like(scenario.meta.seq_lens, -99, device=device))
+    lens = host_lens(impl, meta, async_scheduling=False)
     assert torch.equal(lens.long(), kv_len_rule(scenario.row_ctx, TOPK, 4))
 
 
-def test_async_path_reads_positions_not_the_optimistic_bound():
+def test_async_path_reads_positions_not_the_optimistic_bound(impl, device):
     scenario = spec_decode_scenario(async_scheduling=True, slack=3)
+    meta = meta_on_device(scenario.meta, device)
     assert not torch.equal(scenario.meta.seq_lens_cpu_upper_bound, scenario.meta.seq_lens)
-    lens = kvlen.kv_lens_host(scenario.meta, TOPK, 4, async_scheduling=True)
+    lens = host_lens(impl, meta, async_scheduling=True)
     assert torch.equal(lens.long(), kv_len_rule(scenario.row_ctx, TOPK, 4))
-    optimistic = kvlen.kv_lens_host(scenario.meta, TOPK, 4, async_scheduling=False)
+    optimistic = host_lens(impl, meta, async_scheduling=False)
     assert not torch.equal(optimistic, lens), "the optimistic bound must differ on spec-decode rows"
 
 
-def test_seq_lens_fallback_when_no_bound_and_no_positions():
+def test_seq_lens_fallback_when_no_bound_and_no_positions(impl, device):
     scenario = spec_decode_scenario(async_scheduling=True, slack=3)
-    meta = dataclasses.replace(scenario.meta, positions=None, seq_lens_cpu_upper_bound=None)
-    lens = kvlen.kv_lens_host(meta, TOPK, 4, async_scheduling=True)
+    meta = dataclasses.replace(meta_on_device(scenario.meta, device), positions=None, seq_lens_cpu_upper_bound=None)
+    lens = host_lens(impl, meta, async_scheduling=True)
     assert torch.equal(lens.long(), kv_len_rule(scenario.row_ctx, TOPK, 4))
 
 
-def test_positions_shorter_than_the_rows_fall_back_to_seq_lens():
+def test_positions_shorter_than_the_rows_fall_back_to_seq_lens(impl, device):
     scenario = spec_decode_scenario(async_scheduling=True, slack=3)
-    meta = dataclasses.replace(scenario.meta, positions=scenario.meta.positions[:3])
-    lens = kvlen.kv_lens_host(meta, TOPK, 4, async_scheduling=True)
+    meta = meta_on_device(scenario.meta, device)
+    meta = dataclasses.replace(meta, positions=meta.positions[:3])
+    lens = host_lens(impl, meta, async_scheduling=True)
     assert torch.equal(lens.long(), kv_len_rule(scenario.row_ctx, TOPK, 4))
 
 
-def test_only_the_decode_prefix_is_planned_when_prefills_go_to_mha():
+def test_only_the_decode_prefix_is_planned_when_prefills_go_to_mha(impl, device):
     scenario = spec_decode_scenario(async_scheduling=False)  # prefill seq_len 40 <= topk
-    assert kvlen.prefills_use_dense_mha(scenario.meta, TOPK)
-    lens = kvlen.kv_lens_host(scenario.meta, TOPK, 4, async_scheduling=False)
-    planned = kvlen.planned_lens(scenario.meta, lens, TOPK)
+    meta = meta_on_device(scenario.meta, device)
+    assert scenario.prefills_to_mha
+    lens = host_lens(impl, meta, async_scheduling=False)
+    planned = impl.planned_lens(meta, lens, topk=TOPK)
     assert planned.numel() == scenario.meta.num_decode_tokens == 8
     assert scenario.planned_rows == 8
+    assert torch.equal(planned, lens[:8])
 
 
-def test_all_rows_planned_when_a_prefill_is_longer_than_topk():
+def test_all_rows_planned_when_a_prefill_is_longer_than_topk(impl, device):
     scenario = build_scenario(batch((TOPK + 9, 1), (TOPK + 1, 16), topk=TOPK), seed=5)
-    assert not kvlen.prefills_use_dense_mha(scenario.meta, TOPK)
-    lens = kvlen.kv_lens_host(scenario.meta, TOPK, 1, async_scheduling=False)
-    assert kvlen.planned_lens(scenario.meta, lens, TOPK).numel() == scenario.num_rows == 17
+    meta = meta_on_device(scenario.meta, device)
+    assert not scenario.prefills_to_mha
+    lens = host_lens(impl, meta, kpool=1, async_scheduling=False)
+    assert impl.planned_lens(meta, lens, topk=TOPK).numel() == scenario.num_rows == 17
 
 
-def test_empty_batch_plans_no_rows():
+def test_empty_batch_plans_no_rows(impl, device):
     scenario = build_scenario(batch(topk=TOPK), seed=5)
-    assert kvlen.kv_lens_host(scenario.meta, TOPK, 4, async_scheduling=False).numel() == 0
+    meta = meta_on_device(scenario.meta, device)
+    lens = host_lens(impl, meta, async_scheduling=False)
+    assert lens.numel() == 0
+    assert impl.planned_lens(meta, lens, topk=TOPK).numel() == 0

@@ -1,12 +1,14 @@
 """The three kv_indices layouts on hand-made rows: indptr, what each row's span holds, the
-dump entry, padded rows, and the reference view (b) read back from the buffers."""
+dump entry, padded rows, and the reference view (b) read back from the buffers, through the
+implementation under test (``impl.kv_indptr`` on the host, ``impl.write_kv_indices`` on the
+test device)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fast.layouts import LAYOUTS, indices_capacity, lay_out
+from fast.layouts import LAYOUTS, indices_capacity
 from reference import planned_selection
 
 W = 128
@@ -16,44 +18,54 @@ ROWS[0, :3] = torch.tensor([10, 11, 12])
 ROWS[1, :2] = torch.tensor([20, 21])
 ROWS[1, 5:7] = torch.tensor([30, 31])
 LENS = torch.tensor([3, 4, 0], dtype=torch.int32)
+MAX_ROWS = 5
 
 
-def spans(layout: str) -> list[list[int]]:
-    planned = lay_out(layout, ROWS, LENS, max_rows=5)
-    slots, lens = planned_selection(planned.kv_indptr, planned.kv_indices, planned.kv_len, 3)
-    return [slots[r, : int(lens[r])].tolist() for r in range(3)]
+def lay_out(impl, device, layout: str, lens: torch.Tensor = LENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_indptr, kv_indices)`` of ROWS planned with ``lens``: the host indptr, then the
+    indices written on ``device`` into a reserved buffer of -1 (as the SM90 state does)."""
+    indptr = impl.kv_indptr(layout, lens, MAX_ROWS, W)
+    out = torch.full((indices_capacity(MAX_ROWS, W),), -1, dtype=torch.int32, device=device)
+    impl.write_kv_indices(layout, ROWS.to(device), lens.to(device), indptr[: ROWS.shape[0] + 1].to(device), out)
+    return indptr, out.cpu()
 
 
-def test_strided_reads_the_first_len_columns_in_place():
-    planned = lay_out("strided", ROWS, LENS, max_rows=5)
-    assert planned.kv_indptr.tolist() == [0, W, 2 * W, 3 * W, 3 * W, 3 * W]
-    assert spans("strided") == [[10, 11, 12], [20, 21, -1, -1], []]
+def spans(impl, device, layout: str, lens: torch.Tensor = LENS) -> list[list[int]]:
+    indptr, indices = lay_out(impl, device, layout, lens)
+    slots, read = planned_selection(indptr, indices, lens, 3)
+    return [slots[r, : int(read[r])].tolist() for r in range(3)]
 
 
-def test_packed_clamps_minus_one_to_slot_zero():
-    planned = lay_out("packed", ROWS, LENS, max_rows=5)
-    assert planned.kv_indptr.tolist() == [0, 3, 7, 7, 7, 7]
-    assert spans("packed") == [[10, 11, 12], [20, 21, 0, 0], []]
+def test_strided_reads_the_first_len_columns_in_place(impl, device):
+    indptr, _ = lay_out(impl, device, "strided")
+    assert indptr.tolist() == [0, W, 2 * W, 3 * W, 3 * W, 3 * W]
+    assert spans(impl, device, "strided") == [[10, 11, 12], [20, 21, -1, -1], []]
 
 
-def test_compacted_reads_the_valid_entries():
-    assert spans("compacted") == [[10, 11, 12], [20, 21, 30, 31], []]
+def test_packed_clamps_minus_one_to_slot_zero(impl, device):
+    indptr, _ = lay_out(impl, device, "packed")
+    assert indptr.tolist() == [0, 3, 7, 7, 7, 7]
+    assert spans(impl, device, "packed") == [[10, 11, 12], [20, 21, 0, 0], []]
 
 
-def test_compacted_leaves_minus_one_when_len_exceeds_valid_count():
-    planned = lay_out("compacted", ROWS, torch.tensor([5, 4, 0], dtype=torch.int32), max_rows=5)
-    slots, lens = planned_selection(planned.kv_indptr, planned.kv_indices, planned.kv_len, 3)
-    assert slots[0, :5].tolist() == [10, 11, 12, -1, -1]
+def test_compacted_reads_the_valid_entries(impl, device):
+    assert spans(impl, device, "compacted") == [[10, 11, 12], [20, 21, 30, 31], []]
+
+
+def test_compacted_leaves_minus_one_when_len_exceeds_valid_count(impl, device):
+    lens = torch.tensor([5, 4, 0], dtype=torch.int32)
+    assert spans(impl, device, "compacted", lens)[0] == [10, 11, 12, -1, -1]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_buffer_has_one_dump_entry_and_nothing_past_the_plan_is_written(layout):
-    planned = lay_out(layout, ROWS, LENS, max_rows=5)
-    assert planned.kv_indices.numel() == indices_capacity(5, W) == 5 * W + 1
-    used = int(planned.kv_indptr[3]) if layout != "strided" else 3 * W
-    assert (planned.kv_indices[used:-1] == -1).all(), "entries past the planned rows were written"
+def test_buffer_has_one_dump_entry_and_nothing_past_the_plan_is_written(impl, device, layout):
+    indptr, indices = lay_out(impl, device, layout)
+    assert indices.numel() == indices_capacity(MAX_ROWS, W) == MAX_ROWS * W + 1
+    used = int(indptr[3]) if layout != "strided" else 3 * W
+    assert (indices[used:-1] == -1).all(), f"{layout}: entries past the planned rows were written"
 
 
-def test_unknown_layout_is_rejected():
+@pytest.mark.input_rules
+def test_unknown_layout_is_rejected(impl):
     with pytest.raises(ValueError, match="layout"):
-        lay_out("dense", ROWS, LENS)
+        impl.kv_indptr("dense", LENS, MAX_ROWS, W)

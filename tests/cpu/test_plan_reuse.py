@@ -1,13 +1,14 @@
 """The plan-reuse option of the SM90 state (``AttentionConfig.reuse_plan``), against a recording
 stand-in for FlashInfer's wrapper: FlashInfer is planned again exactly when num_rows or a
-len changed, after a failed plan, and always with the option off (the default)."""
+len changed, after a failed plan, and always with the option off (the default). The state
+plans through the implementation under test (``impl.kv_indptr``) with its buffers on the test
+device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fast.impl import FastImpl
 import fast.sm90 as sm90
 from fast.sm90 import AttentionConfig, SM90AttentionState
 from mla_constants import DEEPSEEK_V32_SM_SCALE
@@ -29,14 +30,14 @@ class RecordingWrapper:
 
 
 @pytest.fixture
-def make_state(monkeypatch):
+def make_state(monkeypatch, impl, device):
     monkeypatch.setattr(sm90, "MLAWrapper", RecordingWrapper)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU-only torch
 
     def make(reuse: bool, layout: str = "packed") -> SM90AttentionState:
         config = AttentionConfig(num_heads=16, max_rows=4, width=128, layout=layout, block_size=64,
                                  sm_scale=DEEPSEEK_V32_SM_SCALE, reuse_plan=reuse)
-        return SM90AttentionState(FastImpl(), config, device="cpu")
+        return SM90AttentionState(impl, config, device=device)
 
     return make
 
