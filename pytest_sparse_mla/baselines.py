@@ -1,17 +1,34 @@
 """Upgrade validation: ``--record-baseline DIR`` records every GPU-tier case on the installed
 FlashInfer, ``--compare-baseline DIR`` records this run into ``--baseline-out`` and compares it
-with DIR (the record format and the comparison: ``recording.baseline``). Tests hand what they
-measured to the ``baseline`` fixture; the record is written with the teardown report, which
-carries every property the test attached."""
+with DIR (the record format, the comparison and the report: ``recording.baseline``).
+
+The run, on the controlling process:
+
+1. configure: a baseline that is missing, empty, unreadable or of another schema, and an
+   output folder that is not empty, are usage errors before any test runs;
+2. the tests (any ``-n``): each GPU-tier case hands its outputs and ratios to the ``baseline``
+   fixture; the record is written with the teardown report, which carries every property the
+   test attached; the controller notes each test's outcome and the ids -k/-m deselected;
+3. the timing pass (``--baseline-timing=pass``, the default): the recorded cases again, one
+   ``pytest -p no:xdist`` process per GPU with ``--baseline-timing-out``, under which the
+   tests only hand over repeated medians of their kernel and plan() times; these are merged
+   into the records, and only they are judged;
+4. the report (compare) or the record's summary, and exit status 1 when the check fails.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from .keys import GROUP, WARNING_KEY
+
+TIMING_CHOICES = ("pass", "off")
+DESELECTED_KEY = "sparse_mla_deselected"  # workeroutput: node ids a worker deselected
 
 
 def pytest_addoption(parser):
@@ -20,7 +37,8 @@ def pytest_addoption(parser):
         "--record-baseline",
         default=None,
         metavar="DIR",
-        help="record every GPU-tier case's outputs, error ratios, times and FlashInfer warnings into DIR",
+        help="record every GPU-tier case's outputs, error ratios, times and FlashInfer warnings into DIR "
+        "(a new or empty folder)",
     )
     group.addoption(
         "--compare-baseline",
@@ -32,7 +50,21 @@ def pytest_addoption(parser):
         "--baseline-out",
         default="baseline-compare",
         metavar="DIR",
-        help="where --compare-baseline records this run and writes report.md / report.json (default: baseline-compare)",
+        help="where --compare-baseline records this run and writes report.md / report.json; a new or empty "
+        "folder (default: baseline-compare)",
+    )
+    group.addoption(
+        "--baseline-timing",
+        default="pass",
+        choices=TIMING_CHOICES,
+        help="pass (default): after the tests, time the recorded cases again with one process per GPU and "
+        "judge those times; off: record and judge no time",
+    )
+    group.addoption(
+        "--baseline-timing-out",
+        default=None,
+        metavar="DIR",
+        help="(run by the timing pass) the GPU-tier tests only time their case, into DIR",
     )
 
 
@@ -43,6 +75,34 @@ def baseline_directory(config) -> Path | None:
     if config.getoption("--compare-baseline"):
         return Path(config.getoption("--baseline-out")) / "current"
     return None
+
+
+def timing_directory(config) -> Path | None:
+    """In a timing-pass process: where its case times go (None otherwise)."""
+    out = config.getoption("--baseline-timing-out")
+    return Path(out) if out else None
+
+
+def output_folder(config) -> Path | None:
+    """The folder this run writes: the record folder, or --baseline-out when comparing."""
+    if config.getoption("--record-baseline"):
+        return Path(config.getoption("--record-baseline"))
+    if config.getoption("--compare-baseline"):
+        return Path(config.getoption("--baseline-out"))
+    return None
+
+
+def not_empty_folder_problem(folder: Path) -> str:
+    """Why ``folder`` cannot take this run's records ("" when it can): records left from another
+    run would be taken for this run's."""
+    if not folder.exists():
+        return ""
+    if not folder.is_dir():
+        return f"{folder} exists and is not a folder"
+    if any(folder.iterdir()):
+        return (f"{folder} is not empty: records left there would be taken for this run's; "
+                f"remove it (rm -r {folder}) or name a new folder")
+    return ""
 
 
 class BaselineNote:
@@ -59,37 +119,72 @@ class BaselineNote:
 
 BASELINE = pytest.StashKey[BaselineNote]()
 OUTCOME = pytest.StashKey[str]()  # the test's outcome, kept for its teardown report
-BASELINE_REPORT = pytest.StashKey[tuple]()  # (report.md path, nothing regressed)
+RUN = pytest.StashKey["BaselineRun"]()  # controller: what this run did
+SUMMARY = pytest.StashKey[list]()  # controller: the lines for the terminal
+DESELECTED = pytest.StashKey[list]()  # any process: node ids deselected at collection
 
 
 @pytest.fixture
 def baseline(request) -> BaselineNote:
-    """``baseline.note(ratios=..., kernel_us=..., plan_us=..., error=..., outputs={...})``."""
+    """``baseline.note(ratios=..., error=..., outputs={...})``; in the timing pass
+    ``baseline.note(kernel_us_repeats=[...], plan_us_repeats=[...])``."""
     note = BaselineNote()
     request.node.stash[BASELINE] = note
     return note
 
 
-def gpu_sharing_workers() -> int:
-    """Test processes sharing this process's GPU (xdist workers over the visible GPUs)."""
-    from harness.gpu_env import count_gpus_without_cuda
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        return
+    record, compare = config.getoption("--record-baseline"), config.getoption("--compare-baseline")
+    if record and compare:
+        raise pytest.UsageError("--record-baseline and --compare-baseline: give one of them")
+    if not (record or compare):
+        return
+    from recording.baseline import BaselineError, check_baseline
 
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    return max(1, -(-workers // max(count_gpus_without_cuda(), 1)))
+    if compare:
+        try:
+            check_baseline(Path(compare))
+        except BaselineError as e:
+            raise pytest.UsageError(f"--compare-baseline: {e}") from None
+    folder = output_folder(config)
+    problem = not_empty_folder_problem(folder)
+    if problem:
+        raise pytest.UsageError(f"{'--record-baseline' if record else '--baseline-out'}: {problem}")
+    baseline_directory(config).mkdir(parents=True, exist_ok=True)
+    config.stash[RUN] = BaselineRun()
+    config.pluginmanager.register(config.stash[RUN], "sparse_mla_baseline_run")
+
+
+def pytest_deselected(items):
+    for item in items:
+        item.config.stash.setdefault(DESELECTED, []).append(item.nodeid)
+
+
+# --- writing the records (any process) ----------------------------------------------------------
 
 
 def _write_baseline_record(item, report, outcome: str) -> None:
-    directory = baseline_directory(item.config)
     note = item.stash.get(BASELINE, None)
-    if directory is None or note is None:
+    if note is None:
         return
-    from recording.baseline import CaseRecord, write_record
+    from recording.baseline import CaseRecord, write_record, write_timing
+
+    timing = timing_directory(item.config)
+    if timing is not None:
+        if note.fields.get("kernel_us_repeats") or note.fields.get("plan_us_repeats"):
+            write_timing(timing, item.nodeid, note.fields.get("kernel_us_repeats") or [],
+                         note.fields.get("plan_us_repeats") or [])
+        return
+    directory = baseline_directory(item.config)
+    if directory is None:
+        return
     from recording.environment import flashinfer_version
 
     warnings = [w for k, v in report.user_properties if k == WARNING_KEY for w in v]
     record = CaseRecord(case=item.nodeid, outcome=outcome, flashinfer=flashinfer_version(), warnings=warnings,
-                        timing_workers=gpu_sharing_workers(),
-                        **{k: v for k, v in note.fields.items() if k in ("error", "ratios", "kernel_us", "plan_us")})
+                        **{k: v for k, v in note.fields.items() if k in ("error", "ratios")})
     write_record(directory, record, note.outputs)
 
 
@@ -105,22 +200,157 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    base = config.getoption("--compare-baseline")
-    if not base or hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput"):
+        if baseline_directory(config) is not None:
+            config.workeroutput[DESELECTED_KEY] = config.stash.get(DESELECTED, [])
         return
-    from recording.baseline import compare_directories, read_records, write_report
-
-    current = baseline_directory(config)
-    before = {r.flashinfer for r in read_records(Path(base)).values()} - {None}
-    after = {r.flashinfer for r in read_records(current).values()} - {None} if current.exists() else set()
-    ok = write_report(compare_directories(Path(base), current), current.parent, ",".join(sorted(before)) or "?",
-                      ",".join(sorted(after)) or "?")
-    config.stash[BASELINE_REPORT] = (str(current.parent / "report.md"), ok)
+    run = config.stash.get(RUN, None)
+    if run is None:
+        return
+    ok, lines = run.finish(config)
+    config.stash[SUMMARY] = lines
     if not ok and session.exitstatus == 0:
         session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if BASELINE_REPORT in config.stash:
-        path, ok = config.stash[BASELINE_REPORT]
-        terminalreporter.write_line(f"upgrade report: {path} ({'no regression' if ok else 'REGRESSIONS: exit status 1'})")
+    lines = config.stash.get(SUMMARY, None)
+    if lines:
+        terminalreporter.section("FlashInfer upgrade check" if config.getoption("--compare-baseline") else "baseline")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+# --- the controller: outcomes, selection, timing pass, report -----------------------------------
+
+
+def skip_reason(report) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr or "")
+    return text.removeprefix("Skipped: ")
+
+
+def selected_paths(config) -> tuple[str, ...]:
+    """The run's path arguments as rootdir-relative node-id prefixes."""
+    root = Path(config.rootpath)
+    out = []
+    for arg in config.args:
+        path, sep, rest = str(arg).partition("::")
+        try:
+            rel = Path(path).resolve().relative_to(root.resolve()).as_posix()
+        except ValueError:
+            continue
+        out.append(rel + (sep + rest if sep else ""))
+    return tuple(out)
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA_VISIBLE_DEVICES value for each GPU this run may use, asked without CUDA."""
+    from harness.gpu_env import count_gpus_without_cuda
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip():
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    return [str(i) for i in range(count_gpus_without_cuda())]
+
+
+def shard(cases: list[str], parts: int) -> list[list[str]]:
+    """Round-robin over ``parts`` processes (the same case on the same GPU in each run)."""
+    return [cases[i::parts] for i in range(parts) if cases[i::parts]]
+
+
+def timing_command(config, cases: list[str], out: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
+            f"--rootdir={config.rootpath}", f"--impl={config.getoption('--impl')}",
+            f"--baseline-timing-out={out}", *cases]
+
+
+def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, bool]:
+    """Time ``cases`` with one process per GPU and merge the times into the records. Returns
+    (why times are missing, whether that fails the check): ("", False) when the pass ran."""
+    from recording.baseline import TIMING_DIR, merge_timings
+
+    if config.getoption("--baseline-timing") == "off":
+        return "--baseline-timing=off", False
+    if not cases:
+        return "no case ran to a launch", False
+    gpus = visible_gpus()
+    if not gpus:
+        return "no GPU visible for the timing pass", True
+    out = records_dir / TIMING_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
+    procs = []
+    for gpu, part in zip(gpus, shard(cases, len(gpus))):
+        log = open(out / f"gpu{gpu}.log", "w")
+        procs.append((gpu, log, subprocess.Popen(timing_command(config, part, out), cwd=config.rootpath,
+                                                 env=dict(env, CUDA_VISIBLE_DEVICES=gpu), stdout=log,
+                                                 stderr=subprocess.STDOUT)))
+    broken = []
+    for gpu, log, proc in procs:
+        rc = proc.wait()
+        log.close()
+        if rc not in (0, 1):  # 1: some test failed, its time may still be there
+            broken.append(f"GPU {gpu} exit status {rc} (log: {out / f'gpu{gpu}.log'})")
+    timed = merge_timings(records_dir, out)
+    if broken:
+        return "timing pass failed: " + "; ".join(broken), True
+    if timed == 0:
+        return f"the timing pass timed none of {len(cases)} cases (logs: {out})", True
+    return "", False
+
+
+class BaselineRun:
+    """Registered on the controlling process when recording or comparing: what the run did."""
+
+    def __init__(self):
+        self.outcomes: dict[str, str] = {}
+        self.gpu_skip_reason = ""
+        self.deselected: set[str] = set()
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+            if report.skipped and not hasattr(report, "wasxfail"):
+                outcome = f"skipped: {skip_reason(report)}"
+                if "gpu" in report.keywords and not self.gpu_skip_reason:
+                    self.gpu_skip_reason = skip_reason(report)
+            self.outcomes[report.nodeid] = outcome
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error):
+        self.deselected.update(getattr(node, "workeroutput", {}).get(DESELECTED_KEY, []))
+
+    def finish(self, config) -> tuple[bool, list[str]]:
+        from recording.baseline import RunFacts, read_records, timed_cases
+
+        directory = baseline_directory(config)
+        records = read_records(directory)
+        timing, timing_failed = run_timing_pass(config, directory, timed_cases(records)) if records else ("", False)
+        records = read_records(directory)  # with the timing pass's times
+        if config.getoption("--record-baseline"):
+            return self.record_summary(directory, records, timing, timing_failed)
+        run = RunFacts(deselected=frozenset(self.deselected | set(config.stash.get(DESELECTED, []))),
+                       selected_paths=selected_paths(config), outcomes=self.outcomes,
+                       gpu_skip_reason=self.gpu_skip_reason, timing=timing, timing_failed=timing_failed)
+        return self.compare(config, directory, run)
+
+    def record_summary(self, directory: Path, records: dict, timing: str, timing_failed: bool) -> tuple[bool, list[str]]:
+        if not records:
+            reason = self.gpu_skip_reason or "no GPU-tier case recorded anything"
+            return False, [f"FAIL  baseline {directory}: nothing recorded: the GPU tier did not run ({reason})"]
+        timed = sum(1 for r in records.values() if r.kernel_us_repeats or r.plan_us_repeats)
+        times = f"{timed} timed by the timing pass" if not timing else f"times not taken: {timing}"
+        status = "FAIL" if timing_failed else "PASS"
+        return not timing_failed, [f"{status}  baseline {directory}: {len(records)} cases recorded, {times}"]
+
+    def compare(self, config, current: Path, run) -> tuple[bool, list[str]]:
+        from recording.baseline import compare_directories, read_records, summary_lines, write_report
+
+        base = Path(config.getoption("--compare-baseline"))
+        before = {r.flashinfer for r in read_records(base).values()} - {None}
+        after = {r.flashinfer for r in read_records(current).values()} - {None}
+        before_v, after_v = ",".join(sorted(before)) or "?", ",".join(sorted(after)) or "?"
+        comparisons = compare_directories(base, current, run)
+        ok = write_report(comparisons, current.parent, before_v, after_v, run)
+        return ok, summary_lines(comparisons, run, before_v, after_v) + [f"report: {current.parent / 'report.md'}"]

@@ -1,25 +1,26 @@
 """Upgrade validation: record what every GPU-tier case did on the installed FlashInfer, and
 compare another version against such a record (the record format, the comparison and the
-report; the options and hooks are ``pytest_sparse_mla.baselines``).
+report; the options, hooks and the timing pass are ``pytest_sparse_mla.baselines``).
 
 ``--record-baseline DIR`` writes, per case, a JSON record (outcome, error FlashInfer raised,
 its warnings, error-budget ratios, kernel and plan() times) and a safetensors file of the
 outputs. ``--compare-baseline DIR`` records the installed version the same way (into
-``--baseline-out``, default ``baseline-compare/``) and writes ``report.md`` and
-``report.json`` there: behaviour changes, numerical drift between the versions' outputs,
-ratios before/after, time ratios. The run fails when a case regresses:
+``--baseline-out``) and writes ``report.md`` and ``report.json`` there: a summary of one line
+per class of change, then the details. The check fails when
 
 - a case that passed now fails, or a call that ran now raises (even where the suite expects
   the error, as for the strided layout on FlashInfer >= 0.7: the upgrade still breaks it);
-- an error-budget ratio past the budget (the test itself fails then);
-- kernel time more than ``KERNEL_TIME_LIMIT`` x the baseline (and more than
-  ``KERNEL_TIME_FLOOR_US`` slower, so launch noise on tiny cases does not count);
-- plan() host time more than ``PLAN_TIME_LIMIT`` x the baseline.
+- a case of the baseline did not run now (unless the user's own -k/-m/path selection left it
+  out), or no GPU-tier case ran at all;
+- a judged kernel time is more than ``KERNEL_TIME_LIMIT`` x the baseline (and more than
+  ``KERNEL_TIME_FLOOR_US`` slower, so launch noise on tiny cases does not count), or a judged
+  plan() host time more than ``PLAN_TIME_LIMIT`` x; or the timing pass could not run.
 
-Times are judged only when both runs timed each case with the GPU to one test process
-(``pytest -p no:xdist`` or ``-n 1`` per GPU): under ``-n auto`` on one GPU they are reported
-with the number of processes that shared it, since contention inflates them (FlashInfer 0.7's
-plan() waits for the device, so it also measures the other processes' kernels).
+Times come only from the timing pass, which re-runs each case with a GPU to itself: each time
+is ``TIME_REPEATS`` medians of ``TIME_REPS`` calls. A time whose medians spread more than the
+spread limit in either run is reported as unstable and not judged. Outputs that are no longer
+bitwise equal, worse error-budget ratios (still within budget: past it the test fails) and
+new or gone warnings are reported; they do not fail the check.
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-SCHEMA = 1
+SCHEMA = 2
 KERNEL_TIME_LIMIT = 1.15
 KERNEL_TIME_FLOOR_US = 2.0
 PLAN_TIME_LIMIT = 2.0
+TIME_REPEATS = 3  # medians per time
+TIME_REPS = 15  # calls per median
+KERNEL_SPREAD_LIMIT = 0.10  # (max - min) / median of the repeats' medians
+PLAN_SPREAD_LIMIT = 0.25
+TIMING_DIR = "timing"  # inside a records folder: the timing pass's per-case times and logs
 
 
 @dataclass
@@ -45,10 +52,24 @@ class CaseRecord:
     flashinfer: str | None = None
     error: str | None = None  # what FlashInfer raised, if it did
     warnings: list[str] = field(default_factory=list)
-    ratios: dict[str, float] = field(default_factory=dict)  # e.g. out_max, out_mean, lse_max, lse_mean
-    kernel_us: float | None = None
-    plan_us: float | None = None
-    timing_workers: int = 1  # test processes sharing the GPU while this case was timed
+    ratios: dict[str, float] = field(default_factory=dict)  # e.g. out_max_ratio, lse_mean_ratio
+    kernel_us_repeats: list[float] = field(default_factory=list)  # the timing pass's medians (us)
+    plan_us_repeats: list[float] = field(default_factory=list)
+
+    @property
+    def kernel_us(self) -> float | None:
+        return statistics.median(self.kernel_us_repeats) if self.kernel_us_repeats else None
+
+    @property
+    def plan_us(self) -> float | None:
+        return statistics.median(self.plan_us_repeats) if self.plan_us_repeats else None
+
+
+class BaselineError(ValueError):
+    """A baseline folder that cannot be compared against; the message names the path."""
+
+
+RERECORD = "record it again with --record-baseline on the old FlashInfer"
 
 
 def safe_name(case: str) -> str:
@@ -65,14 +86,67 @@ def write_record(directory: Path, record: CaseRecord, outputs: dict[str, torch.T
         save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()}, str(directory / f"{name}.safetensors"))
 
 
+def read_record(path: Path) -> CaseRecord:
+    """One record; BaselineError naming the file when it is not a record of this schema."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BaselineError(f"{path}: not a readable JSON record ({e}); {RERECORD}") from None
+    if not isinstance(data, dict):
+        raise BaselineError(f"{path}: not a case record (a JSON {type(data).__name__}); {RERECORD}")
+    schema = data.pop("schema", None)
+    if schema != SCHEMA:
+        found = "no schema field" if schema is None else f"schema {schema!r}"
+        raise BaselineError(f"{path}: {found}, this tool reads schema {SCHEMA}; {RERECORD}")
+    unknown = sorted(set(data) - {f.name for f in fields(CaseRecord)})
+    if unknown or "case" not in data:
+        raise BaselineError(f"{path}: fields {unknown or ['case' + ' missing']} do not fit schema {SCHEMA}; {RERECORD}")
+    return CaseRecord(**data)
+
+
 def read_records(directory: Path) -> dict[str, CaseRecord]:
-    records = {}
-    for path in sorted(Path(directory).glob("*.json")):
-        data = json.loads(path.read_text())
-        if data.pop("schema", None) != SCHEMA:
-            raise ValueError(f"{path}: unknown baseline schema")
-        records[data["case"]] = CaseRecord(**data)
+    return {r.case: r for r in (read_record(p) for p in sorted(Path(directory).glob("*.json")))}
+
+
+def check_baseline(directory: Path) -> dict[str, CaseRecord]:
+    """The records of a baseline folder; BaselineError saying what is wrong with it."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise BaselineError(f"baseline {directory} does not exist; {RERECORD}")
+    if not directory.is_dir():
+        raise BaselineError(f"baseline {directory} is not a folder; {RERECORD}")
+    records = read_records(directory)
+    if not records:
+        raise BaselineError(f"baseline {directory} holds no case records (*.json); {RERECORD}")
     return records
+
+
+def write_timing(directory: Path, case: str, kernel_us_repeats: list[float], plan_us_repeats: list[float]) -> None:
+    """The timing pass's medians of one case, kept beside the records until merged."""
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {"case": case, "kernel_us_repeats": kernel_us_repeats, "plan_us_repeats": plan_us_repeats}
+    (directory / f"{safe_name(case)}.json").write_text(json.dumps(payload, indent=1))
+
+
+def merge_timings(records_dir: Path, timing_dir: Path) -> int:
+    """Write the timing pass's medians into the matching records; the number of records timed."""
+    timed = 0
+    for path in sorted(Path(timing_dir).glob("*.json")):
+        times = json.loads(path.read_text())
+        record_path = Path(records_dir) / path.name
+        if not record_path.exists():
+            continue
+        record = read_record(record_path)
+        record.kernel_us_repeats = times.get("kernel_us_repeats") or []
+        record.plan_us_repeats = times.get("plan_us_repeats") or []
+        record_path.write_text(json.dumps(dict(asdict(record), schema=SCHEMA), indent=1, sort_keys=True))
+        timed += 1
+    return timed
+
+
+def timed_cases(records: dict[str, CaseRecord]) -> list[str]:
+    """The cases the timing pass re-runs: those that ran to a launch (not skipped, no refusal)."""
+    return sorted(case for case, r in records.items() if r.outcome != "skipped" and not r.error)
 
 
 def read_outputs(directory: Path, case: str) -> dict[str, torch.Tensor]:
@@ -82,22 +156,84 @@ def read_outputs(directory: Path, case: str) -> dict[str, torch.Tensor]:
     return load_file(str(path)) if path.exists() else {}
 
 
-def drift(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+# --- times ------------------------------------------------------------------------------------
+
+
+def repeated_medians(measure, repeats: int = TIME_REPEATS) -> list[float]:
+    """``repeats`` medians, in microseconds, of the samples (seconds) each ``measure()`` returns."""
+    return [statistics.median(measure()) * 1e6 for _ in range(repeats)]
+
+
+def spread(medians: list[float]) -> float:
+    """(max - min) / median of repeated medians: how far repeats of one time disagree."""
+    mid = statistics.median(medians)
+    return (max(medians) - min(medians)) / mid if mid > 0 else math.inf
+
+
+@dataclass
+class TimeJudgement:
+    before_us: float | None = None
+    after_us: float | None = None
+    judged: bool = False
+    regressed: bool = False
+    why: str = ""  # why not judged, or how it regressed
+
+    @property
+    def ratio(self) -> float | None:
+        return self.after_us / self.before_us if self.before_us and self.after_us else None
+
+
+def judge_time(what: str, before: list[float], after: list[float], limit: float, spread_limit: float,
+               floor_us: float = 0.0) -> TimeJudgement:
+    """Judged only with repeated medians on both sides that agree within ``spread_limit``; a
+    regression when the median of medians grew past ``limit`` x and by more than ``floor_us``."""
+    j = TimeJudgement(statistics.median(before) if before else None, statistics.median(after) if after else None)
+    if not before or not after:
+        j.why = f"{what} not timed " + ("in the baseline" if not before else "now")
+        return j
+    for side, medians in (("in the baseline", before), ("now", after)):
+        if spread(medians) > spread_limit:
+            j.why = f"{what} unstable {side} (spread {spread(medians):.0%} > {spread_limit:.0%})"
+            return j
+    j.judged = True
+    if j.ratio > limit and j.after_us - j.before_us > floor_us:
+        j.regressed = True
+        j.why = f"{what} time x{j.ratio:.2f} ({j.before_us:.1f} -> {j.after_us:.1f} us)"
+    return j
+
+
+# --- outputs ----------------------------------------------------------------------------------
+
+WORST_ROWS = 3
+
+
+def drift(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Max abs difference, relative L2 and the fraction of bitwise-equal elements (finite only;
-    an empty output is equal)."""
+    an empty output is equal); the rows (dim 0) that differ and the worst of them by max abs."""
     if a.numel() == 0:
-        return {"max_abs": 0.0, "rel_l2": 0.0, "bitwise_equal": 1.0}
+        return {"max_abs": 0.0, "rel_l2": 0.0, "bitwise_equal": 1.0, "rows": a.shape[0] if a.dim() else 0,
+                "rows_differing": 0, "worst_rows": []}
     a64, b64 = a.double(), b.double()
     finite = torch.isfinite(a64) & torch.isfinite(b64)
     diff = torch.where(finite, a64 - b64, torch.zeros_like(a64))
     ref = torch.where(finite, a64, torch.zeros_like(a64))
     norm = float(ref.norm())
     same_bits = (a.view(torch.int16) == b.view(torch.int16)) if a.dtype == torch.bfloat16 and b.dtype == a.dtype else (a == b)
+    rows_diff = (~same_bits).reshape(a.shape[0], -1).any(1) if a.dim() else (~same_bits).reshape(1)
+    row_max = diff.abs().reshape(rows_diff.shape[0], -1).amax(1)
+    differing = rows_diff.nonzero().flatten().tolist()
+    worst = sorted(differing, key=lambda r: -float(row_max[r]))[:WORST_ROWS]
     return {
-        "max_abs": float(diff.abs().max()) if diff.numel() else 0.0,
+        "max_abs": float(diff.abs().max()),
         "rel_l2": float(diff.norm()) / norm if norm > 0 else float(diff.norm()),
         "bitwise_equal": float(same_bits.sum()) / max(same_bits.numel(), 1),
+        "rows": rows_diff.shape[0],
+        "rows_differing": len(differing),
+        "worst_rows": [[r, float(row_max[r])] for r in worst],
     }
+
+
+# --- the comparison ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -105,125 +241,303 @@ class CaseComparison:
     case: str
     before: CaseRecord | None
     after: CaseRecord | None
+    status: str = "compared"  # compared / new / not run / deselected
+    why: str = ""  # why a baseline case has no record now
     changes: list[str] = field(default_factory=list)
     regressions: list[str] = field(default_factory=list)
-    drift: dict[str, dict[str, float]] = field(default_factory=dict)
-    kernel_ratio: float | None = None
-    plan_ratio: float | None = None
+    drift: dict[str, dict] = field(default_factory=dict)
+    kernel_time: TimeJudgement = field(default_factory=TimeJudgement)
+    plan_time: TimeJudgement = field(default_factory=TimeJudgement)
+
+    @property
+    def refusal(self) -> str:
+        """"new" / "gone" when FlashInfer newly raises / no longer raises, else ""."""
+        if self.before is None or self.after is None:
+            return ""
+        if self.after.error and not self.before.error:
+            return "new"
+        return "gone" if self.before.error and not self.after.error else ""
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return all(d["bitwise_equal"] == 1.0 for d in self.drift.values())
+
+    @property
+    def worse_ratios(self) -> dict[str, tuple[float, float]]:
+        """Error-budget ratios that grew: name -> (before, after)."""
+        if self.before is None or self.after is None:
+            return {}
+        b, a = self.before.ratios, self.after.ratios
+        return {k: (b[k], a[k]) for k in sorted(set(b) & set(a)) if a[k] > b[k]}
+
+
+@dataclass
+class RunFacts:
+    """What the plugin knows of this run beyond its records."""
+
+    deselected: frozenset[str] = frozenset()  # node ids the user's -k/-m/--deselect left out
+    selected_paths: tuple[str, ...] = ()  # the run's path arguments, relative to the rootdir
+    outcomes: dict[str, str] = field(default_factory=dict)  # node id -> outcome ("skipped: why")
+    gpu_skip_reason: str = ""  # why the GPU tier was skipped, where it was
+    timing: str = ""  # why times were not taken now ("" when the timing pass ran)
+    timing_failed: bool = False  # the timing pass was due and could not run
+
+
+def under_paths(case: str, paths: tuple[str, ...]) -> bool:
+    """Whether node id ``case`` lies under one of the run's path arguments (all when none)."""
+    if not paths:
+        return True
+    for p in paths:
+        p = p.rstrip("/")
+        if p in ("", ".") or case == p or case.startswith((p + "/", p + "::", p + "[")):
+            return True
+    return False
+
+
+def missing_case_status(case: str, run: RunFacts) -> tuple[str, str]:
+    """(status, why) of a baseline case that left no record now."""
+    if case in run.deselected:
+        return "deselected", "deselected by -k/-m"
+    if not under_paths(case, run.selected_paths):
+        return "deselected", "outside the paths given"
+    if case in run.outcomes:
+        return "not run", run.outcomes[case]
+    return "not run", "not collected (renamed or removed?)"
 
 
 def _ok(record: CaseRecord | None) -> bool:
     return record is not None and record.outcome in ("passed", "xfailed")
 
 
-def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None, before_out, after_out) -> CaseComparison:
+def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None, before_out, after_out,
+                 run: RunFacts | None = None) -> CaseComparison:
     cmp = CaseComparison(case, before, after)
     if before is None:
-        cmp.changes.append("new case")
-    elif after is None:
-        cmp.changes.append("case not run")
-    else:
-        if before.outcome != after.outcome:
-            cmp.changes.append(f"outcome {before.outcome} -> {after.outcome}")
-        if before.error and not after.error:
-            cmp.changes.append(f"no longer raising (was: {before.error})")
-        new_warnings = sorted(set(after.warnings) - set(before.warnings))
-        if new_warnings:
-            cmp.changes.append("new warnings: " + " | ".join(new_warnings))
-        if after.error and not before.error:
-            cmp.changes.append(f"newly raising: {after.error}")
-            cmp.regressions.append(f"newly raising: {after.error}")
-        elif _ok(before) and not _ok(after):
-            cmp.regressions.append(f"was {before.outcome}, now {after.outcome}" + (f" ({after.error})" if after.error else ""))
-        # Times taken while other test processes shared the GPU are reported, not judged: a
-        # plan() that waits for the device (0.7.x) then measures the others' work too.
-        judged = before.timing_workers <= 1 and after.timing_workers <= 1
-        if before.kernel_us and after.kernel_us:
-            cmp.kernel_ratio = after.kernel_us / before.kernel_us
-            if judged and cmp.kernel_ratio > KERNEL_TIME_LIMIT and after.kernel_us - before.kernel_us > KERNEL_TIME_FLOOR_US:
-                cmp.regressions.append(f"kernel time x{cmp.kernel_ratio:.2f} ({before.kernel_us:.1f} -> {after.kernel_us:.1f} us)")
-        if before.plan_us and after.plan_us:
-            cmp.plan_ratio = after.plan_us / before.plan_us
-            if judged and cmp.plan_ratio > PLAN_TIME_LIMIT:
-                cmp.regressions.append(f"plan() time x{cmp.plan_ratio:.2f} ({before.plan_us:.0f} -> {after.plan_us:.0f} us)")
+        cmp.status = "new"
+        return cmp
+    if after is None or (after.outcome == "skipped" and before.outcome != "skipped"):
+        cmp.status, cmp.why = missing_case_status(case, run or RunFacts()) if after is None else ("not run", "skipped")
+        if after is not None and run is not None:
+            cmp.why = run.outcomes.get(case, cmp.why)
+        if cmp.status == "not run":
+            cmp.regressions.append(f"not run: {cmp.why}")
+        return cmp
+    if before.outcome != after.outcome:
+        cmp.changes.append(f"outcome {before.outcome} -> {after.outcome}")
+    if cmp.refusal == "gone":
+        cmp.changes.append(f"no longer raising (was: {before.error})")
+    new_warnings = sorted(set(after.warnings) - set(before.warnings))
+    gone_warnings = sorted(set(before.warnings) - set(after.warnings))
+    if new_warnings:
+        cmp.changes.append("new warnings: " + " | ".join(new_warnings))
+    if gone_warnings:
+        cmp.changes.append("warnings gone: " + " | ".join(gone_warnings))
+    if cmp.refusal == "new":
+        cmp.changes.append(f"newly raising: {after.error}")
+        cmp.regressions.append(f"newly raising: {after.error}")
+    elif _ok(before) and not _ok(after):
+        cmp.regressions.append(f"was {before.outcome}, now {after.outcome}" + (f" ({after.error})" if after.error else ""))
+    cmp.kernel_time = judge_time("kernel", before.kernel_us_repeats, after.kernel_us_repeats, KERNEL_TIME_LIMIT,
+                                 KERNEL_SPREAD_LIMIT, KERNEL_TIME_FLOOR_US)
+    cmp.plan_time = judge_time("plan()", before.plan_us_repeats, after.plan_us_repeats, PLAN_TIME_LIMIT, PLAN_SPREAD_LIMIT)
+    cmp.regressions += [t.why for t in (cmp.kernel_time, cmp.plan_time) if t.regressed]
     for key in sorted(set(before_out) & set(after_out)):
         if before_out[key].shape == after_out[key].shape:
             cmp.drift[key] = drift(before_out[key], after_out[key])
+        else:
+            cmp.changes.append(f"{key} shape {tuple(before_out[key].shape)} -> {tuple(after_out[key].shape)}")
     return cmp
 
 
-def compare_directories(before_dir: Path, after_dir: Path) -> list[CaseComparison]:
-    before, after = read_records(before_dir), read_records(after_dir)
+def compare_directories(before_dir: Path, after_dir: Path, run: RunFacts | None = None) -> list[CaseComparison]:
+    before = read_records(before_dir)
+    after = read_records(after_dir) if Path(after_dir).exists() else {}
     return [
-        compare_case(case, before.get(case), after.get(case), read_outputs(before_dir, case), read_outputs(after_dir, case))
+        compare_case(case, before.get(case), after.get(case), read_outputs(before_dir, case),
+                     read_outputs(after_dir, case) if case in after else {}, run)
         for case in sorted(set(before) | set(after))
     ]
+
+
+# --- the report -------------------------------------------------------------------------------
 
 
 def _fmt(x, spec=".2f", none="–") -> str:
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _workers(comparisons: list[CaseComparison]) -> str:
-    before = max((c.before.timing_workers for c in comparisons if c.before), default=1)
-    after = max((c.after.timing_workers for c in comparisons if c.after), default=1)
-    return f"{before} and {after} processes per GPU"
+def _short(case: str) -> str:
+    return case.split("::", 1)[-1]
 
 
-def render_markdown(comparisons: list[CaseComparison], before_version: str, after_version: str) -> str:
+def _line(status: str, name: str, text: str) -> str:
+    return f"{status:<5} {name:<10} {text}"
+
+
+def _first(items: list[str], n: int = 1) -> str:
+    return "; ".join(items[:n]) + (f"; and {len(items) - n} more" if len(items) > n else "")
+
+
+def timing_line(compared: list[CaseComparison], run: RunFacts) -> str:
+    how = f"one process per GPU, {TIME_REPEATS} medians of {TIME_REPS}"
+    if run.timing:
+        return _line("FAIL" if run.timing_failed else "note", "time", f"not judged: {run.timing}")
+    times = [t for c in compared for t in (c.kernel_time, c.plan_time)]
+    judged = [t for t in times if t.judged]
+    slower = sorted((t for t in judged if t.regressed), key=lambda t: -(t.ratio or 0))
+    unjudged = sorted({t.why for t in times if not t.judged and t.why})
+    if not judged:
+        return _line("note", "time", "not judged: " + (_first(unjudged) if unjudged else "no case timed"))
+    text = f"{len(judged)} times judged ({how}): " + (
+        f"{len(slower)} slower past the limits, worst {slower[0].why}" if slower else "none slower past the limits")
+    not_judged = [t for t in times if not t.judged and t.why]
+    if not_judged:
+        text += f"; {len(not_judged)} not judged ({_first(unjudged)})"
+    return _line("FAIL" if slower else "ok", "time", text)
+
+
+def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_version: str, after_version: str) -> list[str]:
+    """One line per class of change, the verdict first; FAIL lines fail the check, note lines
+    report a change that does not."""
+    compared = [c for c in comparisons if c.status == "compared"]
     regressed = [c for c in comparisons if c.regressions]
-    changed = [c for c in comparisons if c.changes]
-    kernel = [c.kernel_ratio for c in comparisons if c.kernel_ratio]
-    plan = [c.plan_ratio for c in comparisons if c.plan_ratio]
-    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
-    lines = [
-        f"# FlashInfer upgrade check: {before_version} -> {after_version}",
-        "",
-        f"{len(comparisons)} cases; {len(regressed)} regressed; {len(changed)} changed behaviour; "
-        f"median kernel-time ratio {_fmt(med(kernel))}; median plan()-time ratio {_fmt(med(plan))}.",
-        "",
-        f"Regression rules: outcome passed/xfailed -> failed/raised; kernel time > x{KERNEL_TIME_LIMIT} and "
-        f"> {KERNEL_TIME_FLOOR_US} us slower; plan() time > x{PLAN_TIME_LIMIT}; an error ratio past the budget "
-        "fails the case itself. Times are judged only when neither run shared the GPU between test processes "
-        f"(here: {_workers(comparisons)}).",
-        "",
-        "## Regressions",
-        "",
-    ]
-    lines += [f"- `{c.case}`: " + "; ".join(c.regressions) for c in regressed] or ["none"]
+    head = f"FlashInfer {before_version} -> {after_version}: {len(compared)} cases compared"
+    if not any(ran(c) for c in comparisons):
+        reason = run.gpu_skip_reason or "no GPU-tier case recorded anything"
+        return [_line("FAIL", "GPU tier", f"did not run ({reason}): nothing was compared"),
+                _line("FAIL", "not run", f"all {len(comparisons)} cases of the baseline")]
+    failed = bool(regressed) or run.timing_failed
+    lines = [_line("FAIL" if failed else "PASS", "verdict",
+                   head + (f", {len(regressed)} regressed" if regressed else ", no regression"))]
+
+    new_ref = [c for c in compared if c.refusal == "new"]
+    gone_ref = [c for c in compared if c.refusal == "gone"]
+    text = f"{len(new_ref)} new, {len(gone_ref)} gone"
+    if new_ref:
+        text += f" (now raising: {new_ref[0].after.error[:120]} in `{_short(new_ref[0].case)}`" + (
+            f" and {len(new_ref) - 1} more)" if len(new_ref) > 1 else ")")
+    lines.append(_line("FAIL" if new_ref else ("note" if gone_ref else "ok"), "refusals", text))
+
+    failing = [c for c in compared if _ok(c.before) and not _ok(c.after) and c.refusal != "new"]
+    lines.append(_line("FAIL" if failing else "ok", "outcomes",
+                       f"{len(failing)} cases that passed fail now" + (f" (`{_short(failing[0].case)}`: "
+                                                                        f"{failing[0].after.outcome})" if failing else "")))
+
+    with_outputs = [c for c in compared if c.drift]
+    drifted = sorted((c for c in with_outputs if not c.bitwise_equal),
+                     key=lambda c: -max(d["max_abs"] for d in c.drift.values()))
+    if drifted:
+        worst = drifted[0]
+        key, d = max(worst.drift.items(), key=lambda kv: kv[1]["max_abs"])
+        rows = ", ".join(f"{r} ({m:.3g})" for r, m in d["worst_rows"])
+        text = (f"{len(drifted)} of {len(with_outputs)} cases no longer bitwise equal; worst `{_short(worst.case)}` "
+                f"{key} max abs {d['max_abs']:.3g}, {d['rows_differing']}/{d['rows']} rows differ, worst rows {rows}")
+    else:
+        text = f"all {len(with_outputs)} cases with outputs bitwise equal"
+    lines.append(_line("note" if drifted else "ok", "numerics", text))
+
+    worse = [(c, k, b, a) for c in compared for k, (b, a) in c.worse_ratios.items()]
+    if worse:
+        c, k, b, a = max(worse, key=lambda w: w[3] - w[2])
+        text = f"{len({w[0].case for w in worse})} cases with a worse error-budget ratio; worst `{_short(c.case)}` {k} {b:.3g} -> {a:.3g}"
+    else:
+        text = "no error-budget ratio worse"
+    lines.append(_line("note" if worse else "ok", "errors", text))
+
+    lines.append(timing_line(compared, run))
+
+    new_w = sorted({w for c in compared for w in set(c.after.warnings) - set(c.before.warnings)})
+    gone_w = sorted({w for c in compared for w in set(c.before.warnings) - set(c.after.warnings)})
+    text = f"{len(new_w)} new, {len(gone_w)} gone" + (f" (new: {new_w[0][:120]})" if new_w else "")
+    lines.append(_line("note" if new_w or gone_w else "ok", "warnings", text))
+
+    not_run = [c for c in comparisons if c.status == "not run"]
+    deselected = [c for c in comparisons if c.status == "deselected"]
+    text = f"{len(not_run)} cases of the baseline did not run" + (f" (`{_short(not_run[0].case)}`: {not_run[0].why})"
+                                                                  if not_run else "")
+    if deselected:
+        whys = sorted({c.why for c in deselected})
+        text += f"; {len(deselected)} left out by this run's selection ({', '.join(whys)}), not judged"
+    lines.append(_line("FAIL" if not_run else ("note" if deselected else "ok"), "not run", text))
+
+    new = [c for c in comparisons if c.status == "new"]
+    lines.append(_line("note" if new else "ok", "new cases", f"{len(new)} not in the baseline"))
+    return lines
+
+
+def ran(c: CaseComparison) -> bool:
+    return c.after is not None and c.after.outcome != "skipped"
+
+
+def passed(comparisons: list[CaseComparison], run: RunFacts) -> bool:
+    """The check's verdict: a GPU-tier case ran, nothing regressed, the due timing pass ran."""
+    return any(ran(c) for c in comparisons) and not any(c.regressions for c in comparisons) and not run.timing_failed
+
+
+def render_markdown(comparisons: list[CaseComparison], run: RunFacts, before_version: str, after_version: str) -> str:
+    lines = [f"# FlashInfer upgrade check: {before_version} -> {after_version}", "", "```"]
+    lines += summary_lines(comparisons, run, before_version, after_version)
+    lines += ["```", "",
+              f"FAIL fails the check, note is a change that does not. Rules: passed/xfailed -> failed, or newly "
+              f"raising; a baseline case not run (unless the run's own -k/-m/paths left it out); kernel time > "
+              f"x{KERNEL_TIME_LIMIT} and > {KERNEL_TIME_FLOOR_US} us slower; plan() time > x{PLAN_TIME_LIMIT}. Times come "
+              f"from a pass with one process per GPU, {TIME_REPEATS} medians of {TIME_REPS} calls; a time whose medians "
+              f"spread more than {KERNEL_SPREAD_LIMIT:.0%} (kernel) or {PLAN_SPREAD_LIMIT:.0%} (plan()) is not judged.",
+              "", "## Regressions", ""]
+    lines += [f"- `{c.case}`: " + "; ".join(c.regressions) for c in comparisons if c.regressions] or ["none"]
     lines += ["", "## Behaviour changes", ""]
-    lines += [f"- `{c.case}`: " + "; ".join(c.changes) for c in changed] or ["none"]
+    lines += [f"- `{c.case}`: " + "; ".join(c.changes) for c in comparisons if c.changes] or ["none"]
+    drifted = [c for c in comparisons if c.drift and not c.bitwise_equal]
+    lines += ["", "## Outputs no longer bitwise equal", ""]
+    lines += [f"- `{c.case}`: " + "; ".join(
+        f"{k} max abs {d['max_abs']:.3g}, rel L2 {d['rel_l2']:.3g}, {d['bitwise_equal']:.1%} bitwise equal, "
+        f"{d['rows_differing']}/{d['rows']} rows differ (worst: " + ", ".join(f"row {r} {m:.3g}" for r, m in d["worst_rows"]) + ")"
+        for k, d in c.drift.items() if d["bitwise_equal"] < 1.0) for c in drifted] or ["none"]
+    skipped = [c for c in comparisons if c.status in ("not run", "deselected", "new")]
+    lines += ["", "## Not run, left out, new", ""]
+    lines += [f"- `{c.case}`: {c.status}" + (f" ({c.why})" if c.why else "") for c in skipped] or ["none"]
     lines += ["", "## Per case", "",
-              "| case | before | after | out max ratio before/after | out drift max abs | rel L2 | bitwise equal | kernel us before/after | plan us before/after |",
+              "| case | before | after | out max ratio before/after | out bitwise equal | rows differing | "
+              "kernel us before/after | plan us before/after | time not judged |",
               "|---|---|---|---|---|---|---|---|---|"]
     for c in comparisons:
         b, a = c.before, c.after
         d = c.drift.get("out", {})
+        unjudged = "; ".join(t.why for t in (c.kernel_time, c.plan_time) if not t.judged and t.why)
         lines.append(
-            f"| `{c.case}` | {b.outcome if b else '–'} | {a.outcome if a else '–'} | "
-            f"{_fmt(b.ratios.get('out_max') if b else None)}/{_fmt(a.ratios.get('out_max') if a else None)} | "
-            f"{_fmt(d.get('max_abs'), '.3g')} | {_fmt(d.get('rel_l2'), '.3g')} | {_fmt(d.get('bitwise_equal'), '.1%')} | "
+            f"| `{c.case}` | {b.outcome if b else '–'} | {a.outcome if a else c.status} | "
+            f"{_fmt(b.ratios.get('out_max_ratio') if b else None)}/{_fmt(a.ratios.get('out_max_ratio') if a else None)} | "
+            f"{_fmt(d.get('bitwise_equal'), '.1%')} | {d.get('rows_differing', '–')} | "
             f"{_fmt(b.kernel_us if b else None, '.1f')}/{_fmt(a.kernel_us if a else None, '.1f')} | "
-            f"{_fmt(b.plan_us if b else None, '.0f')}/{_fmt(a.plan_us if a else None, '.0f')} |"
+            f"{_fmt(b.plan_us if b else None, '.0f')}/{_fmt(a.plan_us if a else None, '.0f')} | {unjudged} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def write_report(comparisons: list[CaseComparison], out_dir: Path, before_version: str, after_version: str) -> bool:
-    """Write report.md and report.json; True when nothing regressed."""
+def write_report(comparisons: list[CaseComparison], out_dir: Path, before_version: str, after_version: str,
+                 run: RunFacts | None = None) -> bool:
+    """Write report.md and report.json; True when the check passes."""
+    run = run or RunFacts()
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.md").write_text(render_markdown(comparisons, before_version, after_version))
+    (out_dir / "report.md").write_text(render_markdown(comparisons, run, before_version, after_version))
+    ok = passed(comparisons, run)
     payload = {
         "before": before_version,
         "after": after_version,
+        "passed": ok,
+        "summary": summary_lines(comparisons, run, before_version, after_version),
         "thresholds": {"kernel_time": KERNEL_TIME_LIMIT, "kernel_time_floor_us": KERNEL_TIME_FLOOR_US,
-                       "plan_time": PLAN_TIME_LIMIT},
+                       "plan_time": PLAN_TIME_LIMIT, "kernel_spread": KERNEL_SPREAD_LIMIT,
+                       "plan_spread": PLAN_SPREAD_LIMIT, "time_repeats": TIME_REPEATS, "time_reps": TIME_REPS},
+        "timing": run.timing or "timing pass ran",
         "cases": [
-            {"case": c.case, "before": asdict(c.before) if c.before else None, "after": asdict(c.after) if c.after else None,
-             "changes": c.changes, "regressions": c.regressions, "drift": c.drift, "kernel_ratio": c.kernel_ratio,
-             "plan_ratio": c.plan_ratio}
+            {"case": c.case, "status": c.status, "why": c.why,
+             "before": asdict(c.before) if c.before else None, "after": asdict(c.after) if c.after else None,
+             "changes": c.changes, "regressions": c.regressions, "drift": c.drift,
+             "kernel_time": dict(asdict(c.kernel_time), ratio=c.kernel_time.ratio),
+             "plan_time": dict(asdict(c.plan_time), ratio=c.plan_time.ratio)}
             for c in comparisons
         ],
     }
     (out_dir / "report.json").write_text(json.dumps(payload, indent=1, sort_keys=True))
-    return not any(c.regressions for c in comparisons)
+    return ok

@@ -1,33 +1,72 @@
-"""Upgrade comparison logic on hand-made records: behaviour changes, drift, time ratios, and
-what counts as a regression."""
+"""The upgrade check: comparison rules on hand-made records (behaviour changes, drift, times
+and what counts as a regression), the report's summary, and through pytester the plugin's
+refusals (unusable baseline, non-empty output folder), a run that ran no GPU case, baseline
+cases not run or deselected, and the timing pass's plumbing (GPU count faked)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from recording.baseline import CaseRecord, compare_case, compare_directories, drift, write_record, write_report
+import pytest_sparse_mla.baselines as plugin
+from recording.baseline import (
+    SCHEMA,
+    BaselineError,
+    CaseRecord,
+    RunFacts,
+    check_baseline,
+    compare_case,
+    compare_directories,
+    drift,
+    judge_time,
+    merge_timings,
+    missing_case_status,
+    repeated_medians,
+    spread,
+    summary_lines,
+    write_record,
+    write_report,
+    write_timing,
+)
+
+STEADY = [70.0, 70.5, 69.8]  # repeated medians (us) that agree within the spread limits
 
 
 def rec(**kw) -> CaseRecord:
     return CaseRecord(case=kw.pop("case", "tests/gpu/test_x.py::test_case[a]"), **kw)
 
 
-def test_drift_counts_bitwise_equal_elements_and_relative_l2():
-    a = torch.randn(64, dtype=torch.float64).to(torch.bfloat16)
+def summary(comparisons, run=None) -> dict[str, str]:
+    """Summary lines by class name -> the line."""
+    return {line.split()[1]: line for line in summary_lines(comparisons, run or RunFacts(), "0.7.2", "0.7.4")}
+
+
+# --- comparison rules ---------------------------------------------------------------------------
+
+
+def test_drift_counts_bitwise_equal_elements_relative_l2_and_the_rows_that_differ():
+    a = torch.randn(8, 8, dtype=torch.float64).to(torch.bfloat16)
     b = a.clone()
-    b[:16] = (b[:16].float() * 1.01).to(torch.bfloat16)
+    b[2] = (b[2].float() * 1.01).to(torch.bfloat16)
+    b[5, :2] = (b[5, :2].float() * 1.5).to(torch.bfloat16)
     d = drift(a, b)
-    assert 0.74 <= d["bitwise_equal"] <= 0.76
-    assert 0 < d["rel_l2"] < 0.02 and d["max_abs"] > 0
-    assert drift(a, a) == {"max_abs": 0.0, "rel_l2": 0.0, "bitwise_equal": 1.0}
+    assert 0.6 < d["bitwise_equal"] < 1.0 and 0 < d["rel_l2"] < 0.2
+    assert (d["rows"], d["rows_differing"]) == (8, 2)
+    assert [r for r, _ in d["worst_rows"]] == [5, 2], "the row that moved most comes first"
+    same = drift(a, a)
+    assert (same["bitwise_equal"], same["max_abs"], same["rows_differing"]) == (1.0, 0.0, 0)
+
+
+def test_empty_outputs_count_as_equal():
+    empty = torch.zeros(0, 4, 8, dtype=torch.bfloat16)
+    assert drift(empty, empty)["bitwise_equal"] == 1.0
 
 
 def test_newly_raising_is_a_regression_and_names_the_error():
     c = compare_case("c", rec(outcome="passed"), rec(outcome="failed", error="ValueError: CSR metadata page counts"), {}, {})
-    assert c.regressions and "ValueError: CSR metadata" in c.regressions[0]
-    assert any(ch.startswith("newly raising") for ch in c.changes)
+    assert c.refusal == "new" and c.regressions and "ValueError: CSR metadata" in c.regressions[0]
 
 
 def test_a_newly_raising_call_is_a_regression_even_when_the_suite_expects_it():
@@ -39,45 +78,318 @@ def test_an_expected_finding_that_keeps_failing_is_not_a_regression():
     assert not compare_case("c", rec(outcome="xfailed"), rec(outcome="xfailed"), {}, {}).regressions
 
 
-def test_newly_passing_and_new_warnings_are_reported_as_changes_not_regressions():
-    c = compare_case("c", rec(outcome="failed"), rec(outcome="passed", warnings=["DeprecationWarning: positional"]), {}, {})
+def test_newly_passing_and_new_or_gone_warnings_are_changes_not_regressions():
+    c = compare_case("c", rec(outcome="failed", warnings=["UserWarning: old"]),
+                     rec(outcome="passed", warnings=["DeprecationWarning: positional"]), {}, {})
     assert not c.regressions
-    assert "outcome failed -> passed" in c.changes and any("DeprecationWarning" in ch for ch in c.changes)
+    assert "outcome failed -> passed" in c.changes
+    assert any("new warnings: DeprecationWarning" in ch for ch in c.changes)
+    assert any("warnings gone: UserWarning" in ch for ch in c.changes)
 
 
-def test_time_ratios_and_thresholds():
-    slow_plan = compare_case("c", rec(plan_us=150.0, kernel_us=73.0), rec(plan_us=1300.0, kernel_us=74.0), {}, {})
-    assert round(slow_plan.plan_ratio, 2) == 8.67 and any("plan() time" in r for r in slow_plan.regressions)
-    assert not any("kernel" in r for r in slow_plan.regressions), "1.4% kernel change is noise"
-    tiny = compare_case("c", rec(kernel_us=3.0), rec(kernel_us=4.5), {}, {})
-    assert not tiny.regressions, "below the absolute floor"
-    slow_kernel = compare_case("c", rec(kernel_us=70.0), rec(kernel_us=90.0), {}, {})
-    assert any("kernel time" in r for r in slow_kernel.regressions)
+# --- times --------------------------------------------------------------------------------------
 
 
-def test_times_shared_between_test_processes_are_reported_not_judged():
-    c = compare_case("c", rec(plan_us=150.0, timing_workers=16), rec(plan_us=50_000.0, timing_workers=16), {}, {})
-    assert c.plan_ratio > 300 and not c.regressions
+def test_repeated_medians_are_medians_of_each_measurement_in_microseconds():
+    samples = iter([[1e-6, 9e-6, 2e-6], [3e-6, 3e-6, 100e-6], [4e-6, 5e-6, 6e-6]])
+    assert repeated_medians(lambda: next(samples), 3) == pytest.approx([2.0, 3.0, 5.0])
 
 
-def test_empty_outputs_count_as_equal():
-    empty = torch.zeros(0, 4, 8, dtype=torch.bfloat16)
-    assert drift(empty, empty)["bitwise_equal"] == 1.0
+def test_spread_is_range_over_median():
+    assert spread([100.0, 110.0, 105.0]) == pytest.approx(10 / 105)
+    assert spread([1.0, 1.0, 1.0]) == 0.0
+
+
+def test_plan_time_past_the_limit_is_a_regression_and_kernel_noise_is_not():
+    c = compare_case("c", rec(plan_us_repeats=[150.0, 151.0, 149.0], kernel_us_repeats=[73.0, 73.2, 73.1]),
+                     rec(plan_us_repeats=[1300.0, 1310.0, 1295.0], kernel_us_repeats=[74.0, 74.1, 73.9]), {}, {})
+    assert round(c.plan_time.ratio, 2) == 8.67 and any("plan() time x8.67" in r for r in c.regressions)
+    assert c.kernel_time.judged and not c.kernel_time.regressed, "1.4% kernel change is noise"
+
+
+def test_kernel_time_needs_both_the_ratio_and_the_absolute_floor():
+    assert not judge_time("kernel", [3.0] * 3, [4.5] * 3, 1.15, 0.1, floor_us=2.0).regressed, "below the floor"
+    slow = judge_time("kernel", [70.0] * 3, [90.0] * 3, 1.15, 0.1, floor_us=2.0)
+    assert slow.judged and slow.regressed and "kernel time x1.29" in slow.why
+
+
+def test_unstable_times_are_reported_not_judged():
+    noisy = [12_000.0, 96_000.0, 40_000.0]  # plan() under contention: 12 to 96 ms for one case
+    j = judge_time("plan()", [150.0, 151.0, 150.0], noisy, 2.0, 0.25)
+    assert not j.judged and not j.regressed and "unstable now" in j.why
+    assert "unstable in the baseline" in judge_time("plan()", noisy, [150.0] * 3, 2.0, 0.25).why
+
+
+def test_a_time_missing_on_either_side_is_not_judged():
+    assert judge_time("kernel", [], STEADY, 1.15, 0.1).why == "kernel not timed in the baseline"
+    assert judge_time("kernel", STEADY, [], 1.15, 0.1).why == "kernel not timed now"
+
+
+def test_merge_timings_writes_the_timing_pass_medians_into_the_records(tmp_path):
+    write_record(tmp_path, rec(case="t::x"), None)
+    write_record(tmp_path, rec(case="t::y"), None)
+    write_timing(tmp_path / "timing", "t::x", STEADY, [150.0, 151.0, 152.0])
+    write_timing(tmp_path / "timing", "t::gone", STEADY, STEADY)
+    assert merge_timings(tmp_path, tmp_path / "timing") == 1
+    records = check_baseline(tmp_path)
+    assert records["t::x"].kernel_us_repeats == STEADY and records["t::x"].plan_us == 151.0
+    assert records["t::y"].kernel_us is None
+
+
+# --- baseline cases that did not run ----------------------------------------------------------
+
+
+def test_a_baseline_case_missing_now_is_not_run_unless_the_run_left_it_out():
+    gpu = "tests/gpu/test_attention_regimes.py::test_large_batches[x]"
+    run = RunFacts(deselected=frozenset({gpu}), selected_paths=("tests/gpu",),
+                   outcomes={"tests/gpu/test_a.py::t": "skipped: GPU tier: no CUDA device"})
+    assert missing_case_status(gpu, run) == ("deselected", "deselected by -k/-m")
+    assert missing_case_status("tests/cpu/test_b.py::t", run) == ("deselected", "outside the paths given")
+    assert missing_case_status("tests/gpu/test_a.py::t", run) == ("not run", "skipped: GPU tier: no CUDA device")
+    assert missing_case_status("tests/gpu/test_a.py::u", run)[0] == "not run"
+    not_run = compare_case("tests/gpu/test_a.py::t", rec(), None, {}, {}, run)
+    assert not_run.regressions == ["not run: skipped: GPU tier: no CUDA device"]
+    assert not compare_case(gpu, rec(), None, {}, {}, run).regressions
+
+
+def test_a_path_argument_selects_the_cases_under_it():
+    run = RunFacts(selected_paths=("tests/gpu/test_a.py::test_k",))
+    assert missing_case_status("tests/gpu/test_a.py::test_k[p1]", run)[0] == "not run"
+    assert missing_case_status("tests/gpu/test_a.py::test_kk", run)[0] == "deselected"
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def compared(before: CaseRecord, after: CaseRecord, bo=None, ao=None):
+    return compare_case(before.case, before, after, bo or {}, ao or {})
+
+
+def test_a_release_against_itself_passes_with_every_class_ok():
+    out = {"out": torch.randn(6, 2, 8).to(torch.bfloat16)}
+    r = rec(ratios={"out_max_ratio": 0.4}, kernel_us_repeats=STEADY, plan_us_repeats=[150.0, 152.0, 149.0])
+    lines = summary([compared(r, r, out, out)])
+    assert lines["verdict"].startswith("PASS") and "no regression" in lines["verdict"]
+    assert all(line.startswith("ok") for name, line in lines.items() if name != "verdict"), lines
+    assert "2 times judged (one process per GPU, 3 medians of 15)" in lines["time"]
+
+
+def test_summary_has_one_line_per_class_of_change():
+    out = torch.randn(6, 2, 8).to(torch.bfloat16)
+    moved = out.clone()
+    moved[4] += 0.5
+    comparisons = [
+        compared(rec(case="t::strided"), rec(case="t::strided", error="ValueError at plan: CSR metadata")),
+        compared(rec(case="t::drift", ratios={"out_max_ratio": 0.4}), rec(case="t::drift", ratios={"out_max_ratio": 0.6}),
+                 {"out": out}, {"out": moved}),
+        compared(rec(case="t::warn"), rec(case="t::warn", warnings=["DeprecationWarning: flat form"])),
+        compared(rec(case="t::slow", plan_us_repeats=[150.0] * 3), rec(case="t::slow", plan_us_repeats=[1500.0] * 3)),
+        compare_case("t::gone", rec(case="t::gone"), None, {}, {}, RunFacts()),
+        compare_case("t::new", None, rec(case="t::new"), {}, {}),
+    ]
+    lines = summary(comparisons)
+    assert lines["verdict"].startswith("FAIL") and "3 regressed" in lines["verdict"]
+    assert lines["refusals"].startswith("FAIL") and "1 new, 0 gone" in lines["refusals"] and "CSR metadata" in lines["refusals"]
+    assert lines["numerics"].startswith("note") and "`drift` out" in lines["numerics"] and "1/6 rows" in lines["numerics"]
+    assert "worst rows 4 (" in lines["numerics"]
+    assert lines["errors"].startswith("note") and "out_max_ratio 0.4 -> 0.6" in lines["errors"]
+    assert lines["time"].startswith("FAIL") and "plan() time x10.00" in lines["time"]
+    assert lines["warnings"].startswith("note") and "1 new, 0 gone" in lines["warnings"]
+    assert lines["not"].startswith("FAIL") and "1 cases of the baseline did not run" in lines["not"]
+    assert lines["new"].startswith("note") and "1 not in the baseline" in lines["new"]
+
+
+def test_times_not_taken_are_said_and_a_failed_timing_pass_fails():
+    r = rec(plan_us_repeats=[150.0] * 3)
+    off = RunFacts(timing="--baseline-timing=off")
+    assert summary([compared(r, rec())], off)["time"].startswith("note  time       not judged: --baseline-timing=off")
+    broken = RunFacts(timing="timing pass failed: GPU 0 exit status 2", timing_failed=True)
+    lines = summary([compared(r, rec())], broken)
+    assert lines["time"].startswith("FAIL") and lines["verdict"].startswith("FAIL")
+
+
+def test_a_run_with_no_record_is_no_green(tmp_path):
+    run = RunFacts(gpu_skip_reason="GPU tier: no CUDA device")
+    comparisons = [compare_case("t::x", rec(case="t::x"), None, {}, {}, run)]
+    assert not write_report(comparisons, tmp_path, "0.7.2", "0.7.4", run)
+    md = (tmp_path / "report.md").read_text()
+    assert "GPU tier   did not run (GPU tier: no CUDA device)" in md
 
 
 def test_directories_round_trip_into_markdown_and_json(tmp_path):
     out = torch.randn(4, 2, 8).to(torch.bfloat16)
-    write_record(tmp_path / "a", rec(case="t::x", flashinfer="0.6.18.post1", kernel_us=70.0, plan_us=150.0,
-                                     ratios={"out_max": 1.1}), {"out": out})
-    write_record(tmp_path / "b", rec(case="t::x", flashinfer="0.7.4", kernel_us=71.0, plan_us=1400.0,
-                                     ratios={"out_max": 1.2}), {"out": out})
+    write_record(tmp_path / "a", rec(case="t::x", flashinfer="0.6.18.post1", kernel_us_repeats=STEADY,
+                                     plan_us_repeats=[150.0] * 3, ratios={"out_max_ratio": 1.1}), {"out": out})
+    write_record(tmp_path / "b", rec(case="t::x", flashinfer="0.7.4", kernel_us_repeats=STEADY,
+                                     plan_us_repeats=[1400.0] * 3, ratios={"out_max_ratio": 1.1}), {"out": out})
     write_record(tmp_path / "b", rec(case="t::new", flashinfer="0.7.4"), None)
     comparisons = compare_directories(tmp_path / "a", tmp_path / "b")
     assert [c.case for c in comparisons] == ["t::new", "t::x"]
     assert comparisons[1].drift["out"]["bitwise_equal"] == 1.0
-    ok = write_report(comparisons, tmp_path / "report", "0.6.18.post1", "0.7.4")
-    assert not ok
+    assert not write_report(comparisons, tmp_path / "report", "0.6.18.post1", "0.7.4")
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "0.6.18.post1 -> 0.7.4" in md and "plan() time x9.33" in md and "new case" in md
+    head = md.split("```")[1].strip().splitlines()
+    assert head[0].startswith("FAIL  verdict") and "0.6.18.post1 -> 0.7.4" in head[0]
+    assert "plan() time x9.33" in md and "t::new`: new" in md
     data = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert data["cases"][1]["plan_ratio"] > 9
+    assert data["passed"] is False and data["summary"] == head
+    assert data["cases"][1]["plan_time"]["ratio"] == pytest.approx(1400 / 150)
+
+
+# --- unusable baselines -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: None, "does not exist"),
+        (lambda d: d.mkdir(), "holds no case records"),
+        (lambda d: (d.mkdir(), (d / "x.json").write_text("{not json")), "x.json: not a readable JSON record"),
+        (lambda d: (d.mkdir(), (d / "x.json").write_text('{"case": "t::x"}')), "x.json: no schema field"),
+        (lambda d: (d.mkdir(), (d / "x.json").write_text('{"case": "t::x", "schema": 1}')), "x.json: schema 1, this tool reads"),
+        (lambda d: (d.mkdir(), (d / "x.json").write_text(json.dumps({"case": "t::x", "timing_workers": 16, "schema": SCHEMA}))),
+         "fields ['timing_workers'] do not fit"),
+    ],
+    ids=["missing", "empty", "corrupt", "no-schema", "old-schema", "other-fields"],
+)
+def test_an_unusable_baseline_is_refused_naming_the_path(tmp_path, make, message):
+    make(tmp_path / "base")
+    with pytest.raises(BaselineError, match="--record-baseline") as e:
+        check_baseline(tmp_path / "base")
+    assert str(tmp_path / "base") in str(e.value) and message in str(e.value)
+
+
+# --- the plugin, through pytester ---------------------------------------------------------------
+
+CASES = """
+import os
+
+import pytest
+import torch
+
+from pytest_sparse_mla.baselines import timing_directory
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_case(request, baseline, k):
+    if os.environ.get("SKIP_CASE") == str(k):
+        pytest.skip("GPU tier: no CUDA device")
+    if timing_directory(request.config) is not None:
+        slow = 3.0 if os.environ.get("SLOW_CASE") == str(k) else 1.0
+        baseline.note(kernel_us_repeats=[70.0 * slow, 70.5 * slow, 69.9 * slow], plan_us_repeats=[150.0, 151.0, 150.0])
+        return
+    baseline.note(ratios={"out_max_ratio": 0.4}, outputs={"out": torch.full((4, 2), float(k))})
+
+
+def test_cpu_only():
+    pass
+"""
+
+
+@pytest.fixture
+def suite(pytester):
+    pytester.makeconftest('pytest_plugins = ("pytest_sparse_mla",)')
+    pytester.makepyfile(test_cases=CASES)
+    return pytester
+
+
+def run(pytester, *args):
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:benchmark", "--rootdir", str(pytester.path), *args)
+
+
+def record(pytester, *args):
+    result = run(pytester, "--record-baseline=base", "--baseline-timing=off", *args)
+    assert result.ret == 0, result.stdout.str()
+    return pytester.path / "base"
+
+
+def test_a_missing_baseline_is_a_usage_error_before_any_test_runs(suite):
+    result = run(suite, "--compare-baseline=nowhere")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--compare-baseline: baseline nowhere does not exist*"])
+    assert "passed" not in result.stdout.str() and not (suite.path / "baseline-compare").exists()
+
+
+def test_a_corrupt_baseline_is_a_usage_error_naming_the_file(suite):
+    (suite.path / "base").mkdir()
+    (suite.path / "base" / "x.json").write_text("{")
+    result = run(suite, "--compare-baseline=base")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*base/x.json: not a readable JSON record*"])
+
+
+@pytest.mark.parametrize("option", ["--record-baseline=out", "--baseline-out=out"])
+def test_a_non_empty_output_folder_is_refused(suite, option):
+    base = record(suite)
+    (suite.path / "out").mkdir()
+    (suite.path / "out" / "leftover.json").write_text("{}")
+    result = run(suite, option, f"--compare-baseline={base}" if "baseline-out" in option else "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{option.split('=')[0]}: out is not empty*rm -r out*"])
+
+
+def test_a_release_against_itself_passes_and_prints_the_summary(suite):
+    base = record(suite)
+    assert sorted(p.name for p in base.glob("*.json")) == ["test_case_1_.json", "test_case_2_.json", "test_case_3_.json"]
+    result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*FlashInfer upgrade check*", "PASS  verdict*3 cases compared, no regression",
+                                 "ok    refusals   0 new, 0 gone", "ok    numerics   all 3 cases with outputs bitwise equal",
+                                 "note  time       not judged: --baseline-timing=off", "report: baseline-compare/report.md"])
+
+
+def test_a_run_that_ran_no_gpu_case_fails(suite):
+    base = record(suite)
+    result = run(suite, f"--compare-baseline={base}", "-k", "cpu_only")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["FAIL  GPU tier   did not run*nothing was compared"])
+
+
+def test_a_baseline_case_skipped_now_fails_and_one_deselected_by_k_does_not(suite, monkeypatch):
+    base = record(suite)
+    monkeypatch.setenv("SKIP_CASE", "2")
+    result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=skipped")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["FAIL  not run    1 cases of the baseline did not run (`test_case[2]`: skipped: GPU tier: no CUDA device)"])
+    monkeypatch.delenv("SKIP_CASE")
+    result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=narrow", "-k", "not 3")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["note  not run    0 cases of the baseline did not run; 1 left out by this run's "
+                                 "selection (deselected by -k/-m), not judged"])
+
+
+def test_deselection_is_known_under_xdist_too(suite):
+    base = record(suite)
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(suite.path), "-n", "1",
+                                        f"--compare-baseline={base}", "--baseline-timing=off", "-k", "not 3")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*1 left out by this run's selection (deselected by -k/-m)*"])
+
+
+def test_the_timing_pass_times_each_case_in_a_process_per_gpu_and_judges_only_those_times(suite, monkeypatch):
+    monkeypatch.setattr(plugin, "visible_gpus", lambda: ["0", "1"])
+    base = suite.path / "base"
+    result = run(suite, f"--record-baseline={base}")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["PASS  baseline *base: 3 cases recorded, 3 timed by the timing pass"])
+    assert sorted(p.name for p in (base / "timing").glob("*.log")) == ["gpu0.log", "gpu1.log"]
+    assert check_baseline(base)["test_cases.py::test_case[2]"].kernel_us_repeats == [70.0, 70.5, 69.9]
+    monkeypatch.setenv("SLOW_CASE", "3")
+    monkeypatch.setattr(plugin, "visible_gpus", lambda: ["0"])
+    result = run(suite, f"--compare-baseline={base}")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["FAIL  time       6 times judged (one process per GPU, 3 medians of 15): 1 slower past "
+                                 "the limits, worst kernel time x3.00 (70.0 -> 210.0 us)"])
+
+
+def test_without_a_gpu_the_due_timing_pass_fails_the_check(suite, monkeypatch):
+    base = record(suite)
+    monkeypatch.setattr(plugin, "visible_gpus", lambda: [])
+    result = run(suite, f"--compare-baseline={base}")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["FAIL  time       not judged: no GPU visible for the timing pass"])
+
+
+def test_shard_spreads_cases_round_robin_over_the_gpus():
+    assert plugin.shard(["a", "b", "c"], 2) == [["a", "c"], ["b"]]
+    assert plugin.shard(["a"], 4) == [["a"]]

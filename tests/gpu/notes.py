@@ -1,6 +1,6 @@
 """What the GPU tests attach to their reports: the measured error ratios (summed up at the end
-of the run) and, with ``--record-baseline`` / ``--compare-baseline``, each case's outputs,
-ratios and times."""
+of the run) and, with ``--record-baseline`` / ``--compare-baseline``, each case's outputs and
+ratios, and in the upgrade check's timing pass its times."""
 
 from __future__ import annotations
 
@@ -39,23 +39,28 @@ def case_timer():
 
 
 def note_baseline(request, state, launch: Launch, step: Step, out, lse, comparisons) -> None:
-    """With --record-baseline / --compare-baseline: the case's outputs, ratios and times."""
-    from pytest_sparse_mla.baselines import baseline_directory
+    """With --record-baseline / --compare-baseline: the case's outputs and ratios; in the timing
+    pass (--baseline-timing-out, one process per GPU): only its kernel and plan() times."""
+    from pytest_sparse_mla.baselines import baseline_directory, timing_directory
 
-    if baseline_directory(request.config) is None:
-        return
+    if timing_directory(request.config) is not None:
+        request.getfixturevalue("baseline").note(**time_case(state, launch, step, out))
+    elif baseline_directory(request.config) is not None:
+        n = step.num_planned
+        ratios = {f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio")}
+        request.getfixturevalue("baseline").note(ratios=ratios, outputs={"out": out[:n], "lse": lse[:n]})
+
+
+def time_case(state, launch: Launch, step: Step, out) -> dict:
+    """Repeated medians (us) of the kernel (CUDA events, same buffers) and of plan() (host time,
+    device idle): ``recording.baseline.TIME_REPEATS`` medians of ``TIME_REPS`` calls each."""
+    from recording.baseline import TIME_REPS, repeated_medians
+
     n = step.num_planned
-    ratios = {f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio")}
-    from harness.timing import summarize
-
     scratch_out, scratch_lse = nan_buffers(out.shape[0], out.shape[1])
     i = launch.inputs
     timer = case_timer()
-    kernel_us = None
-    if n:
-        times, _ = timer.device_times(lambda _: state.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, scratch_out, scratch_lse), 15)
-        kernel_us = summarize(times)["median_s"] * 1e6
-    plan_us = summarize(timer.host_times(lambda _: state.plan(n, step.planned_lens), 15, warmup=3))["median_s"] * 1e6
-    request.getfixturevalue("baseline").note(
-        ratios=ratios, kernel_us=kernel_us, plan_us=plan_us, outputs={"out": out[:n], "lse": lse[:n]}
-    )
+    attend = lambda _: state.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, scratch_out, scratch_lse)  # noqa: E731
+    kernel = repeated_medians(lambda: timer.device_times(attend, TIME_REPS)[0]) if n else None
+    plan = repeated_medians(lambda: timer.host_times(lambda _: state.plan(n, step.planned_lens), TIME_REPS, warmup=3))
+    return {"kernel_us_repeats": kernel, "plan_us_repeats": plan}
