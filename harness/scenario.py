@@ -5,13 +5,15 @@ and a seed, :func:`build_scenario` derives everything on the host: the block tab
 physical blocks, physical block 0 never allocated, a table wider than any allocation with
 stale entries past each allocation), the indexer rows, the metadata the production builder
 reads, and each row's context and regime. :func:`build_attention_inputs` then materialises q
-and the KV cache on a device. Every random draw comes from NumPy generators seeded from
-``(seed, component)``, so the same spec and seed give the same tensors on any machine.
+and the KV cache on a device. Every random draw comes from NumPy generators or, for the KV
+cache, a counter-based integer hash (:func:`slot_values`), keyed by ``(seed, component)``, so
+the same spec and seed give the same tensors on any machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK, ROPE_DIM, TOPK
+from mla_constants import DEEPSEEK_V32_SM_SCALE, INVALID, KV_LORA_RANK, ROPE_DIM, TOPK
 from reference.indexer import buffer_width, decode_rows_use_identity, indexer_rows, prefill_rows_use_identity
 from reference.rules import classify_rows, convert_rule, request_ids_per_row, route_prefills_to_mha, row_context
 
@@ -152,13 +154,19 @@ class Scenario:
         return convert_rule(self.topk_indices, self.block_table, self.request_ids(), self.spec.block_size)
 
     def referenced_slots(self) -> torch.Tensor:
-        """Slot ids of every token of every request (the only slots holding real data)."""
+        """Slot ids of every token of every request, in request and token order."""
         bs = self.spec.block_size
         parts = [
             (blocks.to(torch.int64).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[: r.seq_len]
             for blocks, r in zip(self.allocations, self.spec.requests)
         ]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def readable_slots(self) -> torch.Tensor:
+        """Sorted slot ids that some row's intended selection (a) reads: the only slots
+        :func:`build_attention_inputs` fills when it poisons the rest."""
+        slots = self.intended_slots()
+        return torch.unique(slots[slots != INVALID].to(torch.int64))
 
     def describe(self) -> str:
         s = self.spec
@@ -269,29 +277,70 @@ class AttentionInputs:
 
 
 _NAN_BITS = {"bfloat16": (torch.int16, 0x7FC0), "float8_e4m3fn": (torch.uint8, 0x7F)}
+_U64 = np.uint64
+_GOLDEN = _U64(0x9E3779B97F4A7C15)
+_LANES = 4  # 16-bit table indices per 64-bit hash: a value costs a quarter hash and a lookup
+_MAX_HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 
 
 def _normal(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).standard_normal(size=shape, dtype=np.float32))
 
 
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, in place on a uint64 array (wrapping arithmetic)."""
+    x ^= x >> _U64(30)
+    x *= _U64(0xBF58476D1CE4E5B9)
+    x ^= x >> _U64(27)
+    x *= _U64(0x94D049BB133111EB)
+    x ^= x >> _U64(31)
+    return x
+
+
+@functools.lru_cache(maxsize=1)
+def _normal_table() -> np.ndarray:
+    """2**16 standard normals (float32) that 16-bit hash lanes index."""
+    return np.random.default_rng(component_seed(0, "normal-table")).standard_normal(1 << 16, dtype=np.float32)
+
+
+def slot_values(seed: int, slots: np.ndarray, head_dim: int) -> np.ndarray:
+    """Standard-normal float32 values ``[len(slots), head_dim]`` of the given KV slots. Value j
+    of slot s is a function of ``(seed, s, j)`` alone: 16-bit lane ``j % 4`` of element
+    ``s * 144 + j // 4`` of the splitmix64 stream seeded by ``seed`` indexes a fixed table of
+    normals. So a slot holds the same values whichever other slots are generated (and, for
+    its first 512 values, whether the cache has rope or not), and integer arithmetic makes
+    them the same on any machine."""
+    chunks = -(-head_dim // _LANES)
+    counters = np.asarray(slots, dtype=_U64)[:, None] * _U64(_MAX_HEAD_DIM // _LANES) + np.arange(1, chunks + 1, dtype=_U64)
+    with np.errstate(over="ignore"):
+        counters *= _GOLDEN
+        counters += _U64(seed)
+        bits = _splitmix64(counters)
+    lanes = bits.astype("<u8", copy=False).view("<u2")  # lane 0 = the low 16 bits, whatever the byte order
+    return _normal_table()[lanes[:, :head_dim]]
+
+
 def build_attention_inputs(
     scenario: Scenario, device: torch.device | str = "cpu", *, poison: bool = True, q_seed_component: str = "q"
 ) -> AttentionInputs:
-    """q and the KV cache on ``device``. Only slots of real tokens get data; with ``poison``
-    every other slot (slot 0 included) holds NaN, so reading one shows in the output."""
+    """q and the KV cache on ``device``. With ``poison`` only the slots some row's intended
+    selection reads get data (:meth:`Scenario.readable_slots`) and every other slot, slot 0
+    included, holds NaN, so a read outside the selection shows in the output; without it every
+    slot gets data. A slot's values depend only on the seed and the slot (:func:`slot_values`)."""
     spec = scenario.spec
     rows = scenario.topk_indices.shape[0]
     q = _normal(component_seed(scenario.seed, q_seed_component), (rows, spec.num_heads, spec.head_dim))
     q = q.to(torch.bfloat16).to(device)
     cache = torch.empty((scenario.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=device)
+    flat = cache.view(-1, spec.head_dim)
+    kv_seed = component_seed(scenario.seed, "kv")
     if poison:
         bits, pattern = _NAN_BITS[spec.kv_dtype]
         cache.view(bits).fill_(pattern)
-    slots = scenario.referenced_slots()
-    values = _normal(component_seed(scenario.seed, "kv"), (slots.numel(), spec.head_dim))
-    if not poison:
-        others = _normal(component_seed(scenario.seed, "kv-unreferenced"), (scenario.num_slots, spec.head_dim))
-        cache.view(-1, spec.head_dim).copy_(others.to(spec.torch_kv_dtype))
-    cache.view(-1, spec.head_dim)[slots.to(device)] = values.to(spec.torch_kv_dtype).to(device)
+        slots = scenario.readable_slots()
+        values = torch.from_numpy(slot_values(kv_seed, slots.numpy(), spec.head_dim)).to(spec.torch_kv_dtype)
+        flat[slots.to(device)] = values.to(device)
+    else:
+        values = slot_values(kv_seed, np.arange(scenario.num_slots), spec.head_dim)
+        flat.copy_(torch.from_numpy(values).to(spec.torch_kv_dtype))
     return AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=cache)
