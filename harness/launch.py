@@ -46,7 +46,8 @@ def failure_context(step: Step, version: str) -> str:
 
 
 def assert_launchable(step: Step, version: str) -> None:
-    """SPEC §5 before launch, then (b) == (a): a violation fails here, nothing launched."""
+    """The invariants before launch (docs/invariants.md#before-launch), then (b) == (a): a
+    violation fails here, nothing launched."""
     ctx = failure_context(step, version)
     assert not step.violations, f"invariant violations (kernel not launched); {ctx}\n" + "\n".join(
         map(str, step.violations[:8])

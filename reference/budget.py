@@ -52,13 +52,13 @@ class Comparison:
         return "; ".join([head] + self.problems + ([f"worst: {worst}"] if worst else []))
 
 
-def _max(x: torch.Tensor) -> float:
-    return float(x.max()) if x.numel() else 0.0
-
-
 def _finite_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Positions where one is +-inf and the other is not the same infinity."""
     return (torch.isinf(a) | torch.isinf(b)) & (a != b)
+
+
+def _first_position(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(mask.nonzero()[0].tolist())
 
 
 def _worst_rows_heads(err: torch.Tensor, k: int = 5) -> list[tuple[int, int, float]]:
@@ -66,9 +66,30 @@ def _worst_rows_heads(err: torch.Tensor, k: int = 5) -> list[tuple[int, int, flo
         return []
     per = err.reshape(err.shape[0], err.shape[1], -1).amax(dim=-1) if err.dim() >= 2 else err.unsqueeze(1)
     flat = per.flatten()
-    top = torch.topk(flat, min(k, flat.numel()))
+    values, indices = (x.tolist() for x in torch.topk(flat, min(k, flat.numel())))
     heads = per.shape[1]
-    return [(int(i) // heads, int(i) % heads, float(v)) for v, i in zip(top.values, top.indices) if v > 0]
+    return [(i // heads, i % heads, v) for v, i in zip(values, indices) if v > 0]
+
+
+def _error_sums(a: torch.Tensor, t: torch.Tensor, l: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+    """The comparison's summary numbers, computed where the tensors live and brought back in one
+    transfer, and the kernel's absolute error (0 where it or the truth is not finite)."""
+    finite = torch.isfinite(t) & torch.isfinite(a)
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
+    err = torch.where(finite, (a - t).abs(), zero)
+    err_l = torch.where(torch.isfinite(t) & torch.isfinite(l), (l - t).abs(), zero)
+    t_abs = torch.where(torch.isfinite(t), t.abs(), zero)
+    t_fin = torch.where(finite, t, zero)
+    if t.numel():
+        maxima = [err.max(), err_l.max(), t_abs.max()]
+    else:
+        maxima = [zero, zero, zero]
+    names = ("nan", "inf_bad", "finite", "max_err", "max_l", "max_abs_t", "err_sum", "err_l_sum", "err_norm", "t_norm")
+    values = torch.stack([
+        torch.isnan(a).sum().to(t.dtype), _finite_mismatch(a, t).sum().to(t.dtype), finite.sum().to(t.dtype), *maxima,
+        err.sum(), err_l.sum(), err.norm(), t_fin.norm(),
+    ]).tolist()
+    return dict(zip(names, values)), err
 
 
 def compare_to_budget(
@@ -80,33 +101,30 @@ def compare_to_budget(
     ulps: float = 0.0,
 ) -> Comparison:
     """Compare ``actual`` with the float64 ``truth`` within the budget set by ``lowp``; ``ulps``
-    raises the absolute floor by that many float32 ulps of max|truth| (LSE: ``LSE_ULPS``)."""
+    raises the absolute floor by that many float32 ulps of max|truth| (LSE: ``LSE_ULPS``).
+    Computed in float64 on ``truth``'s device; only the summary numbers and the worst rows
+    come back to the host."""
     if actual.shape != truth.shape or lowp.shape != truth.shape:
         raise ValueError(f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}")
     max_factor, mean_factor = FACTORS[kv_dtype]
-    a, t, l = (x.detach().to(torch.float64).cpu() for x in (actual, truth, lowp))
+    a, t, l = (x.detach().to(device=truth.device, dtype=torch.float64) for x in (actual, truth, lowp))
+    sums, err = _error_sums(a, t, l)
     problems = []
-    nan = torch.isnan(a)
-    if bool(nan.any()):
-        problems.append(f"{int(nan.sum())} NaN (first at {tuple(nan.nonzero()[0].tolist())})")
-    inf_bad = _finite_mismatch(a, t)
-    if bool(inf_bad.any()):
-        problems.append(f"{int(inf_bad.sum())} inf mismatches (first at {tuple(inf_bad.nonzero()[0].tolist())})")
-    finite = torch.isfinite(t) & torch.isfinite(a)
-    err = torch.where(finite, (a - t).abs(), torch.zeros_like(t))
-    err_l = torch.where(torch.isfinite(t) & torch.isfinite(l), (l - t).abs(), torch.zeros_like(t))
-    n = max(int(finite.sum()), 1)
-    max_err, mean_err = _max(err), float(err.sum()) / n
-    max_l, mean_l = _max(err_l), float(err_l.sum()) / n
-    floor = ABS_FLOOR + ulps * FLOAT32_EPS * _max(torch.where(torch.isfinite(t), t.abs(), torch.zeros_like(t)))
+    if sums["nan"]:
+        problems.append(f"{int(sums['nan'])} NaN (first at {_first_position(torch.isnan(a))})")
+    if sums["inf_bad"]:
+        problems.append(f"{int(sums['inf_bad'])} inf mismatches (first at {_first_position(_finite_mismatch(a, t))})")
+    n = max(int(sums["finite"]), 1)
+    max_err, mean_err = sums["max_err"], sums["err_sum"] / n
+    max_l, mean_l = sums["max_l"], sums["err_l_sum"] / n
+    floor = ABS_FLOOR + ulps * FLOAT32_EPS * sums["max_abs_t"]
     ok_max = max_err <= max_factor * max_l + floor
     ok_mean = mean_err <= mean_factor * mean_l + floor
     if not ok_max:
         problems.append(f"max err {max_err:.3g} > {max_factor} x lowp {max_l:.3g} + {floor:.3g}")
     if not ok_mean:
         problems.append(f"mean err {mean_err:.3g} > {mean_factor} x lowp {mean_l:.3g} + {floor:.3g}")
-    t_fin = torch.where(finite, t, torch.zeros_like(t))
-    rel = float(err.norm() / t_fin.norm()) if float(t_fin.norm()) > 0 else float(err.norm())
+    rel = sums["err_norm"] / sums["t_norm"] if sums["t_norm"] > 0 else sums["err_norm"]
     return Comparison(
         name=name,
         ok=not problems,
