@@ -1,4 +1,4 @@
-"""The three kv_indices layouts the plan can point at (SPEC §2).
+"""The three kv_indices layouts the plan can point at (docs/computation.md#layouts).
 
 - ``strided`` (the seed): row t is ``kv_indices[t*W:(t+1)*W]``, the convert output itself;
   ``kv_indptr = qo_indptr * W``. The -1 tail past each row's length is never read.

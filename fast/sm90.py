@@ -1,6 +1,6 @@
 """The SM90 sparse-MLA attention state: plan on the host every step, then convert, lay out and
 run on the device with fixed shapes, so that the device part can be captured in a CUDA graph
-once at the maximum size and replayed after each replan (SPEC §2 steps 2, 4, 5).
+once at the maximum size and replayed after each replan (docs/computation.md#the-production-path).
 
 One ``BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, backend="fa3")`` owns
 reserved qo_indptr / kv_indptr / kv_indices / kv_len_arr device buffers sized for
@@ -62,7 +62,7 @@ class PlanDuringCaptureError(RuntimeError):
 
 
 class SM90AttentionState:
-    """Buffers, wrapper and plan parameters for one attention group (SPEC §2)."""
+    """Buffers, wrapper and plan parameters for one attention group (docs/computation.md#plan)."""
 
     def __init__(self, impl, config: AttentionConfig, device="cuda", *, features: Features | None = None,
                  lse_base_e: bool = True):

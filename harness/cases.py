@@ -1,5 +1,5 @@
 """The case catalogue both tiers draw from: the contexts that reach every regime, and the batch
-situations of SPEC §4, as :class:`harness.BatchSpec` values (built by the one scenario
+situations (docs/regimes.md#batch-situations), as :class:`harness.BatchSpec` values (built by the one scenario
 builder, ``harness.build_scenario``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK, variant_name
 from reference import classify_row
 
-from .scenario import BatchSpec, batch
+from .scenario import BatchSpec, batch, build_scenario
 
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
 KPOOLS = (1, 4)
@@ -54,7 +54,7 @@ def identity_case(kpool: int, topk: int = TOPK, **config) -> Case:
 
 
 def situation_cases(kpool: int, topk: int = TOPK, **config) -> list[Case]:
-    """The batch-level situations of SPEC §4 for one kpool."""
+    """The batch situations (docs/regimes.md#batch-situations) for one kpool."""
     k = f"kpool{kpool}"
     spec_decode = dict(decode_threshold=8)
     return [
@@ -163,3 +163,10 @@ def graph_replay_sequence(kpool: int, topk: int = TOPK, **config) -> list[Case]:
         Case(f"graph-mid-{k}", batch((3 * topk + 1, 1), (topk, 1), (topk + 2, 10), topk=topk, kpool=kpool, **config)),
         Case(f"graph-empty-{k}", batch(topk=topk, kpool=kpool, **config)),
     ]
+
+
+def has_regime_c(case: Case) -> bool:
+    """Whether a planned row of the case is in regime C, which the strided and packed layouts
+    plan wrong (docs/findings.md#regime-c-planned-as-a-prefix)."""
+    scenario = build_scenario(case.spec, seed=0)
+    return "C" in scenario.row_regime[: scenario.planned_rows]

@@ -1,5 +1,6 @@
 """The one tolerance policy: a kernel's error against float64, as a ratio of the error that
-working precision alone costs (SPEC §8, after flash-attention's two-reference budget).
+working precision alone costs (docs/error-budget.md#two-references, after flash-attention's
+two-reference budget).
 
 ``err_kernel = |out - truth|``, ``err_lowp = |lowp - truth|`` where ``lowp`` is the reference
 computed with the kernel's roundings. A case passes when

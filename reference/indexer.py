@@ -1,4 +1,5 @@
-"""Reference model of the rows the DSA indexer writes into ``topk_indices_buffer`` (SPEC §3).
+"""Reference model of the rows the DSA indexer writes into ``topk_indices_buffer``
+(docs/regimes.md#indexer-rows).
 
 Each row holds request-local token indices, -1 = invalid. Notation: ctx = position + 1,
 r = ctx % kpool, P = ctx // kpool complete pools, S = topk // kpool pools selected.

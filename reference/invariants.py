@@ -1,4 +1,4 @@
-"""What must hold before a launch (SPEC §5), and the two selections the references attend.
+"""What must hold before a launch (docs/invariants.md#before-launch), and the two selections the references attend.
 
 - (a) intended: the set of valid entries of each converted indexer row;
 - (b) as-implemented: exactly the slots a plan tells the kernel to read, i.e. the first
@@ -61,7 +61,7 @@ def check_plan_invariants(
     width: int,
     regimes: list[str] | None = None,
 ) -> list[Violation]:
-    """All of SPEC §5 that can be checked from the host: row invariants, planned rows == q
+    """All of docs/invariants.md#before-launch that the host can check: row invariants, planned rows == q
     rows, every planned slot < num_slots, and sum(lens) <= max_tokens * W."""
     out = check_row_invariants(converted, lens, regimes)
     if lens.numel() != q_rows:

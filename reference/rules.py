@@ -1,6 +1,7 @@
 """Reference models of the rules around the kernel: row context, kv_len, convert, regimes.
 
-These are the specification (SPEC §2–§4) written as small pure functions; ``fast/`` holds the
+These are the rules of docs/computation.md#the-production-path written as small pure
+functions; ``fast/`` holds the
 production versions that the tests compare against them.
 """
 
@@ -39,7 +40,7 @@ def kv_len_rule(ctx: torch.Tensor, topk: int, kpool: int) -> torch.Tensor:
 
 
 def classify_row(ctx: int, topk: int, kpool: int, identity: bool) -> str:
-    """The context regime A–H of one row (SPEC §4)."""
+    """The context regime A–H of one row (docs/regimes.md#context-regimes)."""
     if ctx < 1:
         raise ValueError(f"ctx must be >= 1, got {ctx}")
     if identity:
@@ -74,7 +75,8 @@ def request_ids_per_row(query_start_loc: torch.Tensor, num_rows: int) -> torch.T
 def convert_rule(
     topk_indices: torch.Tensor, block_table: torch.Tensor, req_id: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """Column-preserving map of request-local token indices to global slot ids (SPEC §2).
+    """Column-preserving map of request-local token indices to global slot ids
+    (docs/computation.md#convert-kernel).
 
     ``slot = block_table[req_id[t], tok // block_size] * block_size + tok % block_size``;
     -1 where ``tok < 0`` or the block column is past the table width. A token past the

@@ -1,4 +1,5 @@
-"""Faithful re-creations of the CPU-visible production bugs of SPEC §6, as implementations
+"""Faithful re-creations of the CPU-visible production bugs
+(docs/findings.md#at-a-glance), as implementations
 that plug into the suite with ``--impl tests.bugs:<ClassName>`` (a class is its own factory). The suite must fail on each
 (``tests/cpu/test_suite_catches_bugs.py`` checks that it does)."""
 
@@ -12,7 +13,8 @@ from mla_constants import INVALID
 
 
 class KpoolFromWrongSpec(FastImpl):
-    """#1: kpool read from the wrong cache spec (1 instead of 4): rows with ctx > topk are
+    """docs/findings.md#kpool-wrong-cache-spec:
+    kpool read from the wrong cache spec (1 instead of 4): rows with ctx > topk are
     planned ``ctx % kpool`` short."""
 
     name = "bug1-kpool-from-wrong-spec"
@@ -22,7 +24,8 @@ class KpoolFromWrongSpec(FastImpl):
 
 
 class PrefillsStillPlanned(FastImpl):
-    """#2: prefills routed to dense MHA are still planned: planned rows != q rows."""
+    """docs/findings.md#prefills-to-mha-still-planned:
+    prefills routed to dense MHA are still planned: planned rows != q rows."""
 
     name = "bug2-prefills-still-planned"
 
@@ -31,7 +34,8 @@ class PrefillsStillPlanned(FastImpl):
 
 
 class CompactionPlansPrefix(FastImpl):
-    """#3: the compacted layout copies the first ``len`` columns like packed, so regime C
+    """docs/findings.md#regime-c-compacted:
+    the compacted layout copies the first ``len`` columns like packed, so regime C
     rows (valid entries not a prefix) are planned as prefixes."""
 
     name = "bug3-regime-c-as-prefix"
@@ -41,7 +45,8 @@ class CompactionPlansPrefix(FastImpl):
 
 
 class PackedWithMaxTailLength(FastImpl):
-    """#5: rows past topk planned with the widest tail (topk + kpool - 1) while the packed
+    """docs/findings.md#packed-clamp-with-a-wrong-length:
+    rows past topk planned with the widest tail (topk + kpool - 1) while the packed
     layout clamps -1 to 0: the extra columns silently attend slot 0."""
 
     name = "bug5-packed-clamp-wrong-length"
@@ -52,7 +57,8 @@ class PackedWithMaxTailLength(FastImpl):
 
 
 class ContextIsPosition(FastImpl):
-    """#9a: ctx taken as the position instead of position + 1."""
+    """docs/findings.md#ctx-off-by-one:
+    ctx taken as the position instead of position + 1."""
 
     name = "bug9-ctx-off-by-one"
 
@@ -63,7 +69,8 @@ class ContextIsPosition(FastImpl):
 
 
 class OptimisticBoundAsExact(FastImpl):
-    """#9b: the host upper bound used under async scheduling, where it is optimistic for
+    """docs/findings.md#optimistic-async-bounds:
+    the host upper bound used under async scheduling, where it is optimistic for
     spec-decode rows."""
 
     name = "bug9-async-bound-as-exact"
@@ -73,7 +80,8 @@ class OptimisticBoundAsExact(FastImpl):
 
 
 class ConvertWithoutTableBound(FastImpl):
-    """#10a: the convert kernel does not map block columns past the table width to -1; it
+    """docs/findings.md#convert-block-column-out-of-range:
+    the convert kernel does not map block columns past the table width to -1; it
     reads on into the flat block table (the next request's row)."""
 
     name = "bug10-convert-no-width-check"
@@ -92,7 +100,8 @@ class ConvertWithoutTableBound(FastImpl):
 
 
 class ConvertAcceptsMismatchedReqIds(FastImpl):
-    """#10b: req_id with fewer rows than the token rows is accepted (rows past it reuse
+    """docs/findings.md#convert-request-id-rows-mismatch:
+    req_id with fewer rows than the token rows is accepted (rows past it reuse
     request 0) instead of being rejected."""
 
     name = "bug10-req-id-rows-mismatch"

@@ -1,6 +1,7 @@
 """The FlashInfer compatibility layer's pure parts: version parsing, feature detection from
 signatures, the version gates and their skip reasons, the dtype fp8 caches are planned with
-(SPEC §6 #6), the cluster-size rule behind the graph-replay finding, and the behaviour probe
+(docs/findings.md#fp8-planned-as-uint8), the cluster-size rule behind the graph-replay finding,
+and the behaviour probe
 against stand-ins for FlashInfer releases that check, or do not check, before launching."""
 
 from __future__ import annotations

@@ -16,17 +16,12 @@ from hypothesis import strategies as st
 
 from fast.layouts import LAYOUTS
 from harness import BatchSpec, Request, build_attention_inputs, build_scenario
-from harness.cases import all_regime_cases, situation_cases
+from harness.cases import all_regime_cases, has_regime_c, situation_cases
 from harness.findings import REGIME_C_FINDING
 from harness.pipeline import describe_rows, fixture_from_step, prepare_step, selection_mismatches
 from reference import kv_len_rule, valid_counts
 
 CASES = all_regime_cases() + situation_cases(1) + situation_cases(4)
-
-
-def has_regime_c(case) -> bool:
-    scenario = build_scenario(case.spec, seed=0)
-    return "C" in scenario.row_regime[: scenario.planned_rows]
 
 
 def layout_params():

@@ -1,4 +1,4 @@
-"""Tests of the suite itself: each CPU-visible production bug of SPEC §6, re-created in
+"""Tests of the suite itself: each CPU-visible production bug (docs/findings.md), re-created in
 ``tests/bugs.py`` and plugged in with ``--impl``, must make the suite fail, with a message
 that names what broke."""
 
@@ -13,19 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 KVLEN = "tests/cpu/test_kvlen_regimes.py"
 CONVERT = "tests/cpu/test_convert.py"
 
-# (SPEC §6 entry, re-creation, tests that must catch it, -k selection, message the failure shows)
+# (docs/findings.md anchor of the bug, re-creation, tests that must catch it, -k selection, message the failure shows)
 BUG_CASES = [
-    ("#1", "KpoolFromWrongSpec", KVLEN, "test_kv_len_equals_valid_count and kpool4", r"kv_len != valid count on \d+ rows"),
-    ("#2", "PrefillsStillPlanned", KVLEN, "test_kv_len_equals_valid_count and to-mha", r"rows planned but q has \d+ rows"),
-    ("#3", "CompactionPlansPrefix", KVLEN, "test_plan_reads_the_intended_slots and compacted and kpool4",
+    ("kpool-wrong-cache-spec", "KpoolFromWrongSpec", KVLEN, "test_kv_len_equals_valid_count and kpool4", r"kv_len != valid count on \d+ rows"),
+    ("prefills-to-mha-still-planned", "PrefillsStillPlanned", KVLEN, "test_kv_len_equals_valid_count and to-mha", r"rows planned but q has \d+ rows"),
+    ("regime-c-compacted", "CompactionPlansPrefix", KVLEN, "test_plan_reads_the_intended_slots and compacted and kpool4",
      r"planned slots != intended slots .*regime C"),
-    ("#5", "PackedWithMaxTailLength", KVLEN, "test_plan_reads_the_intended_slots and packed and kpool4",
+    ("packed-clamp-with-a-wrong-length", "PackedWithMaxTailLength", KVLEN, "test_plan_reads_the_intended_slots and packed and kpool4",
      r"\[len==valid\] row \d+: planned len \d+ != \d+ valid entries"),
-    ("#9 ctx", "ContextIsPosition", KVLEN, "test_kv_len_equals_valid_count", r"kv_len != valid count on \d+ rows"),
-    ("#9 async", "OptimisticBoundAsExact", KVLEN, "test_kv_len_equals_valid_count and async",
+    ("ctx-off-by-one", "ContextIsPosition", KVLEN, "test_kv_len_equals_valid_count", r"kv_len != valid count on \d+ rows"),
+    ("optimistic-async-bounds", "OptimisticBoundAsExact", KVLEN, "test_kv_len_equals_valid_count and async",
      r"kv_len != valid count on \d+ rows"),
-    ("#10 width", "ConvertWithoutTableBound", CONVERT, "", r"FAILED \S*test_convert\.py::"),
-    ("#10 req_id", "ConvertAcceptsMismatchedReqIds", CONVERT, "", r"FAILED \S*test_convert\.py::"),
+    ("convert-block-column-out-of-range", "ConvertWithoutTableBound", CONVERT, "", r"FAILED \S*test_convert\.py::"),
+    ("convert-request-id-rows-mismatch", "ConvertAcceptsMismatchedReqIds", CONVERT, "", r"FAILED \S*test_convert\.py::"),
 ]
 
 
@@ -42,8 +42,8 @@ def run_suite(pytester, impl: str, path: str, select: str):
 def test_suite_fails_on_recreated_bug(pytester, entry, bug, path, select, message):
     result = run_suite(pytester, f"tests.bugs:{bug}", path, select)
     output = "\n".join(result.outlines + result.errlines)
-    assert result.ret == 1, f"SPEC §6 {entry}: the suite did not fail on tests.bugs:{bug} (exit {result.ret})\n{output[-3000:]}"
-    assert re.search(message, output, flags=re.S), f"SPEC §6 {entry}: expected /{message}/ in\n{output[-3000:]}"
+    assert result.ret == 1, f"docs/findings.md#{entry}: the suite did not fail on tests.bugs:{bug} (exit {result.ret})\n{output[-3000:]}"
+    assert re.search(message, output, flags=re.S), f"docs/findings.md#{entry}: expected /{message}/ in\n{output[-3000:]}"
 
 
 def test_bad_impl_spec_is_a_clear_usage_error(pytester):

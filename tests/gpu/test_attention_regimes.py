@@ -1,5 +1,5 @@
 """The FA3 production path against the references in every context regime and batch situation
-(SPEC §4–§8), for every kv_indices layout.
+(docs/regimes.md#batch-situations), for every kv_indices layout.
 
 Each case: invariants and (b) == (a) before launch (a violation fails without launching),
 then plan + convert + layout + run on NaN-filled outputs, a bitwise rerun, and the kernel
@@ -18,7 +18,14 @@ import torch
 
 from fast.layouts import LAYOUTS
 from harness import build_attention_inputs, build_scenario
-from harness.cases import all_regime_cases, case_layout_index, covering_config, large_batch_cases, situation_cases
+from harness.cases import (
+    all_regime_cases,
+    case_layout_index,
+    covering_config,
+    has_regime_c,
+    large_batch_cases,
+    situation_cases,
+)
 from harness.findings import REGIME_C_FINDING, RegimeCPlannedAsPrefix, regime_c_finding
 from harness.launch import (
     DEVICE,
@@ -38,7 +45,6 @@ from harness.launch import (
 from harness.pipeline import describe_rows
 from reference import check_plan_invariants
 from reference.rules import valid_counts, valid_first
-from tests.cpu.test_kvlen_regimes import has_regime_c
 from tests.gpu.notes import note_baseline, record_errors
 
 pytestmark = pytest.mark.gpu
@@ -128,7 +134,7 @@ def test_large_batches(impl, features, request, regime_log, case, layout, config
 
 def test_mha_routing_plans_only_the_decode_prefix(impl, features, request, regime_log):
     """Prefills routed to dense MHA: only the decode rows are planned and written; planning
-    every row instead (SPEC §6 #2) is caught before launch."""
+    every row instead (docs/findings.md#prefills-to-mha-still-planned) is caught before launch."""
     case = next(c for c in situation_cases(4) if c.name.startswith("decode+prefill-to-mha"))
     config = covering_config(0)
     result = run_case(impl, features, request, regime_log, case, "compacted", config, seed=13)
@@ -145,7 +151,7 @@ def test_mha_routing_plans_only_the_decode_prefix(impl, features, request, regim
 
 def test_async_optimistic_host_bound_is_caught(impl, features, request, regime_log):
     """Async spec decode: lens from positions run right; the optimistic host bound used as
-    exact lengths (SPEC §6 #9) violates the invariants, so it never launches."""
+    exact lengths (docs/findings.md#optimistic-async-bounds) violates the invariants, so it never launches."""
     case = next(c for c in situation_cases(4) if c.name.startswith("async-spec-decode"))
     step, _, _ = run_case(impl, features, request, regime_log, case, "compacted", covering_config(1), seed=14)
     scenario = step.scenario

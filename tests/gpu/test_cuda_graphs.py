@@ -1,4 +1,6 @@
-"""CUDA graphs (SPEC §4, §6 #8): the device part of a step (convert -> layout -> run) captured
+"""CUDA graphs (docs/regimes.md#cuda-graph-padding-and-replay,
+docs/findings.md#stale-lengths-after-a-smaller-replan): the device part of a step
+(convert -> layout -> run) captured
 once at the maximum size, then for a sequence of batches replanned on the host (outside
 capture) and replayed with other lengths, slots and q: fewer rows after more (stale lengths
 must be zeroed), more again, and an empty batch. Every replay must equal an eager run of the

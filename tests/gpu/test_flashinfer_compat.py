@@ -1,6 +1,7 @@
 """The FlashInfer compatibility layer on the installed version: feature detection and the probed
-checks before launch, the LSE base actually returned (SPEC §6 #7), the flat call forms and their
-deprecation warnings, fp8 planned as float8_e4m3fn whatever the storage dtype (SPEC §6 #6), and
+checks before launch, the LSE base actually returned (docs/findings.md#lse-base-mix-up), the flat call forms and their
+deprecation warnings, fp8 planned as float8_e4m3fn whatever the storage dtype
+(docs/findings.md#fp8-planned-as-uint8), and
 the full-width strided lens (docs/findings.md#full-width-lengths-strided) in a subprocess."""
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ def small_scenario(config_index: int, seed: int, **extra):
     return build_scenario(spec, seed)
 
 
-def launch_compacted(impl, scenario, **state_kwargs):
+def launch_compacted(impl, scenario, regime_log=None, **state_kwargs):
+    """Plan and run the compacted layout eagerly; the rows are recorded before the launch."""
     step = prepared(impl, scenario, "compacted")
+    if regime_log is not None:
+        regime_log.record(step.regimes())
     assert_launchable(step, "n/a")
     inputs = build_attention_inputs(scenario, DEVICE)
     rows = step.max_rows
@@ -107,8 +111,7 @@ def test_probe_finds_the_checks_in_the_release_source(features, record_property)
 def test_lse_base_returned_and_normalised(impl, features, request, regime_log, config_index):
     """Raw FlashInfer LSE is base 2 (lse_e * log2 e); the layer's LSE is natural log."""
     scenario = small_scenario(config_index, seed=31)
-    step, inputs, state, launch, out, lse = launch_compacted(impl, scenario)
-    regime_log.record(step.regimes())
+    step, inputs, state, launch, out, lse = launch_compacted(impl, scenario, regime_log)
     raw = impl.make_attention_state(attention_config(scenario, "compacted", step.max_rows), DEVICE, lse_base_e=False)
     out2, lse2 = nan_buffers(step.max_rows, scenario.spec.num_heads)
     eager_step(raw, launch, step, out2, lse2)
@@ -133,8 +136,7 @@ def test_flat_forms_warn_and_agree_on_0_7(impl, features, regime_log):
     if not features.canonical_plan:
         pytest.skip(f"flashinfer {features.version} has only the flat forms (the canonical ones start at 0.7.0)")
     scenario = small_scenario(0, seed=32)
-    step, inputs, state, launch, out, lse = launch_compacted(impl, scenario)
-    regime_log.record(step.regimes())
+    step, inputs, state, launch, out, lse = launch_compacted(impl, scenario, regime_log)
     start = len(recorded_warnings())
     flat = dataclasses.replace(features, canonical_plan=False, structural_run=False)
     _, _, _, _, out2, lse2 = launch_compacted(impl, scenario, features=flat)
@@ -146,11 +148,10 @@ def test_flat_forms_warn_and_agree_on_0_7(impl, features, regime_log):
 
 def test_fp8_cache_in_uint8_storage_is_planned_as_e4m3(impl, features, request, regime_log):
     """An fp8 cache held as raw uint8 storage gives bitwise the same result as the e4m3 cache
-    (planned as float8_e4m3fn, SPEC §6 #6); FlashInfer itself refuses a uint8 plan."""
+    (planned as float8_e4m3fn, docs/findings.md#fp8-planned-as-uint8); FlashInfer itself refuses a uint8 plan."""
     scenario = small_scenario(1, seed=33)
     assert scenario.spec.kv_dtype == "float8_e4m3fn" and scenario.spec.k_scale != 1.0
-    step, inputs, state, launch, out, lse = launch_compacted(impl, scenario)
-    regime_log.record(step.regimes())
+    step, inputs, state, launch, out, lse = launch_compacted(impl, scenario, regime_log)
     raw = dataclasses.replace(inputs, kv_cache=inputs.kv_cache.view(torch.uint8))
     config = dataclasses.replace(attention_config(scenario, "compacted", step.max_rows), kv_dtype=torch.uint8)
     state2 = impl.make_attention_state(config, DEVICE)
