@@ -3,7 +3,7 @@ FlashInfer, its output added to ``fixtures/<name>.safetensors`` under that versi
 
     python3 -m scripts.record_fixtures [--dir fixtures]
 
-Run once per FlashInfer version (scripts/gpu_tier.sh does with RECORD_FIXTURES=1): the first
+Run once per FlashInfer version (each installed as scripts/gpu_runner.py does): the first
 run writes each file, later runs check that the case's inputs are bit-identical and add their
 outputs. A case a version refuses (the strided layout on FlashInfer >= 0.7) is noted in the
 file's metadata under ``refused``.
