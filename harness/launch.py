@@ -17,6 +17,7 @@ import torch
 
 from fast.sm90 import AttentionConfig
 from mla_constants import KV_LORA_RANK
+from recording.case_log import note_step
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
 
@@ -48,6 +49,7 @@ def failure_context(step: Step, version: str) -> str:
 def assert_launchable(step: Step, version: str) -> None:
     """The invariants before launch (docs/invariants.md#before-launch), then (b) == (a): a
     violation fails here, nothing launched."""
+    note_step(step)
     ctx = failure_context(step, version)
     assert not step.violations, f"invariant violations (kernel not launched); {ctx}\n" + "\n".join(
         map(str, step.violations[:8])
@@ -100,6 +102,7 @@ def block_table_buffer(scenario: Scenario, min_rows: int = 1) -> torch.Tensor:
 
 def state_matches_step(state, step: Step) -> list[str]:
     """Differences between what the state hands the kernel and what (b) was computed from."""
+    note_step(step)
     n = step.num_planned
     problems = []
     indptr = state.planned_kv_indptr
@@ -132,12 +135,14 @@ def references(step: Step, inputs: AttentionInputs) -> tuple[tuple[torch.Tensor,
 
 
 def compare_with_references(step: Step, inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> list[Comparison]:
+    note_step(step, inputs, out, lse)
     n = step.num_planned
     truth, lowp = references(step, inputs)
     return compare_attention(out[:n], lse[:n], truth, lowp, step.scenario.spec.kv_dtype)
 
 
 def assert_within_budget(step: Step, comparisons: list[Comparison], version: str, what: str = "kernel vs (b)") -> None:
+    note_step(step)
     bad = [c for c in comparisons if not c.ok]
     assert not bad, f"{what} beyond the error budget; {failure_context(step, version)}\n" + "\n".join(
         c.summary(step.scenario.row_regime) for c in bad

@@ -1,8 +1,14 @@
 """Recorded fixtures: ``--replay`` runs only the replay tests (and prints each fixture's
-diagnostics at the end), ``--dump-failures DIR`` writes a fixture for every failing
-differential case that armed the ``failure_dump`` fixture."""
+diagnostics at the end); on an SM90 GPU with FlashInfer each fixture is re-run on the installed
+FlashInfer unless ``--replay-recorded-only``. ``--dump-failures DIR`` writes a fixture for every
+failing differential case: the case the shared helpers last noted (recording.case_log), or
+what a test armed on the ``failure_dump`` fixture; the failure message ends with the command
+that replays it."""
 
 from __future__ import annotations
+
+import importlib.util
+import shlex
 
 import pytest
 
@@ -26,6 +32,27 @@ def pytest_addoption(parser):
         metavar="DIR",
         help="write a fixture for every failing differential case into DIR",
     )
+    group.addoption(
+        "--replay-recorded-only",
+        action="store_true",
+        default=False,
+        help="judge only the outputs recorded in each fixture, even where an SM90 GPU with FlashInfer could re-run it",
+    )
+
+
+def rerun_unavailable_reason(config) -> str | None:
+    """Why the replay tests judge only the recorded outputs, or None when they re-run each
+    fixture on the installed FlashInfer. Touches CUDA: call it inside a test."""
+    if config.getoption("--replay-recorded-only"):
+        return "--replay-recorded-only"
+    from harness.availability import sm90_flashinfer_unavailable_reason
+
+    return sm90_flashinfer_unavailable_reason()
+
+
+def replay_command(path) -> str:
+    """The command that replays one fixture file."""
+    return f"pytest --replay={shlex.quote(str(path))} -p no:xdist -rA"
 
 
 class ReplayCollector:
@@ -55,37 +82,74 @@ def pytest_collection_modifyitems(config, items):
 
 
 class FailureDump:
-    """Tests arm it with a function that builds the case's fixture; when the test fails and
-    ``--dump-failures DIR`` is set, the fixture is written to DIR."""
+    """Where a failing test's case goes: what the test armed (a function building its
+    fixture), else the case the shared helpers last noted during the test."""
 
     def __init__(self, directory: str | None, node):
         self.directory = directory
         self.node = node
         self._build = None
+        self.log = None  # recording.case_log.CaseLog of the running test
 
     def arm(self, build) -> None:
         self._build = build
 
+    def build(self):
+        if self._build is not None:
+            return self._build()
+        return None if self.log is None or self.log.empty else self.log.build()
+
     def dump(self) -> str | None:
-        if not self.directory or self._build is None:
+        if not self.directory:
             return None
+        fixture = self.build()
+        if fixture is None:
+            return None
+        from recording.environment import runtime_environment
         from recording.fixture import save_fixture
 
+        from .impl import IMPL_SPEC
+
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
-        fixture = self._build()
         fixture.meta.setdefault("name", safe)
         fixture.meta.setdefault("nodeid", self.node.nodeid)
+        fixture.meta.setdefault("source", "pipeline")
+        impl_spec = self.node.config.stash.get(IMPL_SPEC, None)
+        if impl_spec:
+            fixture.meta.setdefault("impl", impl_spec)
+        if fixture.outputs and "environment" not in fixture.meta:
+            env = runtime_environment()
+            fixture.meta["environment"] = {version: env for version in fixture.outputs}
         return str(save_fixture(f"{self.directory}/{safe}.safetensors", fixture))
 
 
 DUMP = pytest.StashKey[FailureDump]()
 
 
+def _failure_dump_of(item) -> FailureDump:
+    dump = item.stash.get(DUMP, None)
+    if dump is None:
+        dump = item.stash[DUMP] = FailureDump(item.config.getoption("--dump-failures"), item)
+    return dump
+
+
 @pytest.fixture
 def failure_dump(request) -> FailureDump:
-    dump = FailureDump(request.config.getoption("--dump-failures"), request.node)
-    request.node.stash[DUMP] = dump
-    return dump
+    """Arm it with a function that builds the case's fixture (without arming, the case the
+    shared helpers noted is written)."""
+    return _failure_dump_of(request.node)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if not item.config.getoption("--dump-failures"):
+        yield
+        return
+    from recording.case_log import logging_cases
+
+    with logging_cases() as log:
+        _failure_dump_of(item).log = log
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -93,13 +157,24 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     dump = item.stash.get(DUMP, None)
-    if dump is not None and report.when == "call" and report.failed and not hasattr(report, "wasxfail"):
-        try:
-            path = dump.dump()
-        except Exception as exc:  # a broken dump must not hide the failure itself
-            path = f"(could not write the fixture: {exc!r})"
-        if path:
-            report.sections.append(("fixture", f"failing case written to {path}\nreplay: pytest --replay={path}"))
+    if dump is None or report.when != "call" or not report.failed or hasattr(report, "wasxfail"):
+        return
+    try:
+        path = dump.dump()
+        line = f"failing case written to {path}\nreplay: pytest --replay={shlex.quote(path)}" if path else None
+    except Exception as exc:  # a broken dump must not hide the failure itself
+        line = f"could not write the failing case under --dump-failures: {exc!r}"
+    if line:
+        _append_to_failure(report, line)
+
+
+def _append_to_failure(report, text: str) -> None:
+    """End the failure message with ``text`` (a section of the long report where it has them)."""
+    longrepr = report.longrepr
+    if hasattr(longrepr, "addsection"):
+        longrepr.addsection("failing case", text)
+    else:
+        report.longrepr = f"{longrepr}\n{text}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -107,6 +182,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     if config.getoption("--replay"):
         texts = config.stash.get(REPLAYS, [])
+        if texts and importlib.util.find_spec("matplotlib") is None:
+            terminalreporter.write_line("error heatmaps not written: matplotlib is not installed (pip install -e '.[plot]')")
         if texts:
             terminalreporter.section("fixture replay diagnostics")
             for text in texts:

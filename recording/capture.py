@@ -135,6 +135,7 @@ def record_pair(log: CaptureLog, plan: dict, named_run: dict, result) -> Path | 
         kv_len=kv_len,
         outputs={str(runtime_environment()["flashinfer"]): (out[:rows].detach().cpu(), lse_nat[:rows])},
     )
+    add_captured_plan(fixture, plan)
     size = sum(t.numel() * t.element_size() for t in fixture.tensors.values())
     if log.bytes_written + size > log.max_bytes:
         log.skip("byte cap reached")
@@ -143,6 +144,20 @@ def record_pair(log: CaptureLog, plan: dict, named_run: dict, result) -> Path | 
     log.written.append(path)
     log.bytes_written += path.stat().st_size
     return path
+
+
+def add_captured_plan(fixture, plan: dict) -> None:
+    """Keep the plan exactly as handed to FlashInfer, for a re-run as recorded: the CSR arrays
+    (``capture/qo_indptr``, ``capture/kv_indptr``, ``capture/kv_len_arr``, positions into the
+    fixture's kv_indices) and the plan arguments (metadata ``capture``)."""
+    for key in ("qo_indptr", "kv_indptr", "kv_len_arr"):
+        fixture.tensors[f"capture/{key}"] = plan[key].to(torch.int32).cpu()
+    args = {k: plan.get(k) for k in ("num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale", "lse_mode")}
+    for key in ("q_data_type", "kv_data_type"):
+        args[key] = None if plan.get(key) is None else str(plan[key]).replace("torch.", "")
+    indices = plan.get("kv_indices")
+    args["kv_indices_len"] = int(indices.numel()) if isinstance(indices, torch.Tensor) else None
+    fixture.meta["capture"] = args
 
 
 @contextmanager

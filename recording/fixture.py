@@ -93,6 +93,66 @@ def save_fixture(path: str | Path, fixture: Fixture) -> Path:
     return path
 
 
+#: Metadata fields every fixture has, with their JSON types (bool is never an int here).
+REQUIRED_META = {
+    "num_rows": int, "num_heads": int, "head_dim_ckv": int, "head_dim_kpe": int, "width": int,
+    "sm_scale": (int, float), "k_scale": (int, float), "layout": str,
+}
+#: Optional metadata fields, checked when present.
+OPTIONAL_META = {
+    "name": str, "seed": int, "kv_dtype": str, "max_rows": int, "regimes": list, "row_ctx": list, "focus": list,
+    "refused": dict, "environment": dict, "expect_finding": str, "lse_recorded": bool, "graph_replay": bool,
+    "source": str, "impl": str, "nodeid": str, "spec": dict, "capture": dict,
+}
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8)
+INDEX_DTYPES = (torch.int32, torch.int64)
+#: Allowed dtypes per tensor (outputs: ``out/*`` and ``lse/*``).
+TENSOR_DTYPES = {
+    "q_nope": FLOAT_DTYPES, "q_pe": FLOAT_DTYPES, "ckv": KV_DTYPES, "kpe": KV_DTYPES, "slot_ids": INDEX_DTYPES,
+    "kv_indptr": INDEX_DTYPES, "kv_indices": INDEX_DTYPES, "kv_len": INDEX_DTYPES, "intended": INDEX_DTYPES,
+    "out": FLOAT_DTYPES, "lse": (torch.float32, torch.float64), "capture": INDEX_DTYPES,
+}
+
+
+def _type_name(value) -> str:
+    return type(value).__name__
+
+
+def check_meta(path, meta) -> None:
+    """Metadata is a JSON object whose known fields have their types."""
+    if not isinstance(meta, dict):
+        raise FixtureError(f"{path}: metadata is a JSON {_type_name(meta)}, expected an object")
+    for key, types in REQUIRED_META.items():
+        if key not in meta:
+            raise FixtureError(f"{path}: metadata lacks '{key}'")
+    for key, types in {**REQUIRED_META, **OPTIONAL_META}.items():
+        if key not in meta or (key not in REQUIRED_META and meta[key] is None):
+            continue
+        value = meta[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+            want = " or ".join(t.__name__ for t in _as_tuple(types))
+            raise FixtureError(f"{path}: metadata field '{key}' is {_type_name(value)} {value!r:.60}, expected {want}")
+    for key in ("num_rows", "num_heads", "head_dim_ckv", "head_dim_kpe", "width"):
+        if meta[key] < 0:
+            raise FixtureError(f"{path}: metadata field '{key}' is negative ({meta[key]})")
+    regimes = meta.get("regimes")
+    if regimes is not None and (len(regimes) != meta["num_rows"] or not all(isinstance(g, str) for g in regimes)):
+        raise FixtureError(f"{path}: metadata field 'regimes' must list one regime string per row ({meta['num_rows']})")
+
+
+def _as_tuple(types) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def check_dtypes(path, tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        allowed = TENSOR_DTYPES.get(name.split("/", 1)[0])
+        if allowed is not None and t.dtype not in allowed:
+            want = ", ".join(str(d).replace("torch.", "") for d in allowed)
+            raise FixtureError(f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, expected one of {want}")
+
+
 def _expected_shapes(meta: dict, t: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     rows, heads = int(meta["num_rows"]), int(meta["num_heads"])
     d_ckv, d_pe, width = int(meta["head_dim_ckv"]), int(meta["head_dim_kpe"]), int(meta["width"])
@@ -106,8 +166,37 @@ def _expected_shapes(meta: dict, t: dict[str, torch.Tensor]) -> dict[str, tuple[
     return shapes
 
 
+def check_plan_tensors(path, t: dict[str, torch.Tensor]) -> None:
+    """The plan reads inside its buffer and only local slot ids (or -1) that exist."""
+    m = t["slot_ids"].shape[0]
+    if t["slot_ids"].dim() != 1:
+        raise FixtureError(f"{path}: tensor 'slot_ids' has shape {tuple(t['slot_ids'].shape)}, expected one dimension")
+    if t["kv_indices"].dim() != 1:
+        raise FixtureError(f"{path}: tensor 'kv_indices' has shape {tuple(t['kv_indices'].shape)}, expected one dimension")
+    indptr, lens = t["kv_indptr"].to(torch.int64), t["kv_len"].to(torch.int64)
+    if bool((lens < 0).any()):
+        raise FixtureError(f"{path}: tensor 'kv_len' is negative at row {int((lens < 0).nonzero()[0])}")
+    if indptr.numel() > 1 and bool((indptr[:-1] < 0).any()):
+        raise FixtureError(f"{path}: tensor 'kv_indptr' is negative at row {int((indptr[:-1] < 0).nonzero()[0])}")
+    if lens.numel():
+        ends = indptr[:-1] + lens
+        row = int(ends.argmax())
+        if int(ends[row]) > t["kv_indices"].numel():
+            raise FixtureError(
+                f"{path}: tensor 'kv_indices' has {t['kv_indices'].numel()} entries but kv_indptr/kv_len read up to "
+                f"entry {int(ends[row])} (row {row})"
+            )
+    for name in ("kv_indices", "intended"):
+        x = t[name]
+        bad = (x < -1) | (x >= m)
+        if bool(bad.any()):
+            at = tuple(bad.nonzero()[0].tolist())
+            raise FixtureError(f"{path}: tensor '{name}' holds slot {int(x[at])} at {at}, outside -1..{m - 1} (the {m} stored slots)")
+
+
 def load_fixture(path: str | Path) -> Fixture:
-    """Read and validate one fixture; any problem raises :class:`FixtureError` naming the file."""
+    """Read and validate one fixture; any problem raises :class:`FixtureError` naming the file
+    and the field."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -117,7 +206,7 @@ def load_fixture(path: str | Path) -> Fixture:
         with safe_open(str(path), framework="pt") as f:
             raw_meta = (f.metadata() or {}).get(METADATA_KEY)
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
         size = path.stat().st_size
         raise FixtureError(f"{path}: not a readable safetensors file ({size} bytes; truncated or another format): {exc}") from exc
     if raw_meta is None:
@@ -126,18 +215,18 @@ def load_fixture(path: str | Path) -> Fixture:
         meta = json.loads(raw_meta)
     except json.JSONDecodeError as exc:
         raise FixtureError(f"{path}: metadata is not valid JSON: {exc}") from exc
-    version = meta.get("schema_version")
-    if version != SCHEMA_VERSION:
+    version = meta.get("schema_version") if isinstance(meta, dict) else None
+    if isinstance(meta, dict) and version != SCHEMA_VERSION:
         raise FixtureError(f"{path}: unknown schema version {version!r} (this tool reads {SCHEMA_VERSION})")
+    check_meta(path, meta)
     missing = [k for k in REQUIRED_TENSORS if k not in tensors]
     if missing:
         raise FixtureError(f"{path}: missing tensors {missing}")
-    for key in ("num_rows", "num_heads", "head_dim_ckv", "head_dim_kpe", "width", "sm_scale", "k_scale", "layout"):
-        if key not in meta:
-            raise FixtureError(f"{path}: metadata lacks '{key}'")
+    check_dtypes(path, tensors)
     for name, shape in _expected_shapes(meta, tensors).items():
         if tuple(tensors[name].shape) != shape:
             raise FixtureError(f"{path}: tensor '{name}' has shape {tuple(tensors[name].shape)}, expected {shape}")
+    check_plan_tensors(path, tensors)
     outputs = {}
     for key in [k for k in tensors if k.startswith("out/")]:
         version = key[len("out/"):]
@@ -145,9 +234,14 @@ def load_fixture(path: str | Path) -> Fixture:
         if lse_key not in tensors:
             raise FixtureError(f"{path}: '{key}' recorded without '{lse_key}'")
         out, lse = tensors.pop(key), tensors.pop(lse_key)
-        if tuple(out.shape) != tuple(tensors["q_nope"].shape) or tuple(lse.shape) != tuple(tensors["q_nope"].shape[:2]):
-            raise FixtureError(f"{path}: outputs of {version} have shapes {tuple(out.shape)}/{tuple(lse.shape)}")
+        if tuple(out.shape) != tuple(tensors["q_nope"].shape):
+            raise FixtureError(f"{path}: tensor '{key}' has shape {tuple(out.shape)}, expected {tuple(tensors['q_nope'].shape)}")
+        if tuple(lse.shape) != tuple(tensors["q_nope"].shape[:2]):
+            raise FixtureError(f"{path}: tensor '{lse_key}' has shape {tuple(lse.shape)}, expected {tuple(tensors['q_nope'].shape[:2])}")
         outputs[version] = (out, lse)
+    stray = [k for k in tensors if k.startswith("lse/")]
+    if stray:
+        raise FixtureError(f"{path}: tensor '{stray[0]}' recorded without its 'out/' tensor")
     return Fixture(meta=meta, tensors=tensors, path=path, outputs=outputs)
 
 

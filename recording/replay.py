@@ -1,13 +1,18 @@
 """Replaying a fixture through the reference: the diagnostics a debugging engineer wants.
 
-For each recorded fast output (one per FlashInfer version) and, where given, a fresh one:
-the kernel against the as-planned reference (b) within the error budget, (b) against the
-intended reference (a), kv_len against each row's valid count, the invariants, and the worst
-rows and heads with their regimes.
+For each recorded fast output (one per FlashInfer version) and, where the installed FlashInfer
+re-ran the fixture (:mod:`recording.rerun`), the new one: the kernel against the as-planned
+reference (b) within the error budget, (b) against the intended reference (a), kv_len
+against each row's valid count, the invariants, and the worst rows and heads with their
+regimes. A re-run adds the drift of its output against every recorded version's (share of
+bitwise-equal elements, max abs, worst rows), which releases agree, and a refusal (the
+exception FlashInfer raised) as an outcome of its own. Everything here is pure: the GPU glue
+hands in a :class:`Rerun`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +21,48 @@ from reference.budget import Comparison, compare_attention
 from reference.invariants import check_row_invariants, planned_selection, same_multisets
 from reference.oracle import sparse_mla_reference
 
-from .fixture import Fixture
+from .case_log import note_fixture
+from .fixture import Fixture, bitwise_equal
+
+
+@dataclass
+class Rerun:
+    """One fresh plan + run of a fixture on the installed FlashInfer."""
+
+    version: str  # the installed FlashInfer
+    how: str  # what ran: "pipeline through <impl>" or "as captured"
+    out: torch.Tensor | None = None  # [rows, H, 512] (None when refused)
+    lse: torch.Tensor | None = None  # [rows, H], natural log
+    plan: dict[str, torch.Tensor] | None = None  # kv_indptr / kv_indices / kv_len (local ids) it planned; None: as recorded
+    refused: str | None = None  # "ExceptionType: message" FlashInfer raised
+    impl: str | None = None  # the implementation under test it ran through, if any
+
+    @property
+    def label(self) -> str:
+        return f"{self.version} re-run"
+
+
+@dataclass
+class Drift:
+    """A re-run output against one recorded output."""
+
+    against: str
+    equal: int  # bitwise-equal output elements
+    total: int
+    max_abs: float
+    worst_rows: list[tuple[int, float]]  # (row, max abs diff), largest first
+
+    @property
+    def equal_share(self) -> float:
+        return self.equal / self.total if self.total else 1.0
+
+    def summary(self, regimes: list[str] | None = None) -> str:
+        worst = ", ".join(
+            f"row {r} {d:.3g}" + (f" (regime {regimes[r]})" if regimes and r < len(regimes) else "") for r, d in self.worst_rows
+        )
+        text = (f"vs [{self.against}]: {self.equal}/{self.total} elements bitwise equal ({100 * self.equal_share:.4f}%), "
+                f"max abs {self.max_abs:.3g}")
+        return text + (f", worst rows {worst}" if worst else "")
 
 
 @dataclass
@@ -24,12 +70,27 @@ class ReplayReport:
     fixture: Fixture
     violations: list = field(default_factory=list)
     plan_mismatch_rows: list[int] = field(default_factory=list)  # (b) != (a)
-    poisoned_rows: list[int] = field(default_factory=list)  # (b) reads a NaN slot: not a kernel check
+    bad_inputs: dict[int, str] = field(default_factory=dict)  # row -> what is not finite in its inputs
+    poisoned_rows: list[int] = field(default_factory=list)  # (b) reads a NaN slot (a) does not: not a kernel check
     kernel: dict[str, tuple[Comparison, Comparison]] = field(default_factory=dict)  # version -> (out, lse)
+    rerun: Rerun | None = None
+    rerun_violations: list = field(default_factory=list)
+    rerun_plan_mismatch_rows: list[int] = field(default_factory=list)
+    drift: list[Drift] = field(default_factory=list)
+    agreement: list[list[str]] = field(default_factory=list)  # groups of bitwise-identical outputs
 
     @property
     def regimes(self) -> list[str]:
         return self.fixture.meta.get("regimes") or []
+
+    @property
+    def refusals(self) -> dict[str, str]:
+        """Versions that refused the case when it was recorded: version -> exception."""
+        return dict(self.fixture.meta.get("refused") or {})
+
+    @property
+    def inputs_ok(self) -> bool:
+        return not self.bad_inputs
 
     @property
     def kernel_ok(self) -> bool:
@@ -37,7 +98,34 @@ class ReplayReport:
 
     @property
     def plan_ok(self) -> bool:
+        """The plan that ran matches the intent: the re-run's where it planned anew."""
+        if self.rerun is not None and self.rerun.plan is not None and not self.rerun.refused:
+            return not self.rerun_violations and not self.rerun_plan_mismatch_rows
         return not self.violations and not self.plan_mismatch_rows
+
+    @property
+    def refusal_expected(self) -> bool:
+        """The re-run's refusal is one a recorded version raised too (or there was none)."""
+        if self.rerun is None or not self.rerun.refused:
+            return True
+        return any(first_line(self.rerun.refused) == first_line(r) for r in self.refusals.values())
+
+    def failures(self) -> list[str]:
+        """Why the replay fails (empty: it passes); the heatmaps never enter here."""
+        reasons = []
+        if self.bad_inputs:
+            reasons.append(f"bad inputs (not finite) on rows {list(self.bad_inputs)[:12]}: nothing can be judged there")
+        if self.rerun is not None and not self.refusal_expected:
+            reasons.append(f"flashinfer {self.rerun.version} refused the re-run: {self.rerun.refused}")
+        if not self.kernel_ok:
+            bad = [v for v, (o, l) in self.kernel.items() if not (o.ok and l.ok)]
+            reasons.append(f"kernel != as-planned reference beyond the error budget ({', '.join(bad)})")
+        finding = self.fixture.meta.get("expect_finding")
+        if finding and self.plan_ok:
+            reasons.append(f"the recorded finding no longer shows ({finding}); update the fixture")
+        elif not finding and not self.plan_ok:
+            reasons.append("plan != intent")
+        return reasons
 
     def render(self, command: str | None = None) -> str:
         fx = self.fixture
@@ -46,26 +134,70 @@ class ReplayReport:
             f"fixture {fx.name} ({fx.path}): layout={meta.get('layout')} rows={fx.num_rows} H={meta['num_heads']} "
             f"R={meta['head_dim_kpe']} kv={meta.get('kv_dtype')} seed={meta.get('seed')}",
         ]
+        if meta.get("source") == "capture" or meta.get("layout") == "captured":
+            lines.append("  recorded by capture_mla")
+        elif meta.get("impl"):
+            lines.append(f"  recorded through --impl {meta['impl']} ({meta.get('nodeid', 'no test id')})")
         if meta.get("expect_finding"):
             lines.append(f"  expected finding: {meta['expect_finding']}")
-        counts = (fx["intended"] != -1).sum(dim=1)
-        for v in self.violations[:8]:
-            lines.append(f"  invariant {v}")
-        for r in self.plan_mismatch_rows[:8]:
-            regime = self.regimes[r] if r < len(self.regimes) else "?"
-            lines.append(
-                f"  plan != intent at row {r} (regime {regime}): kv_len {int(fx['kv_len'][r])}, valid {int(counts[r])}"
-            )
+        for r, why in list(self.bad_inputs.items())[:8]:
+            lines.append(f"  bad input at row {r} (regime {self._regime(r)}): {why}")
+        lines += self._plan_lines(self.violations, self.plan_mismatch_rows, fx, "")
         if self.poisoned_rows:
             lines.append(f"  rows whose planned slots hold poison (NaN), left out of the kernel check: {self.poisoned_rows[:12]}")
-        for version, (out_cmp, lse_cmp) in self.kernel.items():
-            lines.append(f"  [{version}] {out_cmp.summary(self.regimes)}")
-            lines.append(f"  [{version}] {lse_cmp.summary(self.regimes)}")
-        if not self.kernel:
+        for version, why in self.refusals.items():
+            lines.append(f"  [{version}] refused when recorded: {why}")
+        rerun_label = self.rerun.label if self.rerun is not None else None
+        lines += self._kernel_lines([v for v in self.kernel if v != rerun_label])
+        if not self.fixture.outputs:
             lines.append("  no kernel outputs recorded: plan checks only")
+        lines += self._rerun_lines()
         if command:
             lines.append(f"  reproduce: {command}")
         return "\n".join(lines)
+
+    def _kernel_lines(self, versions) -> list[str]:
+        lines = []
+        for version in versions:
+            out_cmp, lse_cmp = self.kernel[version]
+            lines.append(f"  [{version}] {out_cmp.summary(self.regimes)}")
+            lines.append(f"  [{version}] {lse_cmp.summary(self.regimes)}")
+        return lines
+
+    def _regime(self, row: int) -> str:
+        return self.regimes[row] if row < len(self.regimes) else "?"
+
+    def _plan_lines(self, violations, mismatch_rows, fx: Fixture, tag: str) -> list[str]:
+        counts = (fx["intended"] != -1).sum(dim=1)
+        lines = [f"  {tag}invariant {v}" for v in violations[:8]]
+        for r in mismatch_rows[:8]:
+            lines.append(
+                f"  {tag}plan != intent at row {r} (regime {self._regime(r)}): kv_len {int(fx['kv_len'][r])}, "
+                f"valid {int(counts[r])}"
+            )
+        return lines
+
+    def _rerun_lines(self) -> list[str]:
+        rerun = self.rerun
+        if rerun is None:
+            return []
+        tag = f"[{rerun.label}] "
+        lines = [f"  {tag}{rerun.how}" + (f"; implementation under test: {rerun.impl}" if rerun.impl else "")]
+        if rerun.refused:
+            seen = [v for v, r in self.refusals.items() if first_line(r) == first_line(rerun.refused)]
+            lines.append(f"  {tag}REFUSED: {rerun.refused}" + (f" (as {', '.join(seen)} did when recorded)" if seen else ""))
+            return lines
+        if rerun.plan is not None:
+            lines += self._plan_lines(self.rerun_violations, self.rerun_plan_mismatch_rows, with_plan(self.fixture, rerun.plan), tag)
+        lines += self._kernel_lines([rerun.label] if rerun.label in self.kernel else [])
+        lines += [f"  {tag}drift {d.summary(self.regimes)}" for d in self.drift]
+        if self.agreement:
+            lines.append("  releases agreeing bitwise: " + " | ".join("{" + ", ".join(g) + "}" for g in self.agreement))
+        return lines
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text and text.strip() else ""
 
 
 def as_planned_selection(fx: Fixture) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,30 +220,135 @@ def reference_outputs(fx: Fixture, selection: str = "planned", mode: str = "floa
     )
 
 
-def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> ReplayReport:
-    """Check the recorded outputs (and ``extra_outputs``) of one fixture against the reference."""
-    report = ReplayReport(fixture=fx)
+def bad_input_rows(fx: Fixture) -> dict[int, str]:
+    """Rows whose own inputs are not finite: q, or a KV slot of the intended selection (a).
+    Their outputs mean nothing, whatever the kernel does."""
+    bad: dict[int, list[str]] = {}
+    for name in ("q_nope", "q_pe"):
+        q = fx[name].float()
+        if q.numel():
+            for r in (~torch.isfinite(q)).flatten(1).any(dim=1).nonzero().flatten().tolist():
+                bad.setdefault(r, []).append(f"{name} holds NaN/Inf")
+    slot_bad = ~(_finite_slots(fx["ckv"]) & _finite_slots(fx["kpe"]))
+    intended = fx["intended"].to(torch.int64)
+    reads_bad = (intended >= 0) & slot_bad[intended.clamp(min=0)] if slot_bad.numel() else torch.zeros_like(intended, dtype=torch.bool)
+    for r in reads_bad.any(dim=1).nonzero().flatten().tolist():
+        slot = int(intended[r][reads_bad[r]][0])
+        bad.setdefault(r, []).append(f"intended KV slot {slot} (original id {int(fx['slot_ids'][slot])}) holds NaN/Inf")
+    return {r: "; ".join(why) for r, why in sorted(bad.items())}
+
+
+def _finite_slots(kv: torch.Tensor) -> torch.Tensor:
+    """Per KV slot: every value finite (raw uint8 storage read as e4m3)."""
+    values = kv.view(torch.float8_e4m3fn) if kv.dtype == torch.uint8 else kv
+    return torch.isfinite(values.float()).all(dim=1) if kv.shape[1] else torch.ones(kv.shape[0], dtype=torch.bool)
+
+
+def with_plan(fx: Fixture, plan: dict[str, torch.Tensor]) -> Fixture:
+    """The fixture with another plan (kv_indptr / kv_indices / kv_len, local ids)."""
+    return dataclasses.replace(fx, tensors=dict(fx.tensors, **{k: v.cpu() for k, v in plan.items()}))
+
+
+def plan_checks(fx: Fixture, regimes: list[str] | None) -> tuple[list, list[int]]:
+    """Invariant violations of the rows as the plan reads them, and the rows whose (b) != (a)."""
     b_slots, b_mask = as_planned_selection(fx)
-    report.violations = check_row_invariants(_rows_as_read(fx), fx["kv_len"], report.regimes or None)
+    violations = check_row_invariants(_rows_as_read(fx), fx["kv_len"], regimes or None)
     same = same_multisets(fx["intended"], fx["intended"] != -1, b_slots, b_mask)
-    report.plan_mismatch_rows = (~same).nonzero().flatten().tolist()
+    return violations, (~same).nonzero().flatten().tolist()
+
+
+def kernel_checks(fx: Fixture, outputs: dict, excluded: torch.Tensor) -> dict[str, tuple[Comparison, Comparison]]:
+    """Each ``(out, lse)`` against the reference over (b) within the budget; rows in
+    ``excluded`` are zeroed on every side, so row numbers stay the fixture's."""
+    truth_out, truth_lse = reference_outputs(fx, "planned", "float64")
+    lowp_out, lowp_lse = reference_outputs(fx, "planned", "lowp")
+    kv_dtype = fx.meta.get("kv_dtype", "bfloat16")
+    truth = (_zero_rows(truth_out, excluded), _zero_rows(truth_lse, excluded))
+    lowp = (_zero_rows(lowp_out, excluded), _zero_rows(lowp_lse, excluded))
+    result = {}
+    for version, (out, lse) in outputs.items():
+        if not fx.meta.get("lse_recorded", True):
+            lse = truth_lse.float()  # the program did not ask FlashInfer for LSE: nothing to check
+        result[version] = tuple(compare_attention(
+            _zero_rows(out, excluded), _zero_rows(lse, excluded), truth, lowp, kv_dtype, suffix=" vs (b)",
+        ))
+    return result
+
+
+def output_drift(new: torch.Tensor, old: torch.Tensor, against: str, k: int = 3) -> Drift:
+    """Bitwise-equal share, max abs difference and worst rows of ``new`` against ``old``
+    (NaN against NaN counts as equal when the bits are; any other NaN is an infinite diff)."""
+    if new.shape != old.shape:
+        return Drift(against, 0, max(new.numel(), old.numel()), float("inf"), [])
+    same = _bitwise_equal_elements(new, old)
+    diff = (new.double() - old.double()).abs()
+    diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
+    per_row = diff.flatten(1).amax(dim=1) if diff.numel() else torch.zeros(new.shape[0], dtype=torch.float64)
+    top = torch.topk(per_row, min(k, per_row.numel())) if per_row.numel() else None
+    worst = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if v > 0] if top is not None else []
+    return Drift(against, int(same.sum()), same.numel(), float(diff.max()) if diff.numel() else 0.0, worst)
+
+
+def _bitwise_equal_elements(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype != b.dtype:
+        return a.double() == b.double()
+    if a.dtype.is_floating_point:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return a.contiguous().view(bits) == b.contiguous().view(bits)
+    return a == b
+
+
+def agreeing_groups(outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[list[str]]:
+    """The outputs grouped by bitwise identity (out and lse), in the order given."""
+    groups: list[list[str]] = []
+    for label, (out, lse) in outputs.items():
+        for group in groups:
+            o, l = outputs[group[0]]
+            if bitwise_equal(out, o) and bitwise_equal(lse, l):
+                group.append(label)
+                break
+        else:
+            groups.append([label])
+    return groups
+
+
+def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+           rerun: Rerun | None = None) -> ReplayReport:
+    """Check the recorded outputs (and ``extra_outputs``) of one fixture against the reference,
+    and a re-run's output, plan and refusal where one is given."""
+    note_fixture(fx)
+    report = ReplayReport(fixture=fx, rerun=rerun)
+    report.bad_inputs = bad_input_rows(fx)
+    report.violations, report.plan_mismatch_rows = plan_checks(fx, report.regimes)
+    bad = _row_mask(report.bad_inputs, fx.num_rows)
     outputs = dict(fx.outputs, **(extra_outputs or {}))
     if outputs:
-        truth_out, truth_lse = reference_outputs(fx, "planned", "float64")
-        lowp_out, lowp_lse = reference_outputs(fx, "planned", "lowp")
-        poisoned = torch.isnan(truth_out).flatten(1).any(dim=1)
-        report.poisoned_rows = poisoned.nonzero().flatten().tolist()
-        kv_dtype = fx.meta.get("kv_dtype", "bfloat16")
-        truth = (_zero_rows(truth_out, poisoned), _zero_rows(truth_lse, poisoned))
-        lowp = (_zero_rows(lowp_out, poisoned), _zero_rows(lowp_lse, poisoned))
-        for version, (out, lse) in outputs.items():
-            if not fx.meta.get("lse_recorded", True):
-                lse = truth_lse.float()  # the program did not ask FlashInfer for LSE: nothing to check
-            # Rows reading poison are zeroed on every side: row numbers in the report stay the fixture's.
-            report.kernel[version] = tuple(compare_attention(
-                _zero_rows(out, poisoned), _zero_rows(lse, poisoned), truth, lowp, kv_dtype, suffix=" vs (b)",
-            ))
+        report.poisoned_rows = _poisoned(fx, bad)
+        report.kernel = kernel_checks(fx, outputs, bad | _row_mask(report.poisoned_rows, fx.num_rows))
+    if rerun is not None and not rerun.refused and rerun.out is not None:
+        planned = with_plan(fx, rerun.plan) if rerun.plan is not None else fx
+        if rerun.plan is not None:
+            report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(planned, report.regimes)
+        excluded = bad | _row_mask(_poisoned(planned, bad), fx.num_rows)
+        report.kernel.update(kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded))
+        report.drift = [output_drift(rerun.out.cpu(), out, version) for version, (out, _) in fx.outputs.items()]
+        report.agreement = agreeing_groups(dict(fx.outputs, **{rerun.label: (rerun.out.cpu(), rerun.lse.cpu().float())}))
+    elif len(fx.outputs) > 1:
+        report.agreement = agreeing_groups(fx.outputs)
     return report
+
+
+def _poisoned(fx: Fixture, bad_inputs: torch.Tensor) -> list[int]:
+    """Rows (with finite inputs) whose planned selection reads a NaN slot."""
+    truth_out, _ = reference_outputs(fx, "planned", "float64")
+    nan_rows = torch.isnan(truth_out).flatten(1).any(dim=1) if truth_out.numel() else torch.zeros(fx.num_rows, dtype=torch.bool)
+    return (nan_rows & ~bad_inputs).nonzero().flatten().tolist()
+
+
+def _row_mask(rows, n: int) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[list(rows)] = True
+    return mask
 
 
 def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
