@@ -1,5 +1,6 @@
 """The GPUs of a run: each xdist worker pinned to one GPU at configure time (before anything
-touches CUDA), the device each worker used, and on the controlling process a summary of the
+touches CUDA) and given its share of the CPU cores for intra-op threads, the device each worker
+used, and on the controlling process a summary of the
 kernel error ratios and the FlashInfer warnings the GPU tests attached to their reports (a
 terminal section, and a JSON file when ``SPARSE_MLA_GPU_REPORT`` names one)."""
 
@@ -21,25 +22,64 @@ GPUS_USED = pytest.StashKey[dict]()  # worker id -> the device it used (controll
 REPORT_ENV = "SPARSE_MLA_GPU_REPORT"
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    pin_worker_gpu(getattr(config, "workerinput", {}).get("workerid"))
-    if not hasattr(config, "workerinput"):
+    workerinput = getattr(config, "workerinput", None)
+    pin_worker_gpu((workerinput or {}).get("workerid"))
+    if workerinput is None:
         config.pluginmanager.register(GpuReport())
+    else:
+        share_cores(workerinput.get("workercount"))
+
+
+# --- CPU threads per xdist worker --------------------------------------------------------------
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(cores: int, workers: int) -> int:
+    """Each worker's share of the cores: torch's default of one intra-op thread per core in
+    every worker oversubscribes the machine ``workers`` times over."""
+    return max(1, cores // max(workers, 1))
+
+
+def share_cores(workers: int | None) -> None:
+    """In an xdist worker: intra-op threads limited to the worker's share of the cores, unless
+    the user set ``OMP_NUM_THREADS``. The environment covers a torch imported later and the
+    processes the tests start; a torch already imported is told directly."""
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = threads_per_worker(available_cores(), workers)
+    for name in THREAD_ENV:
+        os.environ.setdefault(name, str(threads))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
 
 
 # --- which GPU each xdist worker used ---------------------------------------------------------
 
 
 def gpu_identity() -> str:
-    """The visible devices and, where CUDA was initialised by the tests, the device's bus id."""
+    """The visible devices and, where CUDA was initialised by the tests, the device's bus id;
+    then the worker's intra-op threads."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
     torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else os.environ.get("OMP_NUM_THREADS")
+    threads = f"; {threads} intra-op threads" if threads is not None else ""
     if torch is not None and torch.cuda.is_initialized():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         bus = getattr(props, "pci_bus_id", None)
-        return f"CUDA_VISIBLE_DEVICES={visible} -> {props.name}" + (f" (PCI bus {bus})" if bus is not None else "")
-    return f"CUDA_VISIBLE_DEVICES={visible} (CUDA not used)"
+        return f"CUDA_VISIBLE_DEVICES={visible} -> {props.name}" + (f" (PCI bus {bus})" if bus is not None else "") + threads
+    return f"CUDA_VISIBLE_DEVICES={visible} (CUDA not used)" + threads
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,10 +1,15 @@
-"""Per-worker GPU pinning: which device an xdist worker picks (no GPU needed)."""
+"""Per-worker GPU pinning and thread share: which device an xdist worker picks and how many
+intra-op threads it gets (no GPU needed)."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from harness.gpu_env import pick_gpu, worker_index
+from pytest_sparse_mla.gpus import THREAD_ENV, available_cores, share_cores, threads_per_worker
 
 
 @pytest.mark.parametrize(("worker", "count", "expected"), [
@@ -35,17 +40,63 @@ def test_worker_index_parsing():
     assert worker_index(None) is None
 
 
-def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
-    """Under xdist with two visible devices the workers split between them, and the run ends
-    with a table naming each worker's device (no GPU needed: the pinning happens before CUDA)."""
-    from pathlib import Path
+@pytest.mark.parametrize(("cores", "workers", "threads"), [(16, 16, 1), (16, 4, 4), (16, 3, 5), (2, 4, 1), (8, 0, 8)])
+def test_workers_share_the_cores(cores, workers, threads):
+    assert threads_per_worker(cores, workers) == threads
 
+
+def test_a_worker_with_torch_loaded_gets_its_share_of_the_cores(monkeypatch):
+    import torch
+
+    for name in THREAD_ENV:  # recorded first, so the values share_cores sets are undone too
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    before = torch.get_num_threads()
+    try:
+        share_cores(2)
+        assert torch.get_num_threads() == threads_per_worker(available_cores(), 2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_users_thread_setting_wins(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setenv("MKL_NUM_THREADS", "")
+    monkeypatch.delenv("MKL_NUM_THREADS")
+    share_cores(64)
+    assert "MKL_NUM_THREADS" not in os.environ
+
+
+#: Run by the nested xdist run below: no torch, so the workers start in about a second.
+WORKER_PROBE = """
+import os
+
+import pytest
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_worker_environment(i):
+    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "{threads}"
+"""
+
+
+def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
+    """Under xdist with two visible devices the workers split between them, each with its
+    share of the cores, and the run ends with a table naming each worker's device and
+    threads (no GPU needed: the pinning happens before CUDA). The nested run loads only the
+    plugin module under test and a probe file that imports no torch."""
     root = Path(__file__).resolve().parents[2]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    result = pytester.runpytest_subprocess(str(root / "tests/cpu/test_layouts.py"), "-n", "4", "-p", "no:cacheprovider",
-                                           "--rootdir", str(root))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    for name in THREAD_ENV:  # set in this process when it is itself an xdist worker
+        monkeypatch.delenv(name, raising=False)
+    threads = threads_per_worker(available_cores(), 2)
+    probe = pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads))
+    result = pytester.runpytest_subprocess(str(probe), "-n", "2", "-p", "pytest_sparse_mla.gpus", "-p", "no:cacheprovider")
     out = "\n".join(result.outlines)
     assert result.ret == 0, out[-2000:]
+    result.assert_outcomes(passed=4)
     assert "GPU per xdist worker" in out, out[-2000:]
-    for worker, device in (("gw0", "0"), ("gw1", "1"), ("gw2", "0"), ("gw3", "1")):
-        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} " in out, out[-2000:]
+    for worker, device in (("gw0", "0"), ("gw1", "1")):
+        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} (CUDA not used); {threads} intra-op threads" in out, out[-2000:]
