@@ -1,0 +1,135 @@
+"""The run's header and summary on where the convert kernel runs and whether the GPU tier
+runs, also under xdist; ``--require-gpu-tier`` and ``--device`` misuse as failures before any
+test runs. A visible GPU is simulated with a conftest that replaces the CUDA-free GPU
+discovery (``harness.gpu_env.gpus_without_cuda``) in every process of the nested run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import availability
+from pytest_sparse_mla.impl import resolve_device
+
+ROOT = Path(__file__).resolve().parents[2]
+H200 = [("NVIDIA H200", "9.0")]
+
+GPU_TEST = """
+import pytest
+
+@pytest.mark.gpu
+def test_needs_the_gpu():
+    pass
+
+def test_runs_anywhere(device):
+    assert device.type == "cpu"
+"""
+
+
+def nested_run(pytester, *args: str, gpus=None, controller_reason: bool = True):
+    """Run GPU_TEST with the plugin. ``gpus`` simulates what NVML reports (in a subprocess, so
+    that the replaced discovery stays there); without it the run is in-process, on this
+    machine as it is. ``controller_reason=False``: a controller that finds nothing wrong
+    without CUDA (so only the test processes' full check can say why)."""
+    lines = ["import harness.gpu_env", "import harness.availability"]
+    if gpus is not None:
+        lines.append(f"harness.gpu_env.gpus_without_cuda = lambda: {gpus!r}")
+    if not controller_reason:
+        lines.append("harness.availability.reason_without_cuda = lambda gpus: None")
+    lines.append("pytest_plugins = ('pytest_sparse_mla',)")
+    pytester.makeconftest("\n".join(lines) + "\n")
+    pytester.makepyfile(test_gating=GPU_TEST)
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
+    run = pytester.runpytest_inprocess if gpus is None else pytester.runpytest_subprocess
+    result = run("-p", "no:cacheprovider", "-p", "no:benchmark", "-rs", *args)
+    return result, "\n".join(result.outlines + result.errlines)
+
+
+# --- pure parts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("choice", "cuda", "interpreted", "expected"), [
+    ("auto", True, False, "cuda"),
+    ("auto", True, True, "cpu"),  # TRITON_INTERPRET=1 on a GPU machine: the interpreter on the host
+    ("auto", False, True, "cpu"),
+    ("cpu", True, True, "cpu"),
+    ("cuda", True, True, "cuda"),
+])
+def test_device_choice(choice, cuda, interpreted, expected):
+    assert resolve_device(choice, cuda_available=cuda, interpreted=interpreted).type == expected
+
+
+@pytest.mark.parametrize(("gpus", "cuda_version", "hidden", "expected"), [
+    ([], "12.8", None, "no NVIDIA GPU found"),
+    (H200, None, None, "build without CUDA"),
+    (H200, "12.8", "", "hides every GPU"),
+    ([("NVIDIA A100-SXM4-80GB", "8.0")], "12.8", None, "GPU is sm_80 (NVIDIA A100-SXM4-80GB), the fa3 path needs sm_90"),
+])
+def test_reason_without_cuda(monkeypatch, gpus, cuda_version, hidden, expected):
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    if hidden is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+    assert expected in availability.reason_without_cuda(gpus)
+
+
+def test_reason_without_cuda_finds_a_missing_flashinfer_without_importing_it(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: None)
+    assert availability.reason_without_cuda(H200).startswith("flashinfer is not installed")
+    monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: object())
+    assert availability.reason_without_cuda(H200) is None
+
+
+# --- header and summary ---------------------------------------------------------------------------
+
+
+def test_header_says_where_the_convert_kernel_runs_and_that_there_is_no_gpu(pytester):
+    result, out = nested_run(pytester)
+    assert result.ret == 0, out[-3000:]
+    assert "convert kernel: Triton interpreter on CPU" in out, out[:1500]
+    assert "GPU tier: not run here (no NVIDIA GPU found)" in out, out[:1500]
+
+
+def test_a_visible_gpu_that_cannot_run_the_tier_is_said_plainly(pytester):
+    result, out = nested_run(pytester, "-p", "no:xdist", gpus=H200)
+    assert result.ret == 0, out[-3000:]
+    assert "GPU tier: NOT RUN on this machine with 1 NVIDIA GPU (NVIDIA H200): torch" in out, out[:1500]
+    assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[-2000:]
+
+
+# --- --require-gpu-tier and --device --------------------------------------------------------------
+
+
+def test_require_gpu_tier_fails_before_any_test_without_a_gpu(pytester):
+    result, out = nested_run(pytester, "--require-gpu-tier")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "--require-gpu-tier: the GPU tier cannot run here: no NVIDIA GPU found" in out, out[-3000:]
+    assert "passed" not in out and "skipped" not in out, out[-3000:]
+
+
+def test_require_gpu_tier_fails_before_any_test_when_the_visible_gpu_cannot_run_it(pytester):
+    result, out = nested_run(pytester, "--require-gpu-tier", "-p", "no:xdist", gpus=H200)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "--require-gpu-tier: the GPU tier cannot run here: torch" in out, out[-3000:]
+
+
+def test_under_xdist_the_workers_reason_reaches_the_summary_and_require_gpu_tier_fails(pytester):
+    """The controller finds nothing wrong without CUDA (as with a FlashInfer that is installed
+    but fails to import); the workers' full check does: the summary says why, and under
+    ``--require-gpu-tier`` the GPU test errors at setup instead of skipping (the run exits 1)."""
+    result, out = nested_run(pytester, "--require-gpu-tier", "-n", "2", gpus=H200, controller_reason=False)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
+    assert "1 passed, 1 error" in out, out[-3000:]
+    assert "--require-gpu-tier: the GPU tier cannot run: no CUDA GPU visible to torch" in out, out[-3000:]
+    assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[-2000:]
+
+
+def test_device_cuda_without_cuda_is_a_usage_error(pytester):
+    result, out = nested_run(pytester, "--device=cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "--device=cuda, but torch sees no CUDA GPU here" in out, out[-3000:]
