@@ -26,8 +26,11 @@ def error_grid(out: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
     """``[rows, heads]`` float64: the max abs error of each (row, head); NaN where the output
     or the reference holds a NaN there, +Inf where an error is infinite."""
     diff = (out.double() - truth.double()).abs()
-    grid = diff.nan_to_num(nan=0.0).amax(dim=-1) if diff.numel() else torch.zeros(out.shape[:2], dtype=torch.float64)
-    return torch.where(torch.isnan(diff).any(dim=-1), torch.full_like(grid, float("nan")), grid) if diff.numel() else grid
+    if not diff.numel():
+        return torch.zeros(out.shape[:2], dtype=torch.float64)
+    nan = torch.isnan(diff)
+    grid = torch.where(nan, torch.zeros_like(diff), diff).amax(dim=-1)
+    return torch.where(nan.any(dim=-1), torch.full_like(grid, float("nan")), grid)
 
 
 def budget_threshold(truth: torch.Tensor, lowp: torch.Tensor, kv_dtype: str) -> float:

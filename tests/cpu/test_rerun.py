@@ -1,0 +1,195 @@
+"""Re-running fixtures (recording.rerun) and judging the re-run (recording.replay), on CPU: the
+GPU glue drives a stand-in for FlashInfer's wrapper that computes with the low-precision
+reference, so plan/convert/layout run through the implementation under test as on the GPU.
+The report: the new output against the reference, the new plan against the intent, the drift
+against every recorded version, which releases agree, and a refusal as its own outcome."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fast.flashinfer_compat as compat
+import fast.sm90 as sm90
+from fast.impl import FastImpl
+from recording.fixture import load_fixture
+from recording.replay import Rerun, agreeing_groups, output_drift, replay
+from recording.rerun import rerun_fixture
+from reference import sparse_mla_reference
+from tests.bugs import CompactionPlansPrefix, KpoolFromWrongSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "fixtures"
+STRIDED_REFUSAL = "ValueError: CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size)."
+
+
+class ReferenceWrapper:
+    """Stands in for fast.flashinfer_compat.MLAWrapper: plans like FlashInfer under CUDA graphs
+    (the CSR arrays copied into the reserved buffers; kv_indices read at run) and runs the
+    low-precision reference."""
+
+    refuse: str | None = None  # raise this ValueError at plan
+    plans: list = []
+
+    def __init__(self, workspace, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr, features=None, lse_base_e=True):
+        self.buffers = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_len_arr=kv_len_arr)
+        self.kv_indices = kv_indices
+        self.features = features or SimpleNamespace(version="stand-in")
+
+    def plan(self, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, sm_scale,
+             kv_dtype, q_dtype=torch.bfloat16):
+        if ReferenceWrapper.refuse:
+            raise ValueError(ReferenceWrapper.refuse)
+        for key, value in dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_len_arr=kv_len_arr).items():
+            self.buffers[key][: value.numel()].copy_(value)
+        self._plan = (qo_indptr.clone(), kv_indptr.clone(), kv_len_arr.clone(), float(sm_scale))
+        ReferenceWrapper.plans.append(dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_len_arr=kv_len_arr.clone(),
+                                           num_heads=num_heads, sm_scale=sm_scale, kv_dtype=kv_dtype))
+
+    def run(self, q_nope, q_pe, ckv, kpe, *, out, lse, k_scale=1.0):
+        qo, indptr, lens, sm_scale = self._plan
+        rows = q_nope.shape[0]
+        req = torch.repeat_interleave(torch.arange(qo.numel() - 1), (qo[1:] - qo[:-1]).long())[:rows]
+        starts, row_lens = indptr[req].long(), lens[req].long()
+        width = int(row_lens.max()) if rows else 0
+        pos = starts[:, None] + torch.arange(width)
+        mask = torch.arange(width) < row_lens[:, None]
+        slots = torch.where(mask, self.kv_indices[pos.clamp(max=self.kv_indices.numel() - 1)].long(), 0)
+        mask = mask & (slots >= 0)
+        o, l = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots.clamp(min=0), mask=mask, sm_scale=sm_scale,
+                                    k_scale=k_scale, mode="lowp")
+        out[:rows].copy_(o)
+        lse[:rows].copy_(l)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(sm90, "MLAWrapper", ReferenceWrapper)
+    monkeypatch.setattr(compat, "MLAWrapper", ReferenceWrapper)
+    monkeypatch.setattr(sm90, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU-only torch
+    monkeypatch.setattr(ReferenceWrapper, "refuse", None)
+    monkeypatch.setattr(ReferenceWrapper, "plans", [])
+    return ReferenceWrapper
+
+
+def regime_rows(fx, regime: str) -> list[int]:
+    return [r for r, g in enumerate(fx.meta["regimes"]) if g == regime]
+
+
+# --- the report on synthetic re-runs (pure) ------------------------------------------------
+
+
+def test_drift_counts_bitwise_equal_elements_and_names_the_worst_rows():
+    old = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    new = old.clone()
+    new[2, 1, 3] = 0.5
+    new[0, 0, 0] = 0.125
+    drift = output_drift(new, old, "0.7.4")
+    assert (drift.equal, drift.total, drift.max_abs) == (62, 64, 0.5)
+    assert drift.worst_rows == [(2, 0.5), (0, 0.125)]
+    assert "62/64 elements bitwise equal" in drift.summary(["A", "B", "C", "D"]) and "row 2 0.5 (regime C)" in drift.summary(["A", "B", "C", "D"])
+    nan = old.clone()
+    nan[1, 0, 0] = float("nan")
+    assert output_drift(nan, old, "x").max_abs == float("inf") and output_drift(nan, nan, "x").equal == 64
+
+
+def test_agreement_groups_releases_by_bitwise_identity():
+    a = (torch.zeros(2, 1, 4), torch.zeros(2, 1))
+    b = (torch.ones(2, 1, 4), torch.zeros(2, 1))
+    assert agreeing_groups({"0.6": a, "0.7": b, "0.8 re-run": a}) == [["0.6", "0.8 re-run"], ["0.7"]]
+
+
+def test_a_rerun_equal_to_the_recorded_outputs_passes_and_says_who_agrees():
+    fx = load_fixture(FIXTURES / "c-compacted-fp8.safetensors")
+    out, lse = fx.outputs["0.7.4"]
+    report = replay(fx, rerun=Rerun("0.7.9", "re-run", out.clone(), lse.clone()))
+    assert report.failures() == []
+    assert [d.equal == d.total for d in report.drift] == [True, True]
+    assert report.agreement == [["0.6.18.post1", "0.7.4", "0.7.9 re-run"]]
+    assert "implementation under test" not in report.render(), "no implementation was used"
+
+
+def test_a_perturbed_rerun_fails_on_its_row_with_the_drift_of_that_row():
+    fx = load_fixture(FIXTURES / "c-compacted-fp8.safetensors")
+    out, lse = fx.outputs["0.7.4"]
+    bad = out.clone()
+    bad[2, 7] += 0.25
+    report = replay(fx, rerun=Rerun("0.7.9", "re-run", bad, lse.clone(), impl="pkg:make"))
+    assert any("kernel != as-planned reference" in f and "0.7.9 re-run" in f for f in report.failures())
+    assert report.kernel["0.7.9 re-run"][0].worst[0][0] == 2
+    assert all(d.worst_rows[0][0] == 2 and d.equal == d.total - 512 for d in report.drift)
+    text = report.render()
+    assert "[0.7.9 re-run] drift vs [0.7.4]" in text and "implementation under test: pkg:make" in text
+    assert "releases agreeing bitwise: {0.6.18.post1, 0.7.4} | {0.7.9 re-run}" in text
+
+
+def test_a_refusal_is_an_outcome_of_its_own_expected_where_a_recorded_release_refused_too():
+    fx = load_fixture(FIXTURES / "strided-seed-layout-bf16.safetensors")
+    assert fx.meta["refused"] == {"0.7.4": STRIDED_REFUSAL}
+    report = replay(fx, rerun=Rerun("0.7.2", "re-run", refused=STRIDED_REFUSAL))
+    assert report.failures() == [] and not report.drift
+    assert f"REFUSED: {STRIDED_REFUSAL} (as 0.7.4 did when recorded)" in report.render()
+    assert f"[0.7.4] refused when recorded: {STRIDED_REFUSAL}" in report.render()
+    other = replay(fx, rerun=Rerun("0.8.0", "re-run", refused="RuntimeError: no kernel for sm_90"))
+    assert other.failures() == ["flashinfer 0.8.0 refused the re-run: RuntimeError: no kernel for sm_90"]
+
+
+# --- the GPU glue, driven on CPU -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["c-compacted-fp8", "c-packed-finding-bf16", "graph-replay-smaller-bf16", "h-kpool1-decode-bf16"])
+def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, name):
+    fx = load_fixture(FIXTURES / f"{name}.safetensors")
+    rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device="cpu")
+    assert rerun.refused is None, rerun.refused
+    assert "lens the implementation's kv_len rule" in rerun.how and rerun.impl == "fast.impl:default_impl"
+    assert torch.equal(rerun.plan["kv_len"], fx["kv_len"]) and torch.equal(rerun.plan["kv_indptr"], fx["kv_indptr"])
+    report = replay(fx, rerun=rerun)
+    assert report.failures() == [], report.render()
+    assert [d.against for d in report.drift] == list(fx.outputs)
+
+
+def test_a_wrong_layout_reruns_and_fails_on_the_regime_c_rows(stand_in):
+    fx = load_fixture(FIXTURES / "c-compacted-fp8.safetensors")
+    report = replay(fx, rerun=rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device="cpu"))
+    assert report.plan_mismatch_rows == [], "the recorded plan was right"
+    assert report.rerun_plan_mismatch_rows == regime_rows(fx, "C") and report.rerun_plan_mismatch_rows
+    assert "plan != intent" in report.failures()
+
+
+def test_a_wrong_kv_len_rule_reruns_with_its_own_lens(stand_in):
+    fx = load_fixture(FIXTURES / "bdefg-pooled-decode-bf16.safetensors")
+    report = replay(fx, rerun=rerun_fixture(fx, KpoolFromWrongSpec(), "tests.bugs:KpoolFromWrongSpec", device="cpu"))
+    wrong = [r for r, g in enumerate(fx.meta["regimes"]) if g in ("E", "G")]
+    assert wrong and report.rerun_plan_mismatch_rows == wrong
+    assert "plan != intent" in report.failures()
+
+
+def test_a_refused_plan_is_reported_as_the_refusal(stand_in):
+    fx = load_fixture(FIXTURES / "strided-seed-layout-bf16.safetensors")
+    stand_in.refuse = STRIDED_REFUSAL.split(": ", 1)[1]
+    rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device="cpu")
+    assert rerun.refused == STRIDED_REFUSAL and "refused at plan" in rerun.how and rerun.out is None
+    assert replay(fx, rerun=rerun).failures() == []
+
+
+def test_a_captured_fixture_reruns_exactly_as_recorded(stand_in, impl, device, tmp_path):
+    from recording.capture import capture_mla
+    from tests.cpu.test_capture import StandInWrapper, program_steps, seed_style_program
+
+    with capture_mla(tmp_path, every=1, max_cases=1, wrapper_cls=StandInWrapper) as log:
+        seed_style_program(impl, device, program_steps(), max_rows=4, width=256)
+    fx = load_fixture(log.written[0])
+    assert fx.meta["capture"]["num_heads"] == 2 and fx.meta["capture"]["page_size"] == 1
+    rerun = rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device="cpu")
+    assert rerun.refused is None and rerun.impl is None and rerun.plan is None and "exactly as captured" in rerun.how
+    handed = stand_in.plans[-1]
+    for key in ("qo_indptr", "kv_indptr", "kv_len_arr"):
+        assert torch.equal(handed[key], fx[f"capture/{key}"]), key
+    report = replay(fx, rerun=rerun)
+    assert report.failures() == [], report.render()
+    assert "implementation under test" not in report.render()
