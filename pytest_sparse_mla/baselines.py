@@ -231,13 +231,16 @@ def skip_reason(report) -> str:
 
 
 def selected_paths(config) -> tuple[str, ...]:
-    """The run's path arguments as rootdir-relative node-id prefixes."""
-    root = Path(config.rootpath)
+    """The run's path arguments as rootdir-relative node-id prefixes; () when the user gave none
+    (the ini's testpaths: everything is selected)."""
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        return ()
+    root, here = Path(config.rootpath).resolve(), Path(config.invocation_params.dir)
     out = []
     for arg in config.args:
         path, sep, rest = str(arg).partition("::")
         try:
-            rel = Path(path).resolve().relative_to(root.resolve()).as_posix()
+            rel = (here / path).resolve().relative_to(root).as_posix()
         except ValueError:
             continue
         out.append(rel + (sep + rest if sep else ""))
@@ -279,6 +282,10 @@ def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, b
         return "no GPU visible for the timing pass", True
     out = records_dir / TIMING_DIR
     out.mkdir(parents=True, exist_ok=True)
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line(f"upgrade check: timing {len(cases)} cases, one process per GPU on {len(gpus)} GPUs "
+                            f"(logs: {out})")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
     procs = []
     for gpu, part in zip(gpus, shard(cases, len(gpus))):

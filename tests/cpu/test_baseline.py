@@ -360,8 +360,8 @@ def test_a_baseline_case_skipped_now_fails_and_one_deselected_by_k_does_not(suit
 
 def test_deselection_is_known_under_xdist_too(suite):
     base = record(suite)
-    result = suite.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(suite.path), "-n", "1",
-                                        f"--compare-baseline={base}", "--baseline-timing=off", "-k", "not 3")
+    result = suite.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(suite.path), "-n", "1",
+                                       f"--compare-baseline={base}", "--baseline-timing=off", "-k", "not 3")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*1 left out by this run's selection (deselected by -k/-m)*"])
 
@@ -393,3 +393,11 @@ def test_without_a_gpu_the_due_timing_pass_fails_the_check(suite, monkeypatch):
 def test_shard_spreads_cases_round_robin_over_the_gpus():
     assert plugin.shard(["a", "b", "c"], 2) == [["a", "c"], ["b"]]
     assert plugin.shard(["a"], 4) == [["a"]]
+
+
+def test_cases_outside_the_paths_given_are_left_out_not_failed(suite):
+    suite.makepyfile(test_other="def test_other(baseline):\n    baseline.note(ratios={'out_max_ratio': 0.1})\n")
+    base = record(suite)
+    result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", str(suite.path / "test_cases.py"))
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*1 left out by this run's selection (outside the paths given), not judged"])
