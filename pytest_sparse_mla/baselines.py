@@ -265,7 +265,7 @@ def shard(cases: list[str], parts: int) -> list[list[str]]:
 def timing_command(config, cases: list[str], out: Path) -> list[str]:
     return [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
             f"--rootdir={config.rootpath}", f"--impl={config.getoption('--impl')}",
-            f"--baseline-timing-out={out}", *cases]
+            f"--baseline-timing-out={out.resolve()}", *(f"{config.rootpath}/{case}" for case in cases)]
 
 
 def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, bool]:
@@ -290,7 +290,7 @@ def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, b
     procs = []
     for gpu, part in zip(gpus, shard(cases, len(gpus))):
         log = open(out / f"gpu{gpu}.log", "w")
-        procs.append((gpu, log, subprocess.Popen(timing_command(config, part, out), cwd=config.rootpath,
+        procs.append((gpu, log, subprocess.Popen(timing_command(config, part, out), cwd=config.invocation_params.dir,
                                                  env=dict(env, CUDA_VISIBLE_DEVICES=gpu), stdout=log,
                                                  stderr=subprocess.STDOUT)))
     broken = []
