@@ -1,16 +1,30 @@
 """Rows checked and test outcomes per context regime: the ``regime_log`` fixture tests record
-into, and the table printed at the end of a run (xdist included: the properties travel with
-the reports to the controlling process)."""
+into, the regimes each test declares, and the table printed at the end of a run (xdist
+included: the properties travel with the reports to the controlling process).
+
+A test covers the regimes it declares, known before it runs: a ``regimes`` marker, or a
+parameter that is a case (an object with ``focus`` and ``spec``, as ``harness.cases.Case``): its
+focus, else the regimes of the rows its spec plans. A test that declares none covers the
+regimes of the rows it records. Its outcome (the worst of setup, call and teardown; an xpass
+is a failure) is credited to the regimes a failed check blamed, else to those it covers, so a
+test that fails before recording a row still counts as failed where it belongs. A test that
+covers no regime is counted on the ``no regime`` line. Rows are counted for every test that
+was not skipped.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, defaultdict
 
 import pytest
 
 from reference import REGIMES
 
-from .keys import REGIME_KEY
+from .keys import DECLARED_REGIMES_KEY, REGIME_KEY
+
+NO_REGIME = "no regime"
+OUTCOMES = ("passed", "failed", "xfailed", "skipped")
 
 
 class RegimeLog:
@@ -20,48 +34,132 @@ class RegimeLog:
         self._node = node
         self.rows: Counter[str] = Counter()
         self.focus: set[str] = set()
+        self.blamed: set[str] = set()
 
     def record(self, regimes, focus=None) -> None:
-        """Count checked rows; the test's outcome is credited to ``focus`` (default: all)."""
+        """Count checked rows; without declared regimes the test's outcome is credited to
+        ``focus`` (default: the regimes of these rows)."""
         self.rows.update(regimes)
         self.focus.update(focus if focus is not None else set(regimes))
         self._save()
 
     def blame(self, regimes) -> None:
         """A check failed on rows of these regimes: credit the outcome to them alone."""
+        regimes = set(regimes)
         if regimes:
-            self.focus = set(regimes)
+            self.blamed = regimes
             self._save()
 
     def _save(self) -> None:
         self._node.user_properties[:] = [p for p in self._node.user_properties if p[0] != REGIME_KEY]
-        self._node.user_properties.append((REGIME_KEY, {"rows": dict(self.rows), "focus": sorted(self.focus)}))
+        entry = {"rows": dict(self.rows), "focus": sorted(self.focus), "blamed": sorted(self.blamed)}
+        self._node.user_properties.append((REGIME_KEY, entry))
+
+
+# --- what a test declares -----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def planned_row_regimes(spec) -> tuple[str, ...]:
+    """The regimes of the rows a batch spec plans (the query rows handed to the kernel)."""
+    from harness.scenario import build_scenario
+
+    scenario = build_scenario(spec, seed=0)
+    return tuple(sorted(set(scenario.row_regime[: scenario.planned_rows])))
+
+
+def case_regimes(case) -> tuple[str, ...]:
+    """A case's focus, else the regimes of the rows its spec plans (none where the spec
+    cannot be built: the test itself then fails and says why)."""
+    if case.focus:
+        return tuple(case.focus)
+    try:
+        return planned_row_regimes(case.spec)
+    except Exception:  # noqa: BLE001 - reported by the test, not by the report hook
+        return ()
+
+
+def declared_regimes(item) -> list[str] | None:
+    """The regimes a test covers, from its ``regimes`` marker or its case parameters; None
+    when it declares none."""
+    marker = item.get_closest_marker("regimes")
+    if marker is not None:
+        return sorted(set(marker.args))
+    callspec = getattr(item, "callspec", None)
+    cases = [v for v in (callspec.params.values() if callspec else ()) if hasattr(v, "focus") and hasattr(v, "spec")]
+    if not cases:
+        return None
+    return sorted({r for case in cases for r in case_regimes(case)})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attach the declared regimes to the setup report (every test has one, skipped ones too)."""
+    if call.when == "setup" and not any(p[0] == DECLARED_REGIMES_KEY for p in item.user_properties):
+        declared = declared_regimes(item)
+        if declared is not None:
+            item.user_properties.append((DECLARED_REGIMES_KEY, declared))
+    yield
+
+
+# --- the tally ------------------------------------------------------------------------------
+
+
+def phase_outcome(report) -> str:
+    """passed, failed, xfailed or skipped for one phase's report (an xpass is a failure)."""
+    if hasattr(report, "wasxfail"):
+        return "xfailed" if report.outcome == "skipped" else "failed"
+    return report.outcome
+
+
+def worse(a: str | None, b: str) -> str:
+    """The outcome of a test from two of its phases: failed over xfailed over skipped over passed."""
+    order = ("passed", "skipped", "xfailed", "failed")
+    return b if a is None or order.index(b) > order.index(a) else a
+
+
+def credited_regimes(recorded: dict | None, declared: list[str] | None) -> list[str]:
+    """Where a test's outcome counts: the blamed regimes, else the declared ones, else the
+    recorded focus; empty for none."""
+    recorded = recorded or {}
+    return list(recorded.get("blamed") or declared or recorded.get("focus") or [])
 
 
 class RegimeTally:
     def __init__(self):
-        self.rows: Counter[str] = Counter()
-        self.outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+        self.tests: dict[str, dict] = {}
 
     def add(self, report) -> None:
-        props = dict(report.user_properties).get(REGIME_KEY)
-        if not props:
-            return
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            outcome = "xfailed" if hasattr(report, "wasxfail") and report.outcome == "skipped" else report.outcome
-            outcome = "xpassed" if hasattr(report, "wasxfail") and report.outcome == "passed" else outcome
-            self.rows.update(props["rows"] if outcome != "skipped" else {})
-            for regime in props["focus"]:
-                self.outcomes[regime][outcome] += 1
+        test = self.tests.setdefault(report.nodeid, {"outcome": None, "recorded": None, "declared": None})
+        props = dict(report.user_properties)
+        test["recorded"] = props.get(REGIME_KEY, test["recorded"])
+        test["declared"] = props.get(DECLARED_REGIMES_KEY, test["declared"])
+        if report.when == "call" or report.outcome != "passed":
+            test["outcome"] = worse(test["outcome"], phase_outcome(report))
+
+    def counts(self) -> tuple[Counter[str], dict[str, Counter[str]]]:
+        """(rows checked per regime, test outcomes per regime and on the no-regime line)."""
+        rows: Counter[str] = Counter()
+        outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+        for test in self.tests.values():
+            outcome = test["outcome"]
+            if outcome is None:
+                continue
+            if outcome != "skipped" and test["recorded"]:
+                rows.update(test["recorded"]["rows"])
+            for regime in credited_regimes(test["recorded"], test["declared"]) or [NO_REGIME]:
+                outcomes[regime][outcome] += 1
+        return rows, outcomes
 
     def lines(self) -> list[str]:
-        out = [f"{'regime':<7}{'rows checked':>13}{'passed':>8}{'failed':>8}{'xfailed':>9}{'skipped':>9}  meaning"]
-        for regime, meaning in REGIMES.items():
-            o = self.outcomes.get(regime, Counter())
-            out.append(
-                f"{regime:<7}{self.rows.get(regime, 0):>13}{o['passed']:>8}{o['failed'] + o['xpassed']:>8}"
-                f"{o['xfailed']:>9}{o['skipped']:>9}  {meaning}"
-            )
+        rows, outcomes = self.counts()
+        head = f"{'regime':<10}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}{'skipped':>9}  meaning"
+        out = [head]
+        for regime, meaning in [*REGIMES.items(), (NO_REGIME, "tests that cover no context regime")]:
+            o = outcomes.get(regime, Counter())
+            checked = "-" if regime == NO_REGIME else str(rows.get(regime, 0))
+            out.append(f"{regime:<10}{checked:>13}  |       {o['passed']:>7}{o['failed']:>8}{o['xfailed']:>9}"
+                       f"{o['skipped']:>9}  {meaning}")
         return out
 
     def pytest_runtest_logreport(self, report):
@@ -80,6 +178,7 @@ def regime_log(request) -> RegimeLog:
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "regimes(*names): the context regimes a test covers (see pytest_sparse_mla.regimes)")
     config.stash[TALLY] = RegimeTally()
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(config.stash[TALLY])
@@ -89,7 +188,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput"):
         return
     tally = config.stash.get(TALLY, None)
-    if tally is not None and (tally.rows or tally.outcomes):
-        terminalreporter.section("sparse-MLA rows and outcomes per context regime")
+    if tally is not None and tally.tests:
+        terminalreporter.section("sparse-MLA rows and test outcomes per context regime")
         for line in tally.lines():
             terminalreporter.write_line(line)
