@@ -55,6 +55,14 @@ def _convert_kernel(
         tl.store(counts_ptr + rows, tl.sum(count, axis=1), mask=row_ok)
 
 
+def unit_column_stride(t: torch.Tensor) -> bool:
+    """Whether the kernel may address ``t [R, C]`` as ``row * stride(0) + column``: a column
+    stride of 1, or one that is never used (no element, or a single column). An empty block
+    table (a step with no request, padded rows only) may have any strides: built on the host
+    from an empty numpy array it has strides (0, 0)."""
+    return t.numel() == 0 or t.shape[1] == 1 or t.stride(1) == 1
+
+
 def _rows_per_program(device: torch.device) -> int:
     """Rows per program: a few on a GPU; many in the interpreter, whose cost is per operation."""
     return 64 if device.type == "cpu" else 4
@@ -84,7 +92,7 @@ def convert_topk_to_slots(
         raise ValueError(f"req_id: expected [{rows}] (one per token row), got {tuple(req_id.shape)}")
     if block_table.dim() != 2 or block_table.dtype != torch.int32:
         raise ValueError(f"block_table: expected int32 [num_reqs, blocks], got {block_table.dtype} {tuple(block_table.shape)}")
-    if rows and (topk_indices.stride(1) != 1 or block_table.stride(1) != 1):
+    if not (unit_column_stride(topk_indices) and unit_column_stride(block_table)):
         raise ValueError("topk_indices and block_table need unit column stride")
     devices = {t.device for t in (topk_indices, block_table, req_id) + ((out,) if out is not None else ())}
     if len(devices) != 1:
@@ -94,7 +102,7 @@ def convert_topk_to_slots(
                            "set TRITON_INTERPRET=1 before fast.convert is imported")
     if out is None:
         out = torch.empty_like(topk_indices)
-    elif out.shape != (rows, width) or out.dtype != torch.int32 or (rows and out.stride(1) != 1):
+    elif out.shape != (rows, width) or out.dtype != torch.int32 or not unit_column_stride(out):
         raise ValueError(f"out: expected int32 [{rows}, {width}] with unit column stride, got {out.dtype} {tuple(out.shape)}")
     counts = torch.empty(rows, dtype=torch.int32, device=topk_indices.device) if with_counts else out
     if rows:

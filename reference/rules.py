@@ -89,9 +89,9 @@ def convert_rule(
     blk = torch.div(tok, block_size, rounding_mode="trunc")
     valid = (tok >= 0) & (blk < table.shape[1])
     req = req_id.to(device=tok.device, dtype=torch.int64).unsqueeze(1).expand_as(tok)
-    phys = table[req, torch.where(valid, blk, torch.zeros_like(blk))]
-    slots = phys * block_size + tok % block_size
-    return torch.where(valid, slots, torch.full_like(slots, INVALID)).to(torch.int32)
+    slots = torch.full_like(tok, INVALID)  # only valid entries read the table (it may have no row)
+    slots[valid] = table[req[valid], blk[valid]] * block_size + tok[valid] % block_size
+    return slots.to(torch.int32)
 
 
 def valid_counts(slots: torch.Tensor) -> torch.Tensor:

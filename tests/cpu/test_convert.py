@@ -186,6 +186,17 @@ def test_empty_batch(impl, device):
     assert slots.shape == (0, 2176) and counts.shape == (0,)
 
 
+def test_padded_rows_of_a_step_with_no_request(impl, device):
+    """Padded rows only (a CUDA-graph step with no request): the block table has no row and,
+    built on the host from an empty numpy array, strides (0, 0); every slot is -1."""
+    table = torch.from_numpy(np.zeros((0, 2), dtype=np.int32))
+    assert table.stride() == (0, 0), "test setup: numpy's empty array strides"
+    req = impl.request_ids(torch.zeros(1, dtype=torch.int32, device=device), 3)
+    topk = torch.full((3, 128), -1, dtype=torch.int32)
+    slots, counts = assert_matches_rule(impl, *on(device, topk, table), req, 16, with_counts=True)
+    assert bool((slots == -1).all()) and counts.tolist() == [0, 0, 0]
+
+
 # --- block ids the table may hold -------------------------------------------------------------
 
 
