@@ -337,10 +337,12 @@ def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None,
         cmp.regressions.append(f"newly raising: {after.error}")
     elif _ok(before) and not _ok(after):
         cmp.regressions.append(f"was {before.outcome}, now {after.outcome}" + (f" ({after.error})" if after.error else ""))
-    cmp.kernel_time = judge_time("kernel", before.kernel_us_repeats, after.kernel_us_repeats, KERNEL_TIME_LIMIT,
-                                 KERNEL_SPREAD_LIMIT, KERNEL_TIME_FLOOR_US)
-    cmp.plan_time = judge_time("plan()", before.plan_us_repeats, after.plan_us_repeats, PLAN_TIME_LIMIT, PLAN_SPREAD_LIMIT)
-    cmp.regressions += [t.why for t in (cmp.kernel_time, cmp.plan_time) if t.regressed]
+    if not (before.error or after.error):  # a refused plan() has nothing to time
+        cmp.kernel_time = judge_time("kernel", before.kernel_us_repeats, after.kernel_us_repeats, KERNEL_TIME_LIMIT,
+                                     KERNEL_SPREAD_LIMIT, KERNEL_TIME_FLOOR_US)
+        cmp.plan_time = judge_time("plan()", before.plan_us_repeats, after.plan_us_repeats, PLAN_TIME_LIMIT,
+                                   PLAN_SPREAD_LIMIT)
+        cmp.regressions += [t.why for t in (cmp.kernel_time, cmp.plan_time) if t.regressed]
     for key in sorted(set(before_out) & set(after_out)):
         if before_out[key].shape == after_out[key].shape:
             cmp.drift[key] = drift(before_out[key], after_out[key])
@@ -370,6 +372,10 @@ def _short(case: str) -> str:
     return case.split("::", 1)[-1]
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def _line(status: str, name: str, text: str) -> str:
     return f"{status:<5} {name:<10} {text}"
 
@@ -388,7 +394,7 @@ def timing_line(compared: list[CaseComparison], run: RunFacts) -> str:
     unjudged = sorted({t.why for t in times if not t.judged and t.why})
     if not judged:
         return _line("note", "time", "not judged: " + (_first(unjudged) if unjudged else "no case timed"))
-    text = f"{len(judged)} times judged ({how}): " + (
+    text = f"{_n(len(judged), 'time')} judged ({how}): " + (
         f"{len(slower)} slower past the limits, worst {slower[0].why}" if slower else "none slower past the limits")
     not_judged = [t for t in times if not t.judged and t.why]
     if not_judged:
@@ -401,14 +407,14 @@ def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_versi
     report a change that does not."""
     compared = [c for c in comparisons if c.status == "compared"]
     regressed = [c for c in comparisons if c.regressions]
-    head = f"FlashInfer {before_version} -> {after_version}: {len(compared)} cases compared"
+    head = f"FlashInfer {before_version} -> {after_version}: {_n(len(compared), 'case')} compared"
     if not any(ran(c) for c in comparisons):
         reason = run.gpu_skip_reason or "no GPU-tier case recorded anything"
         return [_line("FAIL", "GPU tier", f"did not run ({reason}): nothing was compared"),
-                _line("FAIL", "not run", f"all {len(comparisons)} cases of the baseline")]
+                _line("FAIL", "not run", f"all {_n(len(comparisons), 'case')} of the baseline")]
     failed = bool(regressed) or run.timing_failed
     lines = [_line("FAIL" if failed else "PASS", "verdict",
-                   head + (f", {len(regressed)} regressed" if regressed else ", no regression"))]
+                   head + (f", {_n(len(regressed), 'regression')}" if regressed else ", no regression"))]
 
     new_ref = [c for c in compared if c.refusal == "new"]
     gone_ref = [c for c in compared if c.refusal == "gone"]
@@ -420,7 +426,7 @@ def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_versi
 
     failing = [c for c in compared if _ok(c.before) and not _ok(c.after) and c.refusal != "new"]
     lines.append(_line("FAIL" if failing else "ok", "outcomes",
-                       f"{len(failing)} cases that passed fail now" + (f" (`{_short(failing[0].case)}`: "
+                       f"{_n(len(failing), 'case')} that passed fail now" + (f" (`{_short(failing[0].case)}`: "
                                                                         f"{failing[0].after.outcome})" if failing else "")))
 
     with_outputs = [c for c in compared if c.drift]
@@ -430,7 +436,7 @@ def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_versi
         worst = drifted[0]
         key, d = max(worst.drift.items(), key=lambda kv: kv[1]["max_abs"])
         rows = ", ".join(f"{r} ({m:.3g})" for r, m in d["worst_rows"])
-        text = (f"{len(drifted)} of {len(with_outputs)} cases no longer bitwise equal; worst `{_short(worst.case)}` "
+        text = (f"{len(drifted)} of {_n(len(with_outputs), 'case')} no longer bitwise equal; worst `{_short(worst.case)}` "
                 f"{key} max abs {d['max_abs']:.3g}, {d['rows_differing']}/{d['rows']} rows differ, worst rows {rows}")
     else:
         text = f"all {len(with_outputs)} cases with outputs bitwise equal"
@@ -439,7 +445,7 @@ def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_versi
     worse = [(c, k, b, a) for c in compared for k, (b, a) in c.worse_ratios.items()]
     if worse:
         c, k, b, a = max(worse, key=lambda w: w[3] - w[2])
-        text = f"{len({w[0].case for w in worse})} cases with a worse error-budget ratio; worst `{_short(c.case)}` {k} {b:.3g} -> {a:.3g}"
+        text = f"{_n(len({w[0].case for w in worse}), 'case')} with a worse error-budget ratio; worst `{_short(c.case)}` {k} {b:.3g} -> {a:.3g}"
     else:
         text = "no error-budget ratio worse"
     lines.append(_line("note" if worse else "ok", "errors", text))
@@ -453,7 +459,7 @@ def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_versi
 
     not_run = [c for c in comparisons if c.status == "not run"]
     deselected = [c for c in comparisons if c.status == "deselected"]
-    text = f"{len(not_run)} cases of the baseline did not run" + (f" (`{_short(not_run[0].case)}`: {not_run[0].why})"
+    text = f"{_n(len(not_run), 'case')} of the baseline did not run" + (f" (`{_short(not_run[0].case)}`: {not_run[0].why})"
                                                                   if not_run else "")
     if deselected:
         whys = sorted({c.why for c in deselected})
@@ -461,7 +467,7 @@ def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_versi
     lines.append(_line("FAIL" if not_run else ("note" if deselected else "ok"), "not run", text))
 
     new = [c for c in comparisons if c.status == "new"]
-    lines.append(_line("note" if new else "ok", "new cases", f"{len(new)} not in the baseline"))
+    lines.append(_line("note" if new else "ok", "new cases", f"{_n(len(new), 'case')} not in the baseline"))
     return lines
 
 

@@ -120,6 +120,15 @@ def test_unstable_times_are_reported_not_judged():
     assert "unstable in the baseline" in judge_time("plan()", noisy, [150.0] * 3, 2.0, 0.25).why
 
 
+def test_a_refused_plan_has_no_time_to_judge_and_says_nothing_about_it():
+    c = compare_case("c", rec(kernel_us_repeats=STEADY, plan_us_repeats=STEADY), rec(error="ValueError at plan: CSR"), {}, {})
+    assert (c.kernel_time.judged, c.kernel_time.why, c.plan_time.why) == (False, "", "")
+    timed = compared(rec(case="t::timed", kernel_us_repeats=STEADY, plan_us_repeats=STEADY),
+                     rec(case="t::timed", kernel_us_repeats=STEADY, plan_us_repeats=STEADY))
+    line = summary([c, timed])["time"]
+    assert line.startswith("ok    time       2 times judged") and "not judged" not in line
+
+
 def test_a_time_missing_on_either_side_is_not_judged():
     assert judge_time("kernel", [], STEADY, 1.15, 0.1).why == "kernel not timed in the baseline"
     assert judge_time("kernel", STEADY, [], 1.15, 0.1).why == "kernel not timed now"
@@ -188,15 +197,15 @@ def test_summary_has_one_line_per_class_of_change():
         compare_case("t::new", None, rec(case="t::new"), {}, {}),
     ]
     lines = summary(comparisons)
-    assert lines["verdict"].startswith("FAIL") and "3 regressed" in lines["verdict"]
+    assert lines["verdict"].startswith("FAIL") and "3 regressions" in lines["verdict"]
     assert lines["refusals"].startswith("FAIL") and "1 new, 0 gone" in lines["refusals"] and "CSR metadata" in lines["refusals"]
     assert lines["numerics"].startswith("note") and "`drift` out" in lines["numerics"] and "1/6 rows" in lines["numerics"]
     assert "worst rows 4 (" in lines["numerics"]
     assert lines["errors"].startswith("note") and "out_max_ratio 0.4 -> 0.6" in lines["errors"]
     assert lines["time"].startswith("FAIL") and "plan() time x10.00" in lines["time"]
     assert lines["warnings"].startswith("note") and "1 new, 0 gone" in lines["warnings"]
-    assert lines["not"].startswith("FAIL") and "1 cases of the baseline did not run" in lines["not"]
-    assert lines["new"].startswith("note") and "1 not in the baseline" in lines["new"]
+    assert lines["not"].startswith("FAIL") and "1 case of the baseline did not run" in lines["not"]
+    assert lines["new"].startswith("note") and "1 case not in the baseline" in lines["new"]
 
 
 def test_times_not_taken_are_said_and_a_failed_timing_pass_fails():
@@ -350,7 +359,7 @@ def test_a_baseline_case_skipped_now_fails_and_one_deselected_by_k_does_not(suit
     monkeypatch.setenv("SKIP_CASE", "2")
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=skipped")
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["FAIL  not run    1 cases of the baseline did not run (`test_case[2]`: skipped: GPU tier: no CUDA device)"])
+    result.stdout.fnmatch_lines(["FAIL  not run    1 case of the baseline did not run (`test_case[2]`: skipped: GPU tier: no CUDA device)"])
     monkeypatch.delenv("SKIP_CASE")
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=narrow", "-k", "not 3")
     assert result.ret == 0, result.stdout.str()
