@@ -37,14 +37,20 @@ def pytest_generate_tests(metafunc):
 
 def rerun_on_installed(request, fx):
     """The fixture re-run on the installed FlashInfer, or None where only the recorded
-    outputs are judged (no SM90 GPU with FlashInfer, or --replay-recorded-only)."""
+    outputs are judged (no SM90 GPU with FlashInfer, --replay-recorded-only, or an
+    implementation under test without an attention state for a pipeline fixture)."""
     if rerun_unavailable_reason(request.config):
+        return None
+    impl = request.getfixturevalue("impl")
+    from recording.rerun import is_captured
+
+    if not is_captured(fx) and not callable(getattr(impl, "make_attention_state", None)):
         return None
     from harness.launch import DEVICE
     from pytest_sparse_mla.impl import IMPL_SPEC
     from recording.rerun import rerun_fixture
 
-    return rerun_fixture(fx, request.getfixturevalue("impl"), request.config.stash.get(IMPL_SPEC, None), DEVICE)
+    return rerun_fixture(fx, impl, request.config.stash.get(IMPL_SPEC, None), DEVICE)
 
 
 @pytest.mark.replay

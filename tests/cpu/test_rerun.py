@@ -141,7 +141,8 @@ def test_a_refusal_is_an_outcome_of_its_own_expected_where_a_recorded_release_re
 # --- the GPU glue, driven on CPU -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["c-compacted-fp8", "c-packed-finding-bf16", "graph-replay-smaller-bf16", "h-kpool1-decode-bf16"])
+@pytest.mark.parametrize("name", ["c-compacted-fp8", "c-packed-finding-bf16", "graph-replay-smaller-bf16", "h-kpool1-decode-bf16",
+                                  "empty-batch-bf16"])
 def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, name):
     fx = load_fixture(FIXTURES / f"{name}.safetensors")
     rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device="cpu")
@@ -193,3 +194,33 @@ def test_a_captured_fixture_reruns_exactly_as_recorded(stand_in, impl, device, t
     report = replay(fx, rerun=rerun)
     assert report.failures() == [], report.render()
     assert "implementation under test" not in report.render()
+
+
+def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(stand_in, pytester, tmp_path, monkeypatch):
+    """The debugging loop end to end, with the stand-in as FlashInfer: a wrong layout through
+    --impl dumps its failing cases; --replay re-runs them through the same --impl and fails on
+    the rows the tests named, and through the fixed implementation passes."""
+    import harness.availability
+    import harness.launch
+
+    dump = tmp_path / "dumps"
+    run = lambda *args: pytester.runpytest_inprocess("-p", "no:cacheprovider", "--rootdir", str(ROOT), *args)  # noqa: E731
+    result = run(str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:CompactionPlansPrefix",
+                 "-k", "test_plan_reads_the_intended_slots and compacted and (ctx5-kpool4 or decode-mixed-lengths-kpool4)",
+                 f"--dump-failures={dump}")
+    assert result.parseoutcomes().get("failed") == 2, "\n".join(result.outlines[-20:])
+    files = sorted(dump.glob("*.safetensors"))
+    assert len(files) == 2
+    c_rows = {f.name: regime_rows(load_fixture(f), "C") for f in files}
+    monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: None)
+    monkeypatch.setattr(harness.launch, "DEVICE", "cpu")
+    result = run(str(ROOT / "tests/test_replay.py"), f"--replay={dump}", "--impl=tests.bugs:CompactionPlansPrefix", "-rA")
+    out = "\n".join(result.outlines)
+    assert result.parseoutcomes().get("failed") == 2, out[-3000:]
+    for name, rows in c_rows.items():
+        assert rows
+        for r in rows:
+            assert f"re-run] plan != intent at row {r} (regime C)" in out, out[-3000:]
+    assert "implementation under test: tests.bugs:CompactionPlansPrefix" in out
+    result = run(str(ROOT / "tests/test_replay.py"), f"--replay={dump}")
+    assert result.ret == 0, "\n".join(result.outlines[-40:])
