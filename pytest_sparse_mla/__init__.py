@@ -3,7 +3,8 @@ hooks. The root ``conftest.py`` loads it (``pytest_plugins = ("pytest_sparse_mla
 no ``-p`` is needed.
 
 - ``hypothesis_profiles``: the ``ci`` (default, derandomised) and ``thorough`` profiles;
-- ``impl``: ``--impl``, the ``impl`` fixture, GPU gating of ``gpu``-marked tests;
+- ``impl``: ``--impl`` and ``--device`` (the ``impl`` and ``device`` fixtures), GPU gating of
+  ``gpu``-marked tests, the GPU-tier status in the header and summary, ``--require-gpu-tier``;
 - ``baselines``: ``--record-baseline`` / ``--compare-baseline`` / ``--baseline-out``;
 - ``replay``: ``--replay``, ``--dump-failures`` and the replay diagnostics;
 - ``regimes``: the ``regime_log`` fixture and the per-regime summary;
