@@ -34,6 +34,6 @@ def regime_c_finding(step) -> str | None:
     if not bad or None in bad or any(r >= len(regimes) or regimes[r] != "C" for r in bad):
         return None
     return (
-        f"{len(bad)} regime C rows planned as a prefix under {step.layout} (kernel not launched); "
+        f"regime C rows planned as a prefix: planned slots != intended slots on {len(bad)} rows; "
         f"{step.context()}\n" + describe_rows(step, sorted(bad))
     )

@@ -86,7 +86,8 @@ def run_case(impl, features, request, regime_log, case, layout, config, seed: in
     )
     finding = regime_c_finding(step)
     if finding:
-        raise RegimeCPlannedAsPrefix(finding)
+        regime_log.blame(["C"])
+        raise RegimeCPlannedAsPrefix(f"{finding}\n(kernel not launched)")
     assert_launchable(step, features.version)
 
     inputs = build_attention_inputs(scenario, DEVICE)
