@@ -61,6 +61,7 @@ def test_cpu_smoke_run_writes_json_and_markdown(tmp_path):
 def test_reference_profile_runs_at_a_tiny_shape(capsys):
     from bench import reference_profile
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the profile runs where torch sees a GPU
     assert reference_profile.main(["--rows", "3", "--heads", "2", "--topk", "32", "--reps", "2"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[0]
-    assert line.startswith("cpu: rows 3 x H 2 x topk 32, float32") and "wall" in line and "host" in line
+    assert line.startswith(f"{device}: rows 3 x H 2 x topk 32, float32") and "wall" in line and "host" in line

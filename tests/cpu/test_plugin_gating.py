@@ -1,7 +1,9 @@
 """The run's header and summary on where the convert kernel runs and whether the GPU tier
 runs, also under xdist; ``--require-gpu-tier`` and ``--device`` misuse as failures before any
-test runs. A visible GPU is simulated with a conftest that replaces the CUDA-free GPU
-discovery (``harness.gpu_env.gpus_without_cuda``) in every process of the nested run."""
+test runs. The machine is simulated in every process of a nested run in a subprocess: a
+conftest replaces the CUDA-free GPU discovery (``harness.gpu_env.gpus_without_cuda``) and makes
+torch see no CUDA GPU, and the Triton interpreter is chosen, so these tests say the same on a
+CPU-only machine and on a GPU runner."""
 
 from __future__ import annotations
 
@@ -28,22 +30,24 @@ def test_runs_anywhere(device):
 """
 
 
-def nested_run(pytester, *args: str, gpus=None, controller_reason: bool = True):
-    """Run GPU_TEST with the plugin. ``gpus`` simulates what NVML reports (in a subprocess, so
-    that the replaced discovery stays there); without it the run is in-process, on this
-    machine as it is. ``controller_reason=False``: a controller that finds nothing wrong
-    without CUDA (so only the test processes' full check can say why)."""
-    lines = ["import harness.gpu_env", "import harness.availability"]
-    if gpus is not None:
-        lines.append(f"harness.gpu_env.gpus_without_cuda = lambda: {gpus!r}")
+def nested_run(pytester, *args: str, gpus=(), controller_reason: bool = True):
+    """Run GPU_TEST with the plugin in a subprocess on a simulated machine: ``gpus`` is what NVML
+    reports, torch sees no CUDA GPU, and the convert kernel is interpreted.
+    ``controller_reason=False``: a controller that finds nothing wrong without CUDA (so only
+    the test processes' full check can say why)."""
+    lines = ["import torch", "import harness.gpu_env", "import harness.availability",
+             "torch.cuda.is_available = lambda: False",
+             f"harness.gpu_env.gpus_without_cuda = lambda: {list(gpus)!r}"]
     if not controller_reason:
         lines.append("harness.availability.reason_without_cuda = lambda gpus: None")
     lines.append("pytest_plugins = ('pytest_sparse_mla',)")
     pytester.makeconftest("\n".join(lines) + "\n")
     pytester.makepyfile(test_gating=GPU_TEST)
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
-    run = pytester.runpytest_inprocess if gpus is None else pytester.runpytest_subprocess
-    result = run("-p", "no:cacheprovider", "-p", "no:benchmark", "-rs", *args)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "1")
+        env.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "-rs", *args)
     return result, "\n".join(result.outlines + result.errlines)
 
 

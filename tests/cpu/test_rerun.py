@@ -143,9 +143,9 @@ def test_a_refusal_is_an_outcome_of_its_own_expected_where_a_recorded_release_re
 
 @pytest.mark.parametrize("name", ["c-compacted-fp8", "c-packed-finding-bf16", "graph-replay-smaller-bf16", "h-kpool1-decode-bf16",
                                   "empty-batch-bf16"])
-def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, name):
+def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, device, name):
     fx = load_fixture(FIXTURES / f"{name}.safetensors")
-    rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device="cpu")
+    rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device=device)
     assert rerun.refused is None, rerun.refused
     assert "lens the implementation's kv_len rule" in rerun.how and rerun.impl == "fast.impl:default_impl"
     assert torch.equal(rerun.plan["kv_len"], fx["kv_len"]) and torch.equal(rerun.plan["kv_indptr"], fx["kv_indptr"])
@@ -154,26 +154,26 @@ def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, name):
     assert [d.against for d in report.drift] == list(fx.outputs)
 
 
-def test_a_wrong_layout_reruns_and_fails_on_the_regime_c_rows(stand_in):
+def test_a_wrong_layout_reruns_and_fails_on_the_regime_c_rows(stand_in, device):
     fx = load_fixture(FIXTURES / "c-compacted-fp8.safetensors")
-    report = replay(fx, rerun=rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device="cpu"))
+    report = replay(fx, rerun=rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device=device))
     assert report.plan_mismatch_rows == [], "the recorded plan was right"
     assert report.rerun_plan_mismatch_rows == regime_rows(fx, "C") and report.rerun_plan_mismatch_rows
     assert "plan != intent" in report.failures()
 
 
-def test_a_wrong_kv_len_rule_reruns_with_its_own_lens(stand_in):
+def test_a_wrong_kv_len_rule_reruns_with_its_own_lens(stand_in, device):
     fx = load_fixture(FIXTURES / "bdefg-pooled-decode-bf16.safetensors")
-    report = replay(fx, rerun=rerun_fixture(fx, KpoolFromWrongSpec(), "tests.bugs:KpoolFromWrongSpec", device="cpu"))
+    report = replay(fx, rerun=rerun_fixture(fx, KpoolFromWrongSpec(), "tests.bugs:KpoolFromWrongSpec", device=device))
     wrong = [r for r, g in enumerate(fx.meta["regimes"]) if g in ("E", "G")]
     assert wrong and report.rerun_plan_mismatch_rows == wrong
     assert "plan != intent" in report.failures()
 
 
-def test_a_refused_plan_is_reported_as_the_refusal(stand_in):
+def test_a_refused_plan_is_reported_as_the_refusal(stand_in, device):
     fx = load_fixture(FIXTURES / "strided-seed-layout-bf16.safetensors")
     stand_in.refuse = STRIDED_REFUSAL.split(": ", 1)[1]
-    rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device="cpu")
+    rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device=device)
     assert rerun.refused == STRIDED_REFUSAL and "refused at plan" in rerun.how and rerun.out is None
     assert replay(fx, rerun=rerun).failures() == []
 
@@ -186,7 +186,7 @@ def test_a_captured_fixture_reruns_exactly_as_recorded(stand_in, impl, device, t
         seed_style_program(impl, device, program_steps(), max_rows=4, width=256)
     fx = load_fixture(log.written[0])
     assert fx.meta["capture"]["num_heads"] == 2 and fx.meta["capture"]["page_size"] == 1
-    rerun = rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device="cpu")
+    rerun = rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device=device)
     assert rerun.refused is None and rerun.impl is None and rerun.plan is None and "exactly as captured" in rerun.how
     handed = stand_in.plans[-1]
     for key in ("qo_indptr", "kv_indptr", "kv_len_arr"):
@@ -196,7 +196,7 @@ def test_a_captured_fixture_reruns_exactly_as_recorded(stand_in, impl, device, t
     assert "implementation under test" not in report.render()
 
 
-def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(stand_in, pytester, tmp_path, monkeypatch):
+def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(stand_in, device, pytester, tmp_path, monkeypatch):
     """The debugging loop end to end, with the stand-in as FlashInfer: a wrong layout through
     --impl dumps its failing cases; --replay re-runs them through the same --impl and fails on
     the rows the tests named, and through the fixed implementation passes."""
@@ -213,7 +213,7 @@ def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(stand_
     assert len(files) == 2
     c_rows = {f.name: regime_rows(load_fixture(f), "C") for f in files}
     monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: None)
-    monkeypatch.setattr(harness.launch, "DEVICE", "cpu")
+    monkeypatch.setattr(harness.launch, "DEVICE", device.type)
     result = run(str(ROOT / "tests/test_replay.py"), f"--replay={dump}", "--impl=tests.bugs:CompactionPlansPrefix", "-rA")
     out = "\n".join(result.outlines)
     assert result.parseoutcomes().get("failed") == 2, out[-3000:]
