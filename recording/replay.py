@@ -47,10 +47,11 @@ class Drift:
     """A re-run output against one recorded output."""
 
     against: str
-    equal: int  # bitwise-equal output elements
+    equal: int  # bitwise-equal elements
     total: int
     max_abs: float
     worst_rows: list[tuple[int, float]]  # (row, max abs diff), largest first
+    what: str = "out"  # which output: "out" or "lse"
 
     @property
     def equal_share(self) -> float:
@@ -60,7 +61,7 @@ class Drift:
         worst = ", ".join(
             f"row {r} {d:.3g}" + (f" (regime {regimes[r]})" if regimes and r < len(regimes) else "") for r, d in self.worst_rows
         )
-        text = (f"vs [{self.against}]: {self.equal}/{self.total} elements bitwise equal ({100 * self.equal_share:.4f}%), "
+        text = (f"of {self.what} vs [{self.against}]: {self.equal}/{self.total} elements bitwise equal ({100 * self.equal_share:.4f}%), "
                 f"max abs {self.max_abs:.3g}")
         return text + (f", worst rows {worst}" if worst else "")
 
@@ -275,18 +276,18 @@ def kernel_checks(fx: Fixture, outputs: dict, excluded: torch.Tensor) -> dict[st
     return result
 
 
-def output_drift(new: torch.Tensor, old: torch.Tensor, against: str, k: int = 3) -> Drift:
+def output_drift(new: torch.Tensor, old: torch.Tensor, against: str, k: int = 3, what: str = "out") -> Drift:
     """Bitwise-equal share, max abs difference and worst rows of ``new`` against ``old``
     (NaN against NaN counts as equal when the bits are; any other NaN is an infinite diff)."""
     if new.shape != old.shape:
-        return Drift(against, 0, max(new.numel(), old.numel()), float("inf"), [])
+        return Drift(against, 0, max(new.numel(), old.numel()), float("inf"), [], what)
     same = _bitwise_equal_elements(new, old)
     diff = (new.double() - old.double()).abs()
     diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
     per_row = diff.flatten(1).amax(dim=1) if diff.numel() else torch.zeros(new.shape[0], dtype=torch.float64)
     top = torch.topk(per_row, min(k, per_row.numel())) if per_row.numel() else None
     worst = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if v > 0] if top is not None else []
-    return Drift(against, int(same.sum()), same.numel(), float(diff.max()) if diff.numel() else 0.0, worst)
+    return Drift(against, int(same.sum()), same.numel(), float(diff.max()) if diff.numel() else 0.0, worst, what)
 
 
 def _bitwise_equal_elements(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -331,7 +332,9 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
             report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(planned, report.regimes)
         excluded = bad | _row_mask(_poisoned(planned, bad), fx.num_rows)
         report.kernel.update(kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded))
-        report.drift = [output_drift(rerun.out.cpu(), out, version) for version, (out, _) in fx.outputs.items()]
+        report.drift = [d for version, (out, lse) in fx.outputs.items()
+                        for d in (output_drift(rerun.out.cpu(), out, version),
+                                  output_drift(rerun.lse.cpu().float(), lse, version, what="lse"))]
         report.agreement = agreeing_groups(dict(fx.outputs, **{rerun.label: (rerun.out.cpu(), rerun.lse.cpu().float())}))
     elif len(fx.outputs) > 1:
         report.agreement = agreeing_groups(fx.outputs)

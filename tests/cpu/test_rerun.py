@@ -108,9 +108,21 @@ def test_a_rerun_equal_to_the_recorded_outputs_passes_and_says_who_agrees():
     out, lse = fx.outputs["0.7.4"]
     report = replay(fx, rerun=Rerun("0.7.9", "re-run", out.clone(), lse.clone()))
     assert report.failures() == []
-    assert [d.equal == d.total for d in report.drift] == [True, True]
+    assert [(d.what, d.equal == d.total) for d in report.drift] == [("out", True), ("lse", True)] * 2
     assert report.agreement == [["0.6.18.post1", "0.7.4", "0.7.9 re-run"]]
     assert "implementation under test" not in report.render(), "no implementation was used"
+
+
+def test_an_lse_that_differs_shows_in_the_drift_and_splits_the_agreement():
+    """The packed regime C fixture: 0.6.18.post1 wrote NaN LSE where 0.7.4 wrote finite values
+    (same output bits), so the drift names the LSE and the releases do not agree."""
+    fx = load_fixture(FIXTURES / "c-packed-finding-bf16.safetensors")
+    out, lse = fx.outputs["0.7.4"]
+    report = replay(fx, rerun=Rerun("0.7.9", "re-run", out.clone(), lse.clone()))
+    by = {(d.against, d.what): d for d in report.drift}
+    assert by[("0.6.18.post1", "out")].equal_share == 1.0 and by[("0.6.18.post1", "lse")].equal_share < 1.0
+    assert by[("0.7.4", "lse")].equal_share == 1.0
+    assert report.agreement == [["0.6.18.post1"], ["0.7.4", "0.7.9 re-run"]]
 
 
 def test_a_perturbed_rerun_fails_on_its_row_with_the_drift_of_that_row():
@@ -121,9 +133,11 @@ def test_a_perturbed_rerun_fails_on_its_row_with_the_drift_of_that_row():
     report = replay(fx, rerun=Rerun("0.7.9", "re-run", bad, lse.clone(), impl="pkg:make"))
     assert any("kernel != as-planned reference" in f and "0.7.9 re-run" in f for f in report.failures())
     assert report.kernel["0.7.9 re-run"][0].worst[0][0] == 2
-    assert all(d.worst_rows[0][0] == 2 and d.equal == d.total - 512 for d in report.drift)
+    out_drift = [d for d in report.drift if d.what == "out"]
+    assert len(out_drift) == 2 and all(d.worst_rows[0][0] == 2 and d.equal == d.total - 512 for d in out_drift)
+    assert all(d.equal == d.total for d in report.drift if d.what == "lse"), "only the output was perturbed"
     text = report.render()
-    assert "[0.7.9 re-run] drift vs [0.7.4]" in text and "implementation under test: pkg:make" in text
+    assert "[0.7.9 re-run] drift of out vs [0.7.4]" in text and "implementation under test: pkg:make" in text
     assert "releases agreeing bitwise: {0.6.18.post1, 0.7.4} | {0.7.9 re-run}" in text
 
 
@@ -151,7 +165,7 @@ def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, device, 
     assert torch.equal(rerun.plan["kv_len"], fx["kv_len"]) and torch.equal(rerun.plan["kv_indptr"], fx["kv_indptr"])
     report = replay(fx, rerun=rerun)
     assert report.failures() == [], report.render()
-    assert [d.against for d in report.drift] == list(fx.outputs)
+    assert [(d.against, d.what) for d in report.drift] == [(v, w) for v in fx.outputs for w in ("out", "lse")]
 
 
 def test_a_wrong_layout_reruns_and_fails_on_the_regime_c_rows(stand_in, device):
