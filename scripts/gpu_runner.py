@@ -270,7 +270,7 @@ def install(files: list[Path], site: Path) -> None:
 
 def build_pytest_command(junit: Path, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-p", "gpu_runner",
-            f"--junitxml={junit}", "--durations=25", *extra]
+            "--require-gpu-tier", f"--junitxml={junit}", "--durations=25", *extra]
 
 
 def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str], timeout: float) -> Run:

@@ -89,6 +89,7 @@ def test_arguments_split_off_the_extra_pytest_args():
     command = runner.build_pytest_command(Path("j.xml"), extra)
     assert command[1:8] == ["-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-p"]
     assert command[-3:] == ["-k", "regime", "-x"]
+    assert "--require-gpu-tier" in command, "a GPU runner must not pass as a green run of skips"
     with pytest.raises(SystemExit):
         runner.parse_args(["--release", "0.7.4"])
     with pytest.raises(SystemExit):
