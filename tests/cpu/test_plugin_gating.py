@@ -32,12 +32,15 @@ def test_runs_anywhere(device):
 
 def nested_run(pytester, *args: str, gpus=(), controller_reason: bool = True):
     """Run GPU_TEST with the plugin in a subprocess on a simulated machine: ``gpus`` is what NVML
-    reports, torch sees no CUDA GPU, and the convert kernel is interpreted.
+    reports (where it reports any, beside a CPU-only torch build), torch sees no CUDA GPU, and
+    the convert kernel is interpreted.
     ``controller_reason=False``: a controller that finds nothing wrong without CUDA (so only
     the test processes' full check can say why)."""
     lines = ["import torch", "import harness.gpu_env", "import harness.availability",
              "torch.cuda.is_available = lambda: False",
              f"harness.gpu_env.gpus_without_cuda = lambda: {list(gpus)!r}"]
+    if gpus:
+        lines.append("torch.version.cuda = None  # a CPU-only torch build beside the GPU")
     if not controller_reason:
         lines.append("harness.availability.reason_without_cuda = lambda gpus: None")
     lines.append("pytest_plugins = ('pytest_sparse_mla',)")

@@ -55,9 +55,10 @@ class ReferenceWrapper:
         req = torch.repeat_interleave(torch.arange(qo.numel() - 1), (qo[1:] - qo[:-1]).long())[:rows]
         starts, row_lens = indptr[req].long(), lens[req].long()
         width = int(row_lens.max()) if rows else 0
-        pos = starts[:, None] + torch.arange(width)
-        mask = torch.arange(width) < row_lens[:, None]
-        slots = torch.where(mask, self.kv_indices[pos.clamp(max=self.kv_indices.numel() - 1)].long(), 0)
+        device = self.kv_indices.device  # the plan arrays are host tensors, kv_indices the device's
+        pos = (starts[:, None] + torch.arange(width)).clamp(max=self.kv_indices.numel() - 1).to(device)
+        mask = (torch.arange(width) < row_lens[:, None]).to(device)
+        slots = torch.where(mask, self.kv_indices[pos].long(), 0)
         mask = mask & (slots >= 0)
         o, l = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots.clamp(min=0), mask=mask, sm_scale=sm_scale,
                                     k_scale=k_scale, mode="lowp")
