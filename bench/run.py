@@ -66,7 +66,7 @@ def device_facts(device: torch.device) -> dict:
     try:
         from fast.flashinfer_compat import detect_features
 
-        facts["flashinfer_features"] = detect_features().describe()
+        facts["flashinfer_features"] = detect_features(device).describe()  # what plan() and run() check, probed
     except Exception as exc:
         facts["flashinfer_features"] = f"unavailable: {type(exc).__name__}: {exc}"
     return facts
