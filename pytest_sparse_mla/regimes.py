@@ -10,6 +10,11 @@ is a failure) is credited to the regimes a failed check blamed, else to those it
 test that fails before recording a row still counts as failed where it belongs. A test that
 covers no regime is counted on the ``no regime`` line. Rows are counted for every test that
 was not skipped.
+
+Beside the regimes, the table has one line per edge family (docs/edges.md): a test marked
+``@pytest.mark.edge("family")`` counts its outcome and every row it records on that family's
+line, whatever regimes it covers too. A test may carry several families; a family name that is
+not one of :data:`EDGE_FAMILIES` fails the test at setup, naming the families.
 """
 
 from __future__ import annotations
@@ -21,10 +26,20 @@ import pytest
 
 from reference import REGIMES
 
-from .keys import DECLARED_REGIMES_KEY, REGIME_KEY
+from .keys import DECLARED_EDGES_KEY, DECLARED_REGIMES_KEY, REGIME_KEY
 
 NO_REGIME = "no regime"
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+
+#: The edge families of the kernel's inputs (docs/edges.md), each with its line in the table.
+EDGE_FAMILIES: dict[str, str] = {
+    "scale": "plans from 1 row to production batch sizes, judged row by row",
+    "magnitude": "raw scores far from zero, mixed in a row and across the batch; rows with no slot",
+    "stale-slots": "kv_indices past each row's kv_len holding valid, wrong slot ids",
+    "invariance": "a row's output bits against the batch it is planned in",
+    "sanitizer": "compute-sanitizer memcheck and initcheck, one small case per kernel variant",
+}
+EDGE_LABEL = "edge {}"
 
 
 class RegimeLog:
@@ -92,14 +107,49 @@ def declared_regimes(item) -> list[str] | None:
     return sorted({r for case in cases for r in case_regimes(case)})
 
 
+def marked_edges(item) -> list[str]:
+    """Every family named by the test's ``edge`` markers, in order, duplicates dropped."""
+    names = [name for marker in item.iter_markers("edge") for name in marker.args]
+    return list(dict.fromkeys(names))
+
+
+def unknown_edges(item) -> str | None:
+    """Why the test's ``edge`` markers are malformed (an ``edge`` marker naming no family, or a
+    name that is not a family), or None."""
+    if any(not marker.args for marker in item.iter_markers("edge")):
+        return f"@pytest.mark.edge needs a family name, one of {sorted(EDGE_FAMILIES)}"
+    unknown = [name for name in marked_edges(item) if name not in EDGE_FAMILIES]
+    if unknown:
+        return f"@pytest.mark.edge{tuple(unknown)!r}: not an edge family; the families are {sorted(EDGE_FAMILIES)}"
+    return None
+
+
+def declared_edges(item) -> list[str]:
+    """The edge families a test belongs to (its ``edge`` markers), known families only."""
+    return [name for name in marked_edges(item) if name in EDGE_FAMILIES]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Attach the declared regimes to the setup report (every test has one, skipped ones too)."""
+    """Attach the declared regimes and edge families to the setup report (every test has one,
+    skipped ones too)."""
     if call.when == "setup" and not any(p[0] == DECLARED_REGIMES_KEY for p in item.user_properties):
         declared = declared_regimes(item)
         if declared is not None:
             item.user_properties.append((DECLARED_REGIMES_KEY, declared))
+    if call.when == "setup" and not any(p[0] == DECLARED_EDGES_KEY for p in item.user_properties):
+        edges = declared_edges(item)
+        if edges:
+            item.user_properties.append((DECLARED_EDGES_KEY, edges))
     yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test whose ``edge`` marker names no known family fails here, with the families."""
+    problem = unknown_edges(item)
+    if problem:
+        pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)
 
 
 # --- the tally ------------------------------------------------------------------------------
@@ -130,10 +180,11 @@ class RegimeTally:
         self.tests: dict[str, dict] = {}
 
     def add(self, report) -> None:
-        test = self.tests.setdefault(report.nodeid, {"outcome": None, "recorded": None, "declared": None})
+        test = self.tests.setdefault(report.nodeid, {"outcome": None, "recorded": None, "declared": None, "edges": []})
         props = dict(report.user_properties)
         test["recorded"] = props.get(REGIME_KEY, test["recorded"])
         test["declared"] = props.get(DECLARED_REGIMES_KEY, test["declared"])
+        test["edges"] = props.get(DECLARED_EDGES_KEY, test["edges"])
         if report.when == "call" or report.outcome != "passed":
             test["outcome"] = worse(test["outcome"], phase_outcome(report))
 
@@ -151,14 +202,35 @@ class RegimeTally:
                 outcomes[regime][outcome] += 1
         return rows, outcomes
 
+    def edge_counts(self) -> tuple[Counter[str], dict[str, Counter[str]]]:
+        """(rows checked per edge family: every row its tests recorded, whatever the regime;
+        test outcomes per edge family)."""
+        rows: Counter[str] = Counter()
+        outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+        for test in self.tests.values():
+            outcome = test["outcome"]
+            if outcome is None:
+                continue
+            recorded = sum(test["recorded"]["rows"].values()) if test["recorded"] else 0
+            for edge in test["edges"]:
+                outcomes[edge][outcome] += 1
+                if outcome != "skipped":
+                    rows[edge] += recorded
+        return rows, outcomes
+
     def lines(self) -> list[str]:
         rows, outcomes = self.counts()
-        head = f"{'regime':<10}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}{'skipped':>9}  meaning"
+        edge_rows, edge_outcomes = self.edge_counts()
+        table = [(regime, "-" if regime == NO_REGIME else str(rows.get(regime, 0)), outcomes.get(regime, Counter()), meaning)
+                 for regime, meaning in [*REGIMES.items(), (NO_REGIME, "tests that cover no context regime")]]
+        table += [(EDGE_LABEL.format(edge), str(edge_rows.get(edge, 0)), edge_outcomes.get(edge, Counter()), meaning)
+                  for edge, meaning in EDGE_FAMILIES.items()]
+        width = max(len(label) for label, *_ in table) + 1
+        head = (f"{'regime':<{width}}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}{'skipped':>9}"
+                "  meaning")
         out = [head]
-        for regime, meaning in [*REGIMES.items(), (NO_REGIME, "tests that cover no context regime")]:
-            o = outcomes.get(regime, Counter())
-            checked = "-" if regime == NO_REGIME else str(rows.get(regime, 0))
-            out.append(f"{regime:<10}{checked:>13}  |       {o['passed']:>7}{o['failed']:>8}{o['xfailed']:>9}"
+        for label, checked, o, meaning in table:
+            out.append(f"{label:<{width}}{checked:>13}  |       {o['passed']:>7}{o['failed']:>8}{o['xfailed']:>9}"
                        f"{o['skipped']:>9}  {meaning}")
         return out
 
@@ -179,6 +251,8 @@ def regime_log(request) -> RegimeLog:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "regimes(*names): the context regimes a test covers (see pytest_sparse_mla.regimes)")
+    config.addinivalue_line("markers", "edge(*families): the edge families a test belongs to, of "
+                            f"{', '.join(EDGE_FAMILIES)} (docs/edges.md; see pytest_sparse_mla.regimes)")
     config.stash[TALLY] = RegimeTally()
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(config.stash[TALLY])
@@ -189,6 +263,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     tally = config.stash.get(TALLY, None)
     if tally is not None and tally.tests:
-        terminalreporter.section("sparse-MLA rows and test outcomes per context regime")
+        terminalreporter.section("sparse-MLA rows and test outcomes per context regime and edge family")
         for line in tally.lines():
             terminalreporter.write_line(line)

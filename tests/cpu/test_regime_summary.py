@@ -1,7 +1,9 @@
 """The per-regime summary at the end of a run, through pytester: a test that fails before it
 records a row still counts as failed in the regimes it declares, an xpass counts as a failure,
 a skipped test's rows are not counted, a blamed failure counts only where it was blamed, and a
-test that covers no regime is counted on its own line, never dropped."""
+test that covers no regime is counted on its own line, never dropped. Edge families: each has a
+line whatever ran, a test marked with a family counts there (its outcome and all its rows)
+besides its regimes, and an unknown family fails the test."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sparse_mla.regimes import NO_REGIME, credited_regimes, worse
+from pytest_sparse_mla.regimes import EDGE_FAMILIES, EDGE_LABEL, NO_REGIME, credited_regimes, worse
 
 SUITE = """
 import pytest
@@ -98,6 +100,60 @@ def test_no_regime_skipped():
 """
 
 
+EDGE_SUITE = """
+import pytest
+
+
+@pytest.mark.edge("magnitude")
+def test_magnitude_passed(regime_log):
+    regime_log.record(["A", "A", "H"])
+
+
+@pytest.mark.edge("magnitude")
+def test_magnitude_fails_before_recording():
+    raise RuntimeError("broke before any row was checked")
+
+
+@pytest.mark.regimes("C")
+@pytest.mark.edge("stale-slots")
+@pytest.mark.xfail(reason="finding", raises=ValueError, strict=True)
+def test_stale_slots_finding(regime_log):
+    regime_log.record(["C", "C"])
+    raise ValueError("the finding")
+
+
+@pytest.mark.edge("scale")
+def test_scale_skipped_after_recording(regime_log):
+    regime_log.record(["H"] * 5)
+    pytest.skip("no GPU")
+
+
+@pytest.mark.edge("scale")
+@pytest.mark.edge("invariance")
+def test_two_families(regime_log):
+    regime_log.record(["H"] * 4)
+
+
+@pytest.mark.edge("invariance")
+def test_no_rows():
+    pass
+
+
+@pytest.mark.edge("nonsense")
+def test_unknown_family(regime_log):
+    regime_log.record(["A"])
+
+
+@pytest.mark.edge
+def test_no_family():
+    pass
+
+
+def test_plain(regime_log):
+    regime_log.record(["B"])
+"""
+
+
 def summary_table(output: str) -> dict[str, tuple]:
     """regime -> (rows checked, passed, failed, xfailed, skipped) from the printed table."""
     lines = output.splitlines()
@@ -113,12 +169,10 @@ def summary_table(output: str) -> dict[str, tuple]:
     return table
 
 
-@pytest.fixture(scope="module")
-def table(tmp_path_factory):
-    """The summary of one run of SUITE (in its own process, shared by the tests here)."""
-    folder = tmp_path_factory.mktemp("regime_suite")
+def run_suite(folder: Path, suite: str) -> tuple[dict[str, tuple], str]:
+    """The summary of one run of ``suite`` in its own process, and the run's output."""
     (folder / "conftest.py").write_text('pytest_plugins = ("pytest_sparse_mla",)\n')
-    (folder / "test_suite.py").write_text(SUITE)
+    (folder / "test_suite.py").write_text(suite)
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--rootdir", str(folder),
@@ -127,6 +181,22 @@ def table(tmp_path_factory):
     )
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr
     return summary_table(proc.stdout), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    """The summary of one run of SUITE (shared by the tests here)."""
+    return run_suite(tmp_path_factory.mktemp("regime_suite"), SUITE)
+
+
+@pytest.fixture(scope="module")
+def edge_table(tmp_path_factory):
+    """The summary of one run of EDGE_SUITE (shared by the tests here)."""
+    return run_suite(tmp_path_factory.mktemp("edge_suite"), EDGE_SUITE)
+
+
+def edge(name: str) -> str:
+    return EDGE_LABEL.format(name)
 
 
 def test_a_test_failing_before_recording_counts_as_failed_in_its_declared_regimes(table):
@@ -189,3 +259,42 @@ def test_the_worst_phase_outcome_wins():
     assert worse("passed", "failed") == "failed"  # a teardown error after a pass
     assert worse("xfailed", "passed") == "xfailed"
     assert worse("skipped", "failed") == "failed"
+
+
+def test_every_edge_family_has_a_line_even_without_tests(table, edge_table):
+    counts, out = table
+    assert all(counts[edge(name)] == ("0", 0, 0, 0, 0) for name in EDGE_FAMILIES), out
+    counts, out = edge_table
+    assert counts[edge("sanitizer")] == ("0", 0, 0, 0, 0), out
+
+
+def test_an_edge_counts_its_tests_outcomes_and_every_row_they_record(edge_table):
+    counts, out = edge_table
+    assert counts[edge("magnitude")] == ("3", 1, 1, 0, 0), out  # 3 rows of regimes A and H
+
+
+def test_an_edge_test_counts_in_its_regimes_too(edge_table):
+    counts, out = edge_table
+    assert counts[edge("stale-slots")] == ("2", 0, 0, 1, 0), out
+    assert counts["C"] == ("2", 0, 0, 1, 0), out
+
+
+def test_a_skipped_edge_tests_rows_are_not_counted(edge_table):
+    counts, out = edge_table
+    assert counts[edge("scale")] == ("4", 1, 0, 0, 1), out  # the two-family test's 4 rows; the skipped 5 are not
+
+
+def test_a_test_of_two_families_counts_in_both(edge_table):
+    counts, out = edge_table
+    assert counts[edge("invariance")] == ("4", 2, 0, 0, 0), out  # with the test that records no row
+
+
+def test_an_unknown_or_missing_family_fails_the_test_and_names_the_families(edge_table):
+    counts, out = edge_table
+    assert "test_unknown_family: @pytest.mark.edge('nonsense',): not an edge family" in out, out
+    assert "test_no_family: @pytest.mark.edge needs a family name" in out, out
+    assert str(sorted(EDGE_FAMILIES)) in out, out
+    # neither is counted on an edge line; both cover no regime (the unknown one failed before recording),
+    # as do test_magnitude_fails_before_recording (failed) and test_no_rows (passed)
+    assert counts[NO_REGIME] == ("-", 1, 3, 0, 0), out
+    assert counts["B"] == ("1", 1, 0, 0, 0), out
