@@ -8,6 +8,11 @@ reads, and each row's context and regime. :func:`build_attention_inputs` then ma
 and the KV cache on a device. Every random draw comes from NumPy generators or, for the KV
 cache, a counter-based integer hash (:func:`slot_values`), keyed by ``(seed, component)``, so
 the same spec and seed give the same tensors on any machine.
+
+Score magnitudes (docs/edges.md#magnitude): ``score_offsets`` adds a raw (before ``sm_scale``)
+offset to every score of a query row through one shared coordinate of q and the KV cache
+(:func:`score_offset_coordinate`), exactly; ``split_score_signs`` gives the newer half of each
+request's tokens the opposite offset. :func:`with_empty_rows` empties chosen rows' selections.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from reference.indexer import buffer_width, decode_rows_use_identity, indexer_ro
 from reference.rules import classify_rows, convert_rule, request_ids_per_row, route_prefills_to_mha, row_context
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+#: The stored value of the score-offset coordinate in every KV slot that holds data (exact in
+#: bf16 and e4m3). Row r's q holds ``offset_r / (SCORE_OFFSET_KEY * k_scale)`` there, so the
+#: coordinate adds exactly ``offset_r`` to each raw score ``q . (stored * k_scale)`` of the row.
+SCORE_OFFSET_KEY = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,14 @@ class BatchSpec:
     table_slack: int = 2  # block-table columns past the longest allocation (stale entries)
     spare_blocks: int = 3  # physical blocks nobody owns
     min_block_id: int = 1  # first physical block id handed out (push slot ids past 2**23)
+    # Raw score offset (q . k before sm_scale) of query row r: score_offsets[r % len]; () adds none
+    # and leaves the inputs as without the option.
+    score_offsets: tuple[float, ...] = ()
+    split_score_signs: bool = False  # the newer half of each request's tokens gets the row's -offset
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "requests", tuple(self.requests))
+        object.__setattr__(self, "score_offsets", tuple(float(o) for o in self.score_offsets))
         for i, r in enumerate(self.requests):
             if r.q_len < 1 or r.seq_len < r.q_len:
                 raise ValueError(f"request {i}: need 1 <= q_len <= seq_len, got {r}")
@@ -75,6 +89,12 @@ class BatchSpec:
             raise ValueError("host_bound_slack needs async_scheduling: without it the host bound is exact")
         if self.min_block_id < 1:
             raise ValueError("physical block 0 is reserved (slot 0 is what a -1 clamps to)")
+        if self.split_score_signs and not self.score_offsets:
+            raise ValueError("split_score_signs needs score_offsets: it flips the sign of a row's offset")
+        for offset in self.score_offsets:
+            inexact = score_offset_problem(offset, self.k_scale)
+            if inexact:
+                raise ValueError(inexact)
 
     @property
     def resolved_width(self) -> int:
@@ -171,11 +191,75 @@ class Scenario:
     def describe(self) -> str:
         s = self.spec
         reqs = ", ".join(f"({r.seq_len},{r.q_len})" for r in s.requests[:6]) + (" ..." if len(s.requests) > 6 else "")
+        offsets = ""
+        if s.score_offsets:
+            offsets = f" score_offsets={list(s.score_offsets)}" + (" split_signs" if s.split_score_signs else "")
         return (
             f"seed={self.seed} topk={s.topk} kpool={s.kpool} W={s.resolved_width} bs={s.block_size} "
             f"R={s.rope_dim} kv={s.kv_dtype} H={s.num_heads} async={s.async_scheduling} "
-            f"requests(seq,q)=[{reqs}]"
+            f"requests(seq,q)=[{reqs}]{offsets}"
         )
+
+    def row_score_offsets(self) -> torch.Tensor:
+        """float64 raw score offset of every row (padding included: 0 there)."""
+        rows = self.topk_indices.shape[0]
+        offsets = torch.zeros(rows, dtype=torch.float64)
+        if self.spec.score_offsets:
+            cycle = torch.tensor(self.spec.score_offsets, dtype=torch.float64)
+            offsets[: self.num_rows] = cycle[torch.arange(self.num_rows) % cycle.numel()]
+        return offsets
+
+    def slot_score_signs(self, slots: torch.Tensor) -> torch.Tensor:
+        """float64 sign (+1 or -1) of the offset each of ``slots`` carries: -1 for the newer half
+        of its request's tokens (token j of a request of seq_len L with ``j >= L - L // 2``)
+        under ``split_score_signs``, +1 otherwise and for slots no token owns."""
+        slots = slots.to(torch.int64).cpu()
+        if not self.spec.split_score_signs or not self.spec.requests:
+            return torch.ones(slots.shape, dtype=torch.float64)
+        owned = self.referenced_slots()
+        seq = torch.tensor([r.seq_len for r in self.spec.requests])
+        token = torch.cat([torch.arange(r.seq_len) for r in self.spec.requests])
+        newer = token >= torch.repeat_interleave(seq - seq // 2, seq)
+        order = torch.argsort(owned)
+        owned, newer = owned[order], newer[order]
+        at = torch.searchsorted(owned, slots).clamp(max=owned.numel() - 1)
+        hit = owned[at] == slots
+        return torch.where(hit & newer[at], -1.0, 1.0).to(torch.float64)
+
+
+def with_empty_rows(scenario: Scenario, rows) -> Scenario:
+    """The scenario with the indexer rows ``rows`` all -1: those rows select no slot (their
+    intended selection (a) is empty, and the poisoned cache fills only what the other rows
+    read). Their context and regime stay as built; a plan must give them kv_len 0."""
+    topk = scenario.topk_indices.clone()
+    rows = list(rows)
+    bad = [r for r in rows if not 0 <= r < scenario.num_rows]
+    if bad:
+        raise ValueError(f"rows {bad} are not query rows (0..{scenario.num_rows - 1})")
+    topk[rows] = INVALID
+    return dataclasses.replace(scenario, topk_indices=topk)
+
+
+def score_offset_coordinate(spec: BatchSpec) -> int:
+    """The one head coordinate (of q's ``512 + R`` and the cache's) that carries the score
+    offsets: the last rope coordinate, so the values the output averages (ckv) keep their data,
+    or for NoPE (R = 0) the last ckv coordinate."""
+    return spec.head_dim - 1
+
+
+def score_offset_query_value(offset: float, k_scale: float) -> float:
+    """q's value in the offset coordinate for a raw score offset ``offset``."""
+    return offset / (SCORE_OFFSET_KEY * k_scale)
+
+
+def score_offset_problem(offset: float, k_scale: float) -> str | None:
+    """Why a raw score offset cannot be realised exactly (q's value in the offset coordinate is
+    not finite or not a bf16 value), or None."""
+    value = score_offset_query_value(offset, k_scale)
+    if not math.isfinite(value) or float(torch.tensor(value, dtype=torch.float64).to(torch.bfloat16)) != value:
+        return (f"score offset {offset:g} needs q = {value!r} in the offset coordinate (k_scale {k_scale:g}), "
+                "not a bf16 value: pick an offset with at most 8 significant bits")
+    return None
 
 
 def component_seed(seed: int, component: str) -> int:
@@ -341,6 +425,20 @@ def build_attention_inputs(
         values = torch.from_numpy(slot_values(kv_seed, slots.numpy(), spec.head_dim)).to(spec.torch_kv_dtype)
         flat[slots.to(device)] = values.to(device)
     else:
-        values = slot_values(kv_seed, np.arange(scenario.num_slots), spec.head_dim)
+        slots = torch.arange(scenario.num_slots)
+        values = slot_values(kv_seed, slots.numpy(), spec.head_dim)
         flat.copy_(torch.from_numpy(values).to(spec.torch_kv_dtype))
+    if spec.score_offsets:
+        _carry_score_offsets(scenario, q, flat, slots)
     return AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=cache)
+
+
+def _carry_score_offsets(scenario: Scenario, q: torch.Tensor, flat: torch.Tensor, filled: torch.Tensor) -> None:
+    """Write the offset coordinate: ``SCORE_OFFSET_KEY`` times the slot's sign into every filled
+    slot, each row's offset over ``SCORE_OFFSET_KEY * k_scale`` into its q (every head)."""
+    spec = scenario.spec
+    coord = score_offset_coordinate(spec)
+    query = scenario.row_score_offsets() / (SCORE_OFFSET_KEY * spec.k_scale)
+    q[:, :, coord] = query.to(torch.bfloat16).to(q.device).unsqueeze(1)
+    keys = (scenario.slot_score_signs(filled) * SCORE_OFFSET_KEY).to(torch.float32).to(spec.torch_kv_dtype)
+    flat[filled.to(flat.device), coord] = keys.to(flat.device)

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from harness import BatchSpec, Request, batch, build_attention_inputs, build_scenario
 from harness.cases import LONG_CTX, all_regime_cases, situation_cases
+from harness.scenario import SCORE_OFFSET_KEY, score_offset_coordinate, with_empty_rows
 from mla_constants import INVALID, TOPK
-from reference import classify_row, kv_len_rule
+from reference import classify_row, kv_len_rule, sparse_mla_reference
 from reference.indexer import buffer_width
 from reference.rules import route_prefills_to_mha, valid_is_prefix
 
@@ -446,6 +447,11 @@ BAD_SPECS = {
     "q_len > seq_len": (dict(requests=(Request(3, 5),)), "q_len"),
     "q_len 0": (dict(requests=(Request(3, 0),)), "q_len"),
     "unknown kv dtype": (dict(requests=(Request(10, 1),), kv_dtype="uint8"), "kv_dtype"),
+    "score offset not a bf16 q": (dict(requests=(Request(10, 1),), score_offsets=(30000.0,)), "not a bf16 value"),
+    "score offset not a bf16 q at k_scale": (dict(requests=(Request(10, 1),), kv_dtype="float8_e4m3fn", k_scale=0.3,
+                                                  score_offsets=(256.0,)), "not a bf16 value"),
+    "score offset not finite": (dict(requests=(Request(10, 1),), score_offsets=(float("inf"),)), "not a bf16 value"),
+    "split signs without offsets": (dict(requests=(Request(10, 1),), split_score_signs=True), "needs score_offsets"),
 }
 
 
@@ -460,3 +466,137 @@ def test_default_width_is_roundup_of_topk_plus_kpool_minus_one():
     assert BatchSpec(requests=(), topk=2048, kpool=4).resolved_width == 2176
     assert BatchSpec(requests=(), topk=2048, kpool=1).resolved_width == 2048
     assert BatchSpec(requests=(), topk=128, kpool=4).resolved_width == 256
+
+
+# --- score offsets and empty rows (docs/edges.md#magnitude) -----------------------------------
+
+#: Raw score offsets of the magnitude edge, one per row in turn.
+OFFSETS = (-32768.0, -1024.0, 0.0, 1024.0, 32768.0)
+#: (kv dtype, rope, k_scale) of the three kernel variants.
+VARIANTS = [("bfloat16", True, 1.0), ("float8_e4m3fn", True, 0.5), ("bfloat16", False, 1.0)]
+VARIANT_IDS = ["bf16-rope64", "fp8-rope64-k0.5", "bf16-nope"]
+
+
+def offset_spec(kv_dtype="bfloat16", rope=True, k_scale=1.0, kpool=4, offsets=OFFSETS, split=False) -> BatchSpec:
+    return small_spec(kv_dtype=kv_dtype, rope=rope, k_scale=k_scale, kpool=kpool, score_offsets=offsets,
+                      split_score_signs=split)
+
+
+def joined_q(inputs) -> torch.Tensor:
+    return torch.cat([inputs.q_nope, inputs.q_pe], dim=-1)
+
+
+def float64_over(sc, inputs, mask=None):
+    """The float64 oracle over the intended selection (a) of the query rows, or its ``mask``."""
+    slots = sc.intended_slots()[: sc.num_rows].to(torch.int64)
+    mask = slots != INVALID if mask is None else mask
+    n = sc.num_rows
+    return sparse_mla_reference(inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots, mask=mask,
+                                sm_scale=sc.spec.sm_scale, k_scale=sc.spec.k_scale, mode="float64")
+
+
+def float64_tolerance(largest_score: float) -> float:
+    """A few float64 roundings of the largest scaled score, the scale of the oracle's rounding
+    error in an output or LSE built from scores that large (2**-52 relative)."""
+    return 64 * 2.0 ** -52 * max(abs(largest_score), 1.0)
+
+
+@pytest.mark.parametrize(("kv_dtype", "rope", "k_scale"), VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("split", [False, True], ids=["uniform", "split-signs"])
+def test_score_offsets_are_carried_exactly_by_one_coordinate(kv_dtype, rope, k_scale, split):
+    """Only the offset coordinate changes; q there times the slot's dequantised value is exactly
+    the row's offset (or its opposite on the newer half of a request under split signs), and
+    the poisoned slots stay NaN."""
+    spec = offset_spec(kv_dtype, rope, k_scale, split=split)
+    sc, plain_sc = build_scenario(spec, 23), build_scenario(spec.replace(score_offsets=(), split_score_signs=False), 23)
+    inputs, plain = build_attention_inputs(sc), build_attention_inputs(plain_sc)
+    coord = score_offset_coordinate(spec)
+    assert coord == (575 if rope else 511)
+    others = torch.ones(spec.head_dim, dtype=torch.bool)
+    others[coord] = False
+    q, q_plain = joined_q(inputs), joined_q(plain)
+    assert torch.equal(bits(q[..., others]), bits(q_plain[..., others])), "q changed outside the offset coordinate"
+    cache, cache_plain = inputs.kv_cache.view(sc.num_slots, -1), plain.kv_cache.view(sc.num_slots, -1)
+    assert torch.equal(bits(cache[:, others]), bits(cache_plain[:, others])), "the cache changed outside the offset coordinate"
+
+    readable = sc.readable_slots()
+    keys = cache[readable, coord].double() * k_scale
+    signs = sc.slot_score_signs(readable)
+    assert torch.equal(keys, signs * SCORE_OFFSET_KEY * k_scale), "a selected slot's offset coordinate is not +-key"
+    assert split == bool((signs < 0).any()), "split signs must flip some selected slots, and only then"
+    poisoned = torch.ones(sc.num_slots, dtype=torch.bool)
+    poisoned[readable] = False
+    assert bool(torch.isnan(cache[poisoned, coord].float()).all()), "a poisoned slot holds a number in the offset coordinate"
+
+    offsets = sc.row_score_offsets()
+    expected = torch.tensor([OFFSETS[r % len(OFFSETS)] for r in range(sc.num_rows)], dtype=torch.float64)
+    assert torch.equal(offsets[: sc.num_rows], expected) and bool((offsets[sc.num_rows:] == 0).all())
+    realised = q[:, :, coord].double() * (SCORE_OFFSET_KEY * k_scale)
+    assert torch.equal(realised, offsets.unsqueeze(1).expand_as(realised)), "q does not carry the row offsets exactly"
+
+
+@pytest.mark.parametrize(("kv_dtype", "rope", "k_scale"), VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("kpool", [1, 4])
+def test_offsets_shift_the_float64_lse_and_leave_the_output(kv_dtype, rope, k_scale, kpool):
+    """Softmax is shift-invariant: on the float64 oracle every row's output equals the zero-offset
+    output, and its LSE is the zero-offset LSE plus sm_scale * offset, to float64 precision."""
+    spec = offset_spec(kv_dtype, rope, k_scale, kpool=kpool)
+    sc, zero_sc = build_scenario(spec, 29), build_scenario(spec.replace(score_offsets=(0.0,)), 29)
+    out, lse = float64_over(sc, build_attention_inputs(sc))
+    zero_out, zero_lse = float64_over(zero_sc, build_attention_inputs(zero_sc))
+    shift = sc.row_score_offsets()[: sc.num_rows] * spec.sm_scale
+    tol = float64_tolerance(float(shift.abs().max()) + float(zero_lse.abs().max()))
+    assert bool(torch.isfinite(out).all() and torch.isfinite(lse).all()), "a non-finite float64 result"
+    out_err = (out - zero_out).abs().amax(dim=(1, 2))
+    lse_err = (lse - zero_lse - shift.unsqueeze(1)).abs().amax(dim=1)
+    assert float(out_err.max()) <= tol, f"output moved with the offset: rows {out_err.gt(tol).nonzero().flatten().tolist()}"
+    assert float(lse_err.max()) <= tol, f"LSE not shifted by sm_scale * offset: rows {lse_err.gt(tol).nonzero().flatten().tolist()}"
+    assert float(shift.abs().max()) > 4000, "test setup: the largest offset does not reach |s| > 4000"
+
+
+def test_split_signs_leave_the_row_to_its_dominant_half():
+    """Under split signs a row's slots carry +-offset; with offsets of 1024 and more the other
+    side weighs exp(-2 * 1024 * sm_scale) < 1e-120, so the float64 output is the zero-offset
+    output over the dominant side alone, and the LSE its LSE plus sm_scale * |offset|."""
+    spec = offset_spec(kpool=4, split=True)
+    sc, zero_sc = build_scenario(spec, 31), build_scenario(spec.replace(score_offsets=(0.0,), split_score_signs=False), 31)
+    out, lse = float64_over(sc, build_attention_inputs(sc))
+    slots = sc.intended_slots()[: sc.num_rows].to(torch.int64)
+    valid = slots != INVALID
+    carried = sc.slot_score_signs(slots) * sc.row_score_offsets()[: sc.num_rows].unsqueeze(1)
+    carried = torch.where(valid, carried, float("-inf"))
+    top = carried.amax(dim=1, keepdim=True)
+    dominant = valid & (carried == top)
+    zero_out, zero_lse = float64_over(zero_sc, build_attention_inputs(zero_sc), mask=dominant)
+    mixed = (valid & (carried != top)).any(dim=1)
+    assert int(mixed.sum()) >= 4, "test setup: too few rows see both signs"
+    expected_lse = zero_lse + top * spec.sm_scale
+    tol = float64_tolerance(float(expected_lse.abs().max()))
+    assert float((out - zero_out).abs().max()) <= tol
+    assert float((lse - expected_lse).abs().max()) <= tol
+
+
+def test_score_options_survive_a_json_round_trip():
+    """A fixture stores the spec as JSON (lists); the rebuilt spec is equal and hashable."""
+    spec = offset_spec(split=True)
+    fields = dataclasses.asdict(spec)
+    assert isinstance(fields["score_offsets"], tuple)
+    fields = dict(fields, requests=tuple(Request(**r) for r in fields["requests"]), score_offsets=list(OFFSETS))
+    rebuilt = BatchSpec(**fields)
+    assert rebuilt == spec and hash(rebuilt) == hash(spec)
+    assert BatchSpec(**dict(fields, score_offsets=[1024])).score_offsets == (1024.0,)
+
+
+def test_empty_rows_select_nothing_and_the_oracle_gives_them_zero_and_minus_inf():
+    sc = build_scenario(small_spec(), seed=37)
+    empty = with_empty_rows(sc, [1, 3])
+    intended, before = empty.intended_slots(), sc.intended_slots()
+    assert bool((intended[[1, 3]] == INVALID).all())
+    keep = [r for r in range(sc.num_rows) if r not in (1, 3)]
+    assert torch.equal(intended[keep], before[keep]), "other rows changed"
+    assert empty.readable_slots().numel() < sc.readable_slots().numel()
+    out, lse = float64_over(empty, build_attention_inputs(empty))
+    assert bool((out[[1, 3]] == 0).all()) and bool(torch.isneginf(lse[[1, 3]]).all())
+    assert bool(torch.isfinite(lse[keep]).all())
+    with pytest.raises(ValueError, match="not query rows"):
+        with_empty_rows(sc, [sc.num_rows])
