@@ -8,8 +8,12 @@ The run, on the controlling process:
    output folder that is not empty, are usage errors before any test runs;
 2. the tests (any ``-n``): each GPU-tier case hands its outputs and ratios to the ``baseline``
    fixture; the record is written with the teardown report, which carries every property the
-   test attached; the controller notes each test's outcome and the ids -k/-m deselected;
-3. the timing pass (``--baseline-timing=pass``, the default): the recorded cases again, one
+   test attached; the controller notes each test's outcome and the ids -k/-m deselected.
+   The fixture replays (``tests/test_replay.py``, over ``--baseline-fixtures``, default the
+   checked-in ``fixtures/``) record their re-run on the installed FlashInfer the same way
+   (``note_fixture_replay``); one judged on its recorded outputs only records nothing and
+   tells the controller why;
+3. the timing pass (``--baseline-timing=pass``, the default): the recorded GPU-tier cases again, one
    ``pytest -p no:xdist`` process per GPU with ``--baseline-timing-out``, under which the
    tests only hand over repeated medians of their kernel and plan() times; these are merged
    into the records, and only they are judged;
@@ -29,6 +33,7 @@ from .keys import GROUP, WARNING_KEY
 
 TIMING_CHOICES = ("pass", "off")
 DESELECTED_KEY = "sparse_mla_deselected"  # workeroutput: node ids a worker deselected
+NOT_RERUN_KEY = "sparse_mla_fixture_not_rerun"  # report property: why a fixture replay was not re-run
 
 
 def pytest_addoption(parser):
@@ -61,6 +66,15 @@ def pytest_addoption(parser):
         "judge those times; off: record and judge no time",
     )
     group.addoption(
+        "--baseline-fixtures",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="fixture files or folders the upgrade check replays on the installed FlashInfer and compares with "
+        "the old release's record (repeatable; default: the checked-in fixtures/); with --record-baseline or "
+        "--compare-baseline, unlike --replay the whole suite still runs",
+    )
+    group.addoption(
         "--baseline-timing-out",
         default=None,
         metavar="DIR",
@@ -90,6 +104,23 @@ def output_folder(config) -> Path | None:
     if config.getoption("--compare-baseline"):
         return Path(config.getoption("--baseline-out"))
     return None
+
+
+def upgrade_check_fixtures(config) -> list[str]:
+    """The fixture files and folders the replay tests take under the upgrade check
+    (--baseline-fixtures; [] for the replay tests' own default)."""
+    return list(config.getoption("--baseline-fixtures") or [])
+
+
+def fixture_folder_problem(path: str) -> str:
+    """Why a --baseline-fixtures path gives no fixture to replay ("" when it gives one)."""
+    from recording.fixture import fixture_paths
+
+    if not Path(path).exists():
+        return f"{path} does not exist"
+    if not fixture_paths([path]):
+        return f"{path} holds no fixture (*.safetensors)"
+    return ""
 
 
 def not_empty_folder_problem(folder: Path) -> str:
@@ -133,12 +164,29 @@ def baseline(request) -> BaselineNote:
     return note
 
 
+def check_fixture_options(config, checking: bool) -> None:
+    """--baseline-fixtures belongs to the upgrade check and names fixtures that exist."""
+    given = upgrade_check_fixtures(config)
+    if not given:
+        return
+    if not checking:
+        raise pytest.UsageError("--baseline-fixtures names the fixtures of the upgrade check: give it with "
+                                "--record-baseline or --compare-baseline (to replay fixtures alone: --replay)")
+    if config.getoption("--replay"):
+        raise pytest.UsageError("--baseline-fixtures and --replay: name the fixtures with one of them (--replay runs "
+                                "only the fixtures, --baseline-fixtures runs them with the whole suite)")
+    problems = [p for p in map(fixture_folder_problem, given) if p]
+    if problems:
+        raise pytest.UsageError("--baseline-fixtures: " + "; ".join(problems))
+
+
 def pytest_configure(config):
     if hasattr(config, "workerinput"):
         return
     record, compare = config.getoption("--record-baseline"), config.getoption("--compare-baseline")
     if record and compare:
         raise pytest.UsageError("--record-baseline and --compare-baseline: give one of them")
+    check_fixture_options(config, bool(record or compare))
     if not (record or compare):
         return
     from recording.baseline import BaselineError, check_baseline
@@ -165,6 +213,30 @@ def pytest_deselected(items):
 # --- writing the records (any process) ----------------------------------------------------------
 
 
+def note_fixture_replay(request, path, report, not_rerun: str | None) -> None:
+    """Under --record-baseline / --compare-baseline, what a fixture replay adds to the records.
+    Re-run on the installed FlashInfer: a record like a GPU-tier case's, with the new out and
+    lse and their error-budget ratios, or the refusal FlashInfer raised as the case's error.
+    Judged on its recorded outputs only (``report.rerun`` None, or a re-run that could not
+    start): no record, and ``not_rerun`` (why) goes to the controller with the test's report."""
+    config = request.config
+    if baseline_directory(config) is None or timing_directory(config) is not None:
+        return
+    rerun = report.rerun
+    if rerun is None or (rerun.refused or "").startswith("not re-run"):
+        why = not_rerun or (rerun.refused if rerun is not None else "not re-run")
+        request.node.user_properties.append((NOT_RERUN_KEY, why))
+        return
+    note = request.getfixturevalue("baseline")
+    fixture = str(Path(path).resolve())
+    if rerun.refused:
+        note.note(fixture=fixture, error=rerun.refused)
+        return
+    comparisons = report.kernel.get(rerun.label, ())
+    ratios = {f"{c.name.split()[0]}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio")}
+    note.note(fixture=fixture, ratios=ratios, outputs={"out": rerun.out, "lse": rerun.lse})
+
+
 def _write_baseline_record(item, report, outcome: str) -> None:
     note = item.stash.get(BASELINE, None)
     if note is None:
@@ -184,7 +256,7 @@ def _write_baseline_record(item, report, outcome: str) -> None:
 
     warnings = [w for k, v in report.user_properties if k == WARNING_KEY for w in v]
     record = CaseRecord(case=item.nodeid, outcome=outcome, flashinfer=flashinfer_version(), warnings=warnings,
-                        **{k: v for k, v in note.fields.items() if k in ("error", "ratios")})
+                        **{k: v for k, v in note.fields.items() if k in ("error", "ratios", "fixture")})
     write_record(directory, record, note.outputs)
 
 
@@ -314,8 +386,11 @@ class BaselineRun:
         self.outcomes: dict[str, str] = {}
         self.gpu_skip_reason = ""
         self.deselected: set[str] = set()
+        self.not_rerun: dict[str, str] = {}  # fixture replay node id -> why it was not re-run
 
     def pytest_runtest_logreport(self, report):
+        if report.when == "call":
+            self.not_rerun.update({report.nodeid: v for k, v in report.user_properties if k == NOT_RERUN_KEY})
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
             if report.skipped and not hasattr(report, "wasxfail"):
@@ -339,17 +414,23 @@ class BaselineRun:
             return self.record_summary(directory, records, timing, timing_failed)
         run = RunFacts(deselected=frozenset(self.deselected | set(config.stash.get(DESELECTED, []))),
                        selected_paths=selected_paths(config), outcomes=self.outcomes,
-                       gpu_skip_reason=self.gpu_skip_reason, timing=timing, timing_failed=timing_failed)
+                       gpu_skip_reason=self.gpu_skip_reason, timing=timing, timing_failed=timing_failed,
+                       not_rerun=self.not_rerun)
         return self.compare(config, directory, run)
 
     def record_summary(self, directory: Path, records: dict, timing: str, timing_failed: bool) -> tuple[bool, list[str]]:
+        reasons = sorted(set(self.not_rerun.values()))
+        not_rerun = ([f"note  fixtures: {len(self.not_rerun)} not re-run ({'; '.join(reasons)}): nothing recorded of them"]
+                     if self.not_rerun else [])
         if not records:
             reason = self.gpu_skip_reason or "no GPU-tier case recorded anything"
-            return False, [f"FAIL  baseline {directory}: nothing recorded: the GPU tier did not run ({reason})"]
+            return False, [f"FAIL  baseline {directory}: nothing recorded: the GPU tier did not run ({reason})", *not_rerun]
         timed = sum(1 for r in records.values() if r.kernel_us_repeats or r.plan_us_repeats)
+        fixtures = sum(1 for r in records.values() if r.fixture)
         times = f"{timed} timed by the timing pass" if not timing else f"times not taken: {timing}"
         status = "FAIL" if timing_failed else "PASS"
-        return not timing_failed, [f"{status}  baseline {directory}: {len(records)} cases recorded, {times}"]
+        return not timing_failed, [f"{status}  baseline {directory}: {len(records) - fixtures} cases and "
+                                   f"{fixtures} fixture re-runs recorded, {times}", *not_rerun]
 
     def compare(self, config, current: Path, run) -> tuple[bool, list[str]]:
         from recording.baseline import compare_directories, read_records, summary_lines, write_report

@@ -6,10 +6,17 @@ report; the options, hooks and the timing pass are ``pytest_sparse_mla.baselines
 its warnings, error-budget ratios, kernel and plan() times) and a safetensors file of the
 outputs. ``--compare-baseline DIR`` records the installed version the same way (into
 ``--baseline-out``) and writes ``report.md`` and ``report.json`` there: a summary of one line
-per class of change, then the details. The check fails when
+per class of change, then the details.
+
+Fixture replays re-run on the installed FlashInfer are recorded too (``CaseRecord.fixture``
+names the file): their new out and lse, or their refusal as the case's error. A fixture the
+baseline has no record of is compared with the output the fixture file itself holds for the
+baseline's FlashInfer version, where it holds one, and is otherwise reported as not compared.
+The check fails when
 
 - a case that passed now fails, or a call that ran now raises (even where the suite expects
   the error, as for the strided layout on FlashInfer >= 0.7: the upgrade still breaks it);
+  fixtures included;
 - a case of the baseline did not run now (unless the user's own -k/-m/path selection left it
   out), or no GPU-tier case ran at all;
 - a judged kernel time is more than ``KERNEL_TIME_LIMIT`` x the baseline (and more than
@@ -55,6 +62,7 @@ class CaseRecord:
     ratios: dict[str, float] = field(default_factory=dict)  # e.g. out_max_ratio, lse_mean_ratio
     kernel_us_repeats: list[float] = field(default_factory=list)  # the timing pass's medians (us)
     plan_us_repeats: list[float] = field(default_factory=list)
+    fixture: str | None = None  # a fixture replay's re-run: the fixture file (absolute path)
 
     @property
     def kernel_us(self) -> float | None:
@@ -145,8 +153,9 @@ def merge_timings(records_dir: Path, timing_dir: Path) -> int:
 
 
 def timed_cases(records: dict[str, CaseRecord]) -> list[str]:
-    """The cases the timing pass re-runs: those that ran to a launch (not skipped, no refusal)."""
-    return sorted(case for case, r in records.items() if r.outcome != "skipped" and not r.error)
+    """The cases the timing pass re-runs: GPU-tier cases that ran to a launch (not skipped, no
+    refusal); fixture re-runs are compared, never timed."""
+    return sorted(case for case, r in records.items() if r.outcome != "skipped" and not r.error and not r.fixture)
 
 
 def read_outputs(directory: Path, case: str) -> dict[str, torch.Tensor]:
@@ -207,26 +216,38 @@ def judge_time(what: str, before: list[float], after: list[float], limit: float,
 WORST_ROWS = 3
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: the same bits (a NaN equals a NaN of the same bits); values compared where
+    the dtypes differ."""
+    if a.dtype != b.dtype:
+        return a.double() == b.double()
+    if a.dtype.is_floating_point:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return a.contiguous().view(bits) == b.contiguous().view(bits)
+    return a == b
+
+
 def drift(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """Max abs difference, relative L2 and the fraction of bitwise-equal elements (finite only;
-    an empty output is equal); the rows (dim 0) that differ and the worst of them by max abs."""
+    """Max abs difference, relative L2 (finite elements) and the fraction of bitwise-equal
+    elements (an empty output is equal); the rows (dim 0) that differ and the worst of them by
+    max abs. An element non-finite on one side and not bitwise equal differs by infinity."""
     if a.numel() == 0:
         return {"max_abs": 0.0, "rel_l2": 0.0, "bitwise_equal": 1.0, "rows": a.shape[0] if a.dim() else 0,
                 "rows_differing": 0, "worst_rows": []}
     a64, b64 = a.double(), b.double()
     finite = torch.isfinite(a64) & torch.isfinite(b64)
-    diff = torch.where(finite, a64 - b64, torch.zeros_like(a64))
-    ref = torch.where(finite, a64, torch.zeros_like(a64))
-    norm = float(ref.norm())
-    same_bits = (a.view(torch.int16) == b.view(torch.int16)) if a.dtype == torch.bfloat16 and b.dtype == a.dtype else (a == b)
-    rows_diff = (~same_bits).reshape(a.shape[0], -1).any(1) if a.dim() else (~same_bits).reshape(1)
-    row_max = diff.abs().reshape(rows_diff.shape[0], -1).amax(1)
+    equal = same_bits(a, b)
+    finite_diff = torch.where(finite, a64 - b64, torch.zeros_like(a64))
+    diff = torch.where(finite | equal, finite_diff.abs(), torch.full_like(a64, math.inf))
+    norm = float(torch.where(finite, a64, torch.zeros_like(a64)).norm())
+    rows_diff = (~equal).reshape(a.shape[0], -1).any(1) if a.dim() else (~equal).reshape(1)
+    row_max = diff.reshape(rows_diff.shape[0], -1).amax(1)
     differing = rows_diff.nonzero().flatten().tolist()
     worst = sorted(differing, key=lambda r: -float(row_max[r]))[:WORST_ROWS]
     return {
-        "max_abs": float(diff.abs().max()),
-        "rel_l2": float(diff.norm()) / norm if norm > 0 else float(diff.norm()),
-        "bitwise_equal": float(same_bits.sum()) / max(same_bits.numel(), 1),
+        "max_abs": float(diff.max()),
+        "rel_l2": float(finite_diff.norm()) / norm if norm > 0 else float(finite_diff.norm()),
+        "bitwise_equal": float(equal.sum()) / max(equal.numel(), 1),
         "rows": rows_diff.shape[0],
         "rows_differing": len(differing),
         "worst_rows": [[r, float(row_max[r])] for r in worst],
@@ -242,12 +263,18 @@ class CaseComparison:
     before: CaseRecord | None
     after: CaseRecord | None
     status: str = "compared"  # compared / new / not run / deselected
-    why: str = ""  # why a baseline case has no record now
+    why: str = ""  # why a baseline case has no record now, or why a new fixture is not compared
+    against: str = ""  # a fixture without a baseline record: the fixture file's output it was compared with
     changes: list[str] = field(default_factory=list)
     regressions: list[str] = field(default_factory=list)
     drift: dict[str, dict] = field(default_factory=dict)
     kernel_time: TimeJudgement = field(default_factory=TimeJudgement)
     plan_time: TimeJudgement = field(default_factory=TimeJudgement)
+
+    @property
+    def is_fixture(self) -> bool:
+        """A fixture replay re-run on the installed FlashInfer, not a GPU-tier case."""
+        return bool((self.after and self.after.fixture) or (self.before and self.before.fixture))
 
     @property
     def refusal(self) -> str:
@@ -281,6 +308,10 @@ class RunFacts:
     gpu_skip_reason: str = ""  # why the GPU tier was skipped, where it was
     timing: str = ""  # why times were not taken now ("" when the timing pass ran)
     timing_failed: bool = False  # the timing pass was due and could not run
+    not_rerun: dict[str, str] = field(default_factory=dict)  # fixture replay node id -> why it was not re-run
+
+
+RECORDED_ONLY = "--replay-recorded-only"  # the not-re-run reason that is the user's own choice
 
 
 def under_paths(case: str, paths: tuple[str, ...]) -> bool:
@@ -294,14 +325,23 @@ def under_paths(case: str, paths: tuple[str, ...]) -> bool:
     return False
 
 
-def missing_case_status(case: str, run: RunFacts) -> tuple[str, str]:
-    """(status, why) of a baseline case that left no record now."""
+def missing_case_status(case: str, run: RunFacts, before: CaseRecord | None = None) -> tuple[str, str]:
+    """(status, why) of a baseline case that left no record now. A fixture replayed on its
+    recorded outputs only is left out where the user asked for that (--replay-recorded-only),
+    else not run; a fixture not replayed at all is not run (its folder not named now)."""
     if case in run.deselected:
         return "deselected", "deselected by -k/-m"
     if not under_paths(case, run.selected_paths):
         return "deselected", "outside the paths given"
+    if case in run.not_rerun:
+        why = run.not_rerun[case]
+        if why == RECORDED_ONLY:
+            return "deselected", f"{RECORDED_ONLY}: recorded outputs judged only"
+        return "not run", f"not re-run: {why}"
     if case in run.outcomes:
         return "not run", run.outcomes[case]
+    if before is not None and before.fixture:
+        return "not run", f"fixture not replayed now (name its folder with --baseline-fixtures: {before.fixture})"
     return "not run", "not collected (renamed or removed?)"
 
 
@@ -316,7 +356,7 @@ def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None,
         cmp.status = "new"
         return cmp
     if after is None or (after.outcome == "skipped" and before.outcome != "skipped"):
-        cmp.status, cmp.why = missing_case_status(case, run or RunFacts()) if after is None else ("not run", "skipped")
+        cmp.status, cmp.why = missing_case_status(case, run or RunFacts(), before) if after is None else ("not run", "skipped")
         if after is not None and run is not None:
             cmp.why = run.outcomes.get(case, cmp.why)
         if cmp.status == "not run":
@@ -337,7 +377,7 @@ def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None,
         cmp.regressions.append(f"newly raising: {after.error}")
     elif _ok(before) and not _ok(after):
         cmp.regressions.append(f"was {before.outcome}, now {after.outcome}" + (f" ({after.error})" if after.error else ""))
-    if not (before.error or after.error):  # a refused plan() has nothing to time
+    if not (before.error or after.error or cmp.is_fixture):  # a refused plan() has nothing to time; fixtures are not timed
         cmp.kernel_time = judge_time("kernel", before.kernel_us_repeats, after.kernel_us_repeats, KERNEL_TIME_LIMIT,
                                      KERNEL_SPREAD_LIMIT, KERNEL_TIME_FLOOR_US)
         cmp.plan_time = judge_time("plan()", before.plan_us_repeats, after.plan_us_repeats, PLAN_TIME_LIMIT,
@@ -351,14 +391,52 @@ def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None,
     return cmp
 
 
+def baseline_version(records: dict[str, CaseRecord]) -> str | None:
+    """The one FlashInfer version a baseline was recorded on (None where it names none or several)."""
+    versions = {r.flashinfer for r in records.values()} - {None}
+    return versions.pop() if len(versions) == 1 else None
+
+
+def record_from_fixture_file(after: CaseRecord, version: str | None) -> tuple[CaseRecord | None, dict, str]:
+    """What the fixture file of ``after`` holds for ``version``, as a baseline record and its
+    outputs (its recorded out and lse, or the exception that version raised), or (None, {}, why
+    not). The outcome is taken from ``after``: the file does not say how its replay ended."""
+    from .fixture import FixtureError, load_fixture
+
+    if version is None:
+        return None, {}, "the baseline names no single FlashInfer version"
+    try:
+        fx = load_fixture(after.fixture)
+    except (FixtureError, OSError) as e:
+        return None, {}, f"fixture file unreadable now: {e}"
+    base = dict(case=after.case, outcome=after.outcome, flashinfer=version, fixture=after.fixture)
+    if version in fx.outputs:
+        out, lse = fx.outputs[version]
+        return CaseRecord(**base), ({"out": out, "lse": lse} if fx.meta.get("lse_recorded", True) else {"out": out}), ""
+    refused = (fx.meta.get("refused") or {}).get(version)
+    if refused:
+        return CaseRecord(**base, error=refused), {}, ""
+    return None, {}, f"no record of {version}, neither in the baseline nor in the fixture file"
+
+
 def compare_directories(before_dir: Path, after_dir: Path, run: RunFacts | None = None) -> list[CaseComparison]:
+    """Every case of either folder compared; a fixture the baseline has no record of is
+    compared with what its own file holds for the baseline's version (``record_from_fixture_file``)."""
     before = read_records(before_dir)
     after = read_records(after_dir) if Path(after_dir).exists() else {}
-    return [
-        compare_case(case, before.get(case), after.get(case), read_outputs(before_dir, case),
-                     read_outputs(after_dir, case) if case in after else {}, run)
-        for case in sorted(set(before) | set(after))
-    ]
+    version = baseline_version(before)
+    comparisons = []
+    for case in sorted(set(before) | set(after)):
+        b, a = before.get(case), after.get(case)
+        b_out, a_out = read_outputs(before_dir, case) if b else {}, read_outputs(after_dir, case) if a else {}
+        why, against = "", ""
+        if b is None and a is not None and a.fixture:
+            b, b_out, why = record_from_fixture_file(a, version)
+            against = f"the fixture file's {version} record" if b is not None else ""
+        cmp = compare_case(case, b, a, b_out, a_out, run)
+        cmp.why, cmp.against = cmp.why or why, against
+        comparisons.append(cmp)
+    return comparisons
 
 
 # --- the report -------------------------------------------------------------------------------
@@ -398,76 +476,143 @@ def timing_line(compared: list[CaseComparison], run: RunFacts) -> str:
         f"{len(slower)} slower past the limits, worst {slower[0].why}" if slower else "none slower past the limits")
     not_judged = [t for t in times if not t.judged and t.why]
     if not_judged:
-        text += f"; {len(not_judged)} not judged ({_first(unjudged)})"
+        text += f"; {len(not_judged)} not judged ({_clip(unjudged[0], 50)}" + (", ...)" if len(unjudged) > 1 else ")")
     return _line("FAIL" if slower else "ok", "time", text)
+
+
+def _clip(text: str, width: int = 100) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _name(c: CaseComparison) -> str:
+    """A fixture by its file's stem, a case by its test id."""
+    record = c.after or c.before
+    return Path(record.fixture).stem if record and record.fixture else _short(c.case)
+
+
+def worst_drift(drifted: list[CaseComparison]) -> str:
+    """The output that moved most: which case or fixture, which output, its rows."""
+    worst = max(drifted, key=lambda c: max(d["max_abs"] for d in c.drift.values()))
+    key, d = max(((k, d) for k, d in worst.drift.items() if d["bitwise_equal"] < 1.0), key=lambda kv: kv[1]["max_abs"])
+    rows = ", ".join(f"{r} ({m:.3g})" for r, m in d["worst_rows"])
+    return (f"worst `{_name(worst)}` {key} max abs {d['max_abs']:.3g}, {d['rows_differing']}/{d['rows']} rows differ, "
+            f"worst rows {rows}")
+
+
+def refusals_text(compared: list[CaseComparison]) -> tuple[str, list, list]:
+    """"N new, M gone" with the first new refusal; the new and the gone."""
+    new = [c for c in compared if c.refusal == "new"]
+    gone = [c for c in compared if c.refusal == "gone"]
+    text = f"{len(new)} new, {len(gone)} gone"
+    if new:
+        text += f" (now raising: {_clip(new[0].after.error, 90)} in `{_name(new[0])}`" + (
+            f" and {len(new) - 1} more)" if len(new) > 1 else ")")
+    return text, new, gone
+
+
+def fixtures_line(fixtures: list[CaseComparison], run: RunFacts, before_version: str) -> str:
+    """Fixture replays across releases: how many re-ran now, how many outputs are bitwise equal
+    to the old release's (from its baseline record or the fixture file's), the worst that is
+    not, refusals, and the fixtures compared with nothing or not re-run."""
+    not_rerun = sorted(run.not_rerun.items())
+    reasons = sorted({why for _, why in not_rerun})
+    not_rerun_text = f"{len(not_rerun)} not re-run ({_clip(_first(reasons), 80)}): judged on their recorded outputs only"
+    rerun = [c for c in fixtures if c.after is not None]
+    if not rerun:
+        return _line("note", "fixtures", not_rerun_text + ", nothing compared" if not_rerun else "no fixture replay re-ran")
+    compared = [c for c in rerun if c.status == "compared"]
+    with_outputs = [c for c in compared if c.drift]
+    drifted = [c for c in with_outputs if not c.bitwise_equal]
+    from_files = [c for c in compared if c.against]
+    uncompared = [c for c in rerun if c.status == "new"]
+    failing = [c for c in compared if _ok(c.before) and not _ok(c.after) and c.refusal != "new"]
+    text = f"{len(rerun)} re-run: {len(with_outputs) - len(drifted)} of {len(with_outputs)} with outputs bitwise equal to {before_version}"
+    if from_files:
+        text += f" ({len(from_files)} compared with the fixture file's record)"
+    if drifted:
+        text += f"; {worst_drift(drifted)}"
+    refusals, new_ref, gone_ref = refusals_text(compared)
+    text += f"; refusals {refusals}"
+    if failing:
+        text += f"; {len(failing)} that passed fail now (`{_name(failing[0])}`: {failing[0].after.outcome})"
+    if uncompared:
+        text += f"; {len(uncompared)} not compared ({_clip(_first(sorted({c.why for c in uncompared})), 80)})"
+    if not_rerun:
+        text += "; " + not_rerun_text
+    status = "FAIL" if new_ref or failing else ("note" if drifted or gone_ref or uncompared or not_rerun else "ok")
+    return _line(status, "fixtures", text)
+
+
+def not_run_line(comparisons: list[CaseComparison]) -> str:
+    """Baseline cases and fixtures with no record now (failing unless the run's own selection
+    left them out), and the GPU-tier cases new in this run."""
+    not_run = [c for c in comparisons if c.status == "not run"]
+    deselected = [c for c in comparisons if c.status == "deselected"]
+    new = [c for c in comparisons if c.status == "new" and not c.is_fixture]
+    text = f"{_n(len(not_run), 'case')} of the baseline did not run" + (
+        f" (`{_name(not_run[0])}`: {_clip(not_run[0].why)})" if not_run else "")
+    if deselected:
+        whys = sorted({c.why for c in deselected})
+        text += f"; {len(deselected)} left out by this run's selection ({', '.join(whys)}), not judged"
+    if new:
+        text += f"; {_n(len(new), 'new case')} not in the baseline, not judged"
+    return _line("FAIL" if not_run else ("note" if deselected or new else "ok"), "not run", text)
 
 
 def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_version: str, after_version: str) -> list[str]:
     """One line per class of change, the verdict first; FAIL lines fail the check, note lines
-    report a change that does not."""
-    compared = [c for c in comparisons if c.status == "compared"]
+    report a change that does not. Refusals, outcomes, numerics, errors and time are about the
+    GPU-tier cases; the fixtures line about the fixture replays; warnings and not run about both."""
+    fixtures = [c for c in comparisons if c.is_fixture]
+    cases = [c for c in comparisons if not c.is_fixture]
+    compared = [c for c in cases if c.status == "compared"]
+    fixtures_compared = [c for c in fixtures if c.status == "compared"]
     regressed = [c for c in comparisons if c.regressions]
-    head = f"FlashInfer {before_version} -> {after_version}: {_n(len(compared), 'case')} compared"
     if not any(ran(c) for c in comparisons):
         reason = run.gpu_skip_reason or "no GPU-tier case recorded anything"
-        return [_line("FAIL", "GPU tier", f"did not run ({reason}): nothing was compared"),
-                _line("FAIL", "not run", f"all {_n(len(comparisons), 'case')} of the baseline")]
+        lines = [_line("FAIL", "GPU tier", f"did not run ({reason}): nothing was compared")]
+        if run.not_rerun:
+            lines.append(fixtures_line([], run, before_version))
+        return lines + [_line("FAIL", "not run", f"all {_n(len(comparisons), 'case')} of the baseline")]
+    head = f"FlashInfer {before_version} -> {after_version}: {_n(len(compared), 'case')}" + (
+        f" and {_n(len(fixtures_compared), 'fixture')}" if fixtures_compared else "") + " compared"
     failed = bool(regressed) or run.timing_failed
     lines = [_line("FAIL" if failed else "PASS", "verdict",
                    head + (f", {_n(len(regressed), 'regression')}" if regressed else ", no regression"))]
 
-    new_ref = [c for c in compared if c.refusal == "new"]
-    gone_ref = [c for c in compared if c.refusal == "gone"]
-    text = f"{len(new_ref)} new, {len(gone_ref)} gone"
-    if new_ref:
-        text += f" (now raising: {new_ref[0].after.error[:120]} in `{_short(new_ref[0].case)}`" + (
-            f" and {len(new_ref) - 1} more)" if len(new_ref) > 1 else ")")
+    text, new_ref, gone_ref = refusals_text(compared)
     lines.append(_line("FAIL" if new_ref else ("note" if gone_ref else "ok"), "refusals", text))
 
     failing = [c for c in compared if _ok(c.before) and not _ok(c.after) and c.refusal != "new"]
     lines.append(_line("FAIL" if failing else "ok", "outcomes",
-                       f"{_n(len(failing), 'case')} that passed fail now" + (f" (`{_short(failing[0].case)}`: "
+                       f"{_n(len(failing), 'case')} that passed fail now" + (f" (`{_name(failing[0])}`: "
                                                                         f"{failing[0].after.outcome})" if failing else "")))
 
     with_outputs = [c for c in compared if c.drift]
-    drifted = sorted((c for c in with_outputs if not c.bitwise_equal),
-                     key=lambda c: -max(d["max_abs"] for d in c.drift.values()))
-    if drifted:
-        worst = drifted[0]
-        key, d = max(worst.drift.items(), key=lambda kv: kv[1]["max_abs"])
-        rows = ", ".join(f"{r} ({m:.3g})" for r, m in d["worst_rows"])
-        text = (f"{len(drifted)} of {_n(len(with_outputs), 'case')} no longer bitwise equal; worst `{_short(worst.case)}` "
-                f"{key} max abs {d['max_abs']:.3g}, {d['rows_differing']}/{d['rows']} rows differ, worst rows {rows}")
-    else:
-        text = f"all {len(with_outputs)} cases with outputs bitwise equal"
+    drifted = [c for c in with_outputs if not c.bitwise_equal]
+    text = (f"{len(drifted)} of {_n(len(with_outputs), 'case')} no longer bitwise equal; {worst_drift(drifted)}" if drifted
+            else f"all {_n(len(with_outputs), 'case')} with outputs bitwise equal")
     lines.append(_line("note" if drifted else "ok", "numerics", text))
 
     worse = [(c, k, b, a) for c in compared for k, (b, a) in c.worse_ratios.items()]
     if worse:
         c, k, b, a = max(worse, key=lambda w: w[3] - w[2])
-        text = f"{_n(len({w[0].case for w in worse}), 'case')} with a worse error-budget ratio; worst `{_short(c.case)}` {k} {b:.3g} -> {a:.3g}"
+        text = f"{_n(len({w[0].case for w in worse}), 'case')} with a worse error-budget ratio; worst `{_name(c)}` {k} {b:.3g} -> {a:.3g}"
     else:
         text = "no error-budget ratio worse"
     lines.append(_line("note" if worse else "ok", "errors", text))
 
     lines.append(timing_line(compared, run))
 
-    new_w = sorted({w for c in compared for w in set(c.after.warnings) - set(c.before.warnings)})
-    gone_w = sorted({w for c in compared for w in set(c.before.warnings) - set(c.after.warnings)})
-    text = f"{len(new_w)} new, {len(gone_w)} gone" + (f" (new: {new_w[0][:120]})" if new_w else "")
+    both = compared + fixtures_compared
+    new_w = sorted({w for c in both for w in set(c.after.warnings) - set(c.before.warnings)})
+    gone_w = sorted({w for c in both for w in set(c.before.warnings) - set(c.after.warnings)})
+    text = f"{len(new_w)} new, {len(gone_w)} gone" + (f" (new: {_clip(new_w[0])})" if new_w else "")
     lines.append(_line("note" if new_w or gone_w else "ok", "warnings", text))
 
-    not_run = [c for c in comparisons if c.status == "not run"]
-    deselected = [c for c in comparisons if c.status == "deselected"]
-    text = f"{_n(len(not_run), 'case')} of the baseline did not run" + (f" (`{_short(not_run[0].case)}`: {not_run[0].why})"
-                                                                  if not_run else "")
-    if deselected:
-        whys = sorted({c.why for c in deselected})
-        text += f"; {len(deselected)} left out by this run's selection ({', '.join(whys)}), not judged"
-    lines.append(_line("FAIL" if not_run else ("note" if deselected else "ok"), "not run", text))
-
-    new = [c for c in comparisons if c.status == "new"]
-    lines.append(_line("note" if new else "ok", "new cases", f"{_n(len(new), 'case')} not in the baseline"))
+    lines.append(fixtures_line(fixtures, run, before_version))
+    lines.append(not_run_line(comparisons))
     return lines
 
 
@@ -488,17 +633,21 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, before_ver
               f"raising; a baseline case not run (unless the run's own -k/-m/paths left it out); kernel time > "
               f"x{KERNEL_TIME_LIMIT} and > {KERNEL_TIME_FLOOR_US} us slower; plan() time > x{PLAN_TIME_LIMIT}. Times come "
               f"from a pass with one process per GPU, {TIME_REPEATS} medians of {TIME_REPS} calls; a time whose medians "
-              f"spread more than {KERNEL_SPREAD_LIMIT:.0%} (kernel) or {PLAN_SPREAD_LIMIT:.0%} (plan()) is not judged.",
+              f"spread more than {KERNEL_SPREAD_LIMIT:.0%} (kernel) or {PLAN_SPREAD_LIMIT:.0%} (plan()) is not judged. "
+              f"Fixtures re-run on the new release are compared with the old release's record of them, or, where the "
+              f"baseline has none, with the output the fixture file holds for the old release; a new refusal fails.",
               "", "## Regressions", ""]
     lines += [f"- `{c.case}`: " + "; ".join(c.regressions) for c in comparisons if c.regressions] or ["none"]
     lines += ["", "## Behaviour changes", ""]
     lines += [f"- `{c.case}`: " + "; ".join(c.changes) for c in comparisons if c.changes] or ["none"]
-    drifted = [c for c in comparisons if c.drift and not c.bitwise_equal]
+    drifted = [c for c in comparisons if c.drift and not c.bitwise_equal and not c.is_fixture]
     lines += ["", "## Outputs no longer bitwise equal", ""]
     lines += [f"- `{c.case}`: " + "; ".join(
         f"{k} max abs {d['max_abs']:.3g}, rel L2 {d['rel_l2']:.3g}, {d['bitwise_equal']:.1%} bitwise equal, "
         f"{d['rows_differing']}/{d['rows']} rows differ (worst: " + ", ".join(f"row {r} {m:.3g}" for r, m in d["worst_rows"]) + ")"
         for k, d in c.drift.items() if d["bitwise_equal"] < 1.0) for c in drifted] or ["none"]
+    lines += ["", "## Fixtures", ""]
+    lines += fixture_lines([c for c in comparisons if c.is_fixture], run, before_version)
     skipped = [c for c in comparisons if c.status in ("not run", "deselected", "new")]
     lines += ["", "## Not run, left out, new", ""]
     lines += [f"- `{c.case}`: {c.status}" + (f" ({c.why})" if c.why else "") for c in skipped] or ["none"]
@@ -506,7 +655,7 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, before_ver
               "| case | before | after | out max ratio before/after | out bitwise equal | rows differing | "
               "kernel us before/after | plan us before/after | time not judged |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for c in comparisons:
+    for c in (c for c in comparisons if not c.is_fixture):
         b, a = c.before, c.after
         d = c.drift.get("out", {})
         unjudged = "; ".join(t.why for t in (c.kernel_time, c.plan_time) if not t.judged and t.why)
@@ -518,6 +667,37 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, before_ver
             f"{_fmt(b.plan_us if b else None, '.0f')}/{_fmt(a.plan_us if a else None, '.0f')} | {unjudged} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def drift_text(d: dict) -> str:
+    if d["bitwise_equal"] == 1.0:
+        return "bitwise equal"
+    worst = ", ".join(f"row {r} {m:.3g}" for r, m in d["worst_rows"])
+    return (f"max abs {d['max_abs']:.3g}, rel L2 {d['rel_l2']:.3g}, {d['bitwise_equal']:.1%} bitwise equal, "
+            f"{d['rows_differing']}/{d['rows']} rows differ (worst: {worst})")
+
+
+def fixture_lines(fixtures: list[CaseComparison], run: RunFacts, before_version: str) -> list[str]:
+    """One item per fixture: what it was compared with and how its outputs moved; then the
+    fixtures not re-run now."""
+    lines = []
+    for c in fixtures:
+        record = c.after or c.before
+        if c.after is None:
+            what = f"{c.status}: {c.why}"
+        elif c.status == "new":
+            what = f"re-run, not compared: {c.why}"
+        else:
+            against = c.against or f"the baseline's record ({before_version})"
+            parts = [f"against {against}"]
+            if c.after.error or (c.before and c.before.error):
+                parts.append(f"refused before: {c.before.error or 'no'}; now: {c.after.error or 'no'}")
+            parts += [f"{k} {drift_text(d)}" for k, d in c.drift.items()]
+            parts += c.regressions
+            what = "; ".join(parts)
+        lines.append(f"- `{_name(c)}` ({record.fixture}): {what}")
+    lines += [f"- `{case}`: not re-run ({why}); judged on its recorded outputs only" for case, why in sorted(run.not_rerun.items())]
+    return lines or ["none replayed"]
 
 
 def write_report(comparisons: list[CaseComparison], out_dir: Path, before_version: str, after_version: str,
@@ -536,8 +716,9 @@ def write_report(comparisons: list[CaseComparison], out_dir: Path, before_versio
                        "plan_time": PLAN_TIME_LIMIT, "kernel_spread": KERNEL_SPREAD_LIMIT,
                        "plan_spread": PLAN_SPREAD_LIMIT, "time_repeats": TIME_REPEATS, "time_reps": TIME_REPS},
         "timing": run.timing or "timing pass ran",
+        "fixtures_not_rerun": run.not_rerun,
         "cases": [
-            {"case": c.case, "status": c.status, "why": c.why,
+            {"case": c.case, "status": c.status, "why": c.why, "fixture": c.is_fixture, "against": c.against or None,
              "before": asdict(c.before) if c.before else None, "after": asdict(c.after) if c.after else None,
              "changes": c.changes, "regressions": c.regressions, "drift": c.drift,
              "kernel_time": dict(asdict(c.kernel_time), ratio=c.kernel_time.ratio),

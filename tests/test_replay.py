@@ -1,10 +1,12 @@
 """Replay of recorded fixtures: the checked-in ``fixtures/`` folder by default, or the files
-and folders given with ``--replay``. Each fixture's recorded FlashInfer outputs are checked
+and folders given with ``--replay`` (or, under the upgrade check, ``--baseline-fixtures``). Each fixture's recorded FlashInfer outputs are checked
 against the reference over the planned slots (b) within the error budget, and the plan
 against the intended selection (a); a fixture recorded from a known finding declares it
 (``expect_finding``) and must still show it. On an SM90 GPU with FlashInfer each fixture is
 also re-run on the installed FlashInfer (recording.rerun) unless ``--replay-recorded-only``.
-With ``--replay`` the error heatmaps are written after the verdict, which they never change."""
+With ``--replay`` the error heatmaps are written after the verdict, which they never change.
+Under ``--record-baseline`` / ``--compare-baseline`` each re-run is recorded for the upgrade
+check (pytest_sparse_mla.baselines.note_fixture_replay)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_sparse_mla.baselines import note_fixture_replay, upgrade_check_fixtures
 from pytest_sparse_mla.keys import REPLAY_KEY
 from pytest_sparse_mla.replay import replay_command, rerun_unavailable_reason
 from recording.fixture import FixtureError, fixture_paths, load_fixture
@@ -25,32 +28,33 @@ DEFAULT_FIXTURES = ROOT / "fixtures"
 def pytest_generate_tests(metafunc):
     if "fixture_path" not in metafunc.fixturenames:
         return
-    given = metafunc.config.getoption("--replay")
+    given = metafunc.config.getoption("--replay") or upgrade_check_fixtures(metafunc.config)
     paths = fixture_paths(given or [DEFAULT_FIXTURES])
     if not paths:
         where = ", ".join(given) if given else str(DEFAULT_FIXTURES)
         metafunc.parametrize("fixture_path", [pytest.param(None, marks=pytest.mark.skip(reason=f"no fixture files under {where}"))])
         return
-    ids = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in paths]
+    ids = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p) for p in paths]
     metafunc.parametrize("fixture_path", paths, ids=ids)
 
 
 def rerun_on_installed(request, fx):
-    """The fixture re-run on the installed FlashInfer, or None where only the recorded
-    outputs are judged (no SM90 GPU with FlashInfer, --replay-recorded-only, or an
-    implementation under test without an attention state for a pipeline fixture)."""
-    if rerun_unavailable_reason(request.config):
-        return None
+    """(the fixture re-run on the installed FlashInfer, None) or, where only the recorded
+    outputs are judged, (None, why): no SM90 GPU with FlashInfer, --replay-recorded-only, or
+    an implementation under test without an attention state for a pipeline fixture."""
+    why = rerun_unavailable_reason(request.config)
+    if why:
+        return None, why
     impl = request.getfixturevalue("impl")
     from recording.rerun import is_captured
 
     if not is_captured(fx) and not callable(getattr(impl, "make_attention_state", None)):
-        return None
+        return None, "the implementation under test has no attention state (make_attention_state)"
     from harness.launch import DEVICE
     from pytest_sparse_mla.impl import IMPL_SPEC
     from recording.rerun import rerun_fixture
 
-    return rerun_fixture(fx, impl, request.config.stash.get(IMPL_SPEC, None), DEVICE)
+    return rerun_fixture(fx, impl, request.config.stash.get(IMPL_SPEC, None), DEVICE), None
 
 
 @pytest.mark.replay
@@ -59,7 +63,9 @@ def test_replay_fixture(fixture_path, request, regime_log):
         fx = load_fixture(fixture_path)
     except FixtureError as exc:
         pytest.fail(str(exc), pytrace=False)
-    report = replay(fx, rerun=rerun_on_installed(request, fx))
+    rerun, not_rerun = rerun_on_installed(request, fx)
+    report = replay(fx, rerun=rerun)
+    note_fixture_replay(request, fixture_path, report, not_rerun)
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn

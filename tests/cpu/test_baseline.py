@@ -6,12 +6,15 @@ cases not run or deselected, and the timing pass's plumbing (GPU count faked).""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import pytest_sparse_mla.baselines as plugin
+from recording.fixture import load_fixture
 from recording.baseline import (
+    RECORDED_ONLY,
     SCHEMA,
     BaselineError,
     CaseRecord,
@@ -26,11 +29,15 @@ from recording.baseline import (
     repeated_medians,
     spread,
     summary_lines,
+    timed_cases,
     write_record,
     write_report,
     write_timing,
 )
+from tests.cpu.test_rerun import stand_in  # noqa: F401  (the stand-in FlashInfer wrapper fixture)
 
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "fixtures"
 STEADY = [70.0, 70.5, 69.8]  # repeated medians (us) that agree within the spread limits
 
 
@@ -38,9 +45,9 @@ def rec(**kw) -> CaseRecord:
     return CaseRecord(case=kw.pop("case", "tests/gpu/test_x.py::test_case[a]"), **kw)
 
 
-def summary(comparisons, run=None) -> dict[str, str]:
+def summary(comparisons, run=None, before="0.7.2") -> dict[str, str]:
     """Summary lines by class name -> the line."""
-    return {line.split()[1]: line for line in summary_lines(comparisons, run or RunFacts(), "0.7.2", "0.7.4")}
+    return {line.split()[1]: line for line in summary_lines(comparisons, run or RunFacts(), before, "0.7.4")}
 
 
 # --- comparison rules ---------------------------------------------------------------------------
@@ -170,17 +177,25 @@ def test_a_path_argument_selects_the_cases_under_it():
 # --- the report ---------------------------------------------------------------------------------
 
 
-def compared(before: CaseRecord, after: CaseRecord, bo=None, ao=None):
-    return compare_case(before.case, before, after, bo or {}, ao or {})
+def compared(before: CaseRecord, after: CaseRecord, bo=None, ao=None, run=None):
+    return compare_case(before.case, before, after, bo or {}, ao or {}, run)
+
+
+def fixture_rec(name: str, **kw) -> CaseRecord:
+    """A fixture replay's record (as note_fixture_replay writes it)."""
+    return rec(case=f"tests/test_replay.py::test_replay_fixture[fixtures/{name}.safetensors]",
+               fixture=str(FIXTURES / f"{name}.safetensors"), **kw)
 
 
 def test_a_release_against_itself_passes_with_every_class_ok():
     out = {"out": torch.randn(6, 2, 8).to(torch.bfloat16)}
     r = rec(ratios={"out_max_ratio": 0.4}, kernel_us_repeats=STEADY, plan_us_repeats=[150.0, 152.0, 149.0])
-    lines = summary([compared(r, r, out, out)])
-    assert lines["verdict"].startswith("PASS") and "no regression" in lines["verdict"]
+    f = fixture_rec("a-identity-fill-bf16")
+    lines = summary([compared(r, r, out, out), compared(f, f, out, out)])
+    assert lines["verdict"].startswith("PASS") and "1 case and 1 fixture compared, no regression" in lines["verdict"]
     assert all(line.startswith("ok") for name, line in lines.items() if name != "verdict"), lines
-    assert "2 times judged (one process per GPU, 3 medians of 15)" in lines["time"]
+    assert "2 times judged (one process per GPU, 3 medians of 15)" in lines["time"] and "not judged" not in lines["time"]
+    assert lines["fixtures"] == "ok    fixtures   1 re-run: 1 of 1 with outputs bitwise equal to 0.7.2; refusals 0 new, 0 gone"
 
 
 def test_summary_has_one_line_per_class_of_change():
@@ -205,7 +220,9 @@ def test_summary_has_one_line_per_class_of_change():
     assert lines["time"].startswith("FAIL") and "plan() time x10.00" in lines["time"]
     assert lines["warnings"].startswith("note") and "1 new, 0 gone" in lines["warnings"]
     assert lines["not"].startswith("FAIL") and "1 case of the baseline did not run" in lines["not"]
-    assert lines["new"].startswith("note") and "1 case not in the baseline" in lines["new"]
+    assert "1 new case not in the baseline, not judged" in lines["not"]
+    assert list(lines) == ["verdict", "refusals", "outcomes", "numerics", "errors", "time", "warnings", "fixtures", "not"]
+    assert all(len(line) < 200 for line in lines.values()), "each line fits a terminal's glance"
 
 
 def test_times_not_taken_are_said_and_a_failed_timing_pass_fails():
@@ -380,7 +397,7 @@ def test_the_timing_pass_times_each_case_in_a_process_per_gpu_and_judges_only_th
     base = suite.path / "base"
     result = run(suite, f"--record-baseline={base}")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["PASS  baseline *base: 3 cases recorded, 3 timed by the timing pass"])
+    result.stdout.fnmatch_lines(["PASS  baseline *base: 3 cases and 0 fixture re-runs recorded, 3 timed by the timing pass"])
     assert sorted(p.name for p in (base / "timing").glob("*.log")) == ["gpu0.log", "gpu1.log"]
     assert check_baseline(base)["test_cases.py::test_case[2]"].kernel_us_repeats == [70.0, 70.5, 69.9]
     monkeypatch.setenv("SLOW_CASE", "3")
@@ -410,3 +427,230 @@ def test_cases_outside_the_paths_given_are_left_out_not_failed(suite):
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", str(suite.path / "test_cases.py"))
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*1 left out by this run's selection (outside the paths given), not judged"])
+
+
+# --- fixtures across releases -------------------------------------------------------------------
+
+
+def bumped(x: torch.Tensor, row: int) -> torch.Tensor:
+    """``x`` with one element of ``row`` one unit in the last place away."""
+    y = x.clone()
+    bits = {2: torch.int16, 4: torch.int32}[y.element_size()]
+    y[row].view(-1)[:1].view(bits).add_(1)
+    return y
+
+
+def fixture_outputs(name: str, version: str = "0.7.4") -> dict[str, torch.Tensor]:
+    out, lse = load_fixture(FIXTURES / f"{name}.safetensors").outputs[version]
+    return {"out": out, "lse": lse}
+
+
+def test_drift_reads_bits_so_a_nan_equals_itself_and_differs_from_a_number_by_infinity():
+    a = torch.tensor([[1.0, float("nan")], [float("-inf"), 2.0]])
+    assert drift(a, a.clone())["bitwise_equal"] == 1.0
+    b = a.clone()
+    b[1, 0] = 0.0
+    d = drift(a, b)
+    assert (d["rows_differing"], d["max_abs"], d["worst_rows"]) == (1, float("inf"), [[1, float("inf")]])
+
+
+def test_fixture_re_runs_are_never_timed_and_leave_the_time_line_alone():
+    records = {"t::gpu": rec(case="t::gpu"), "f": fixture_rec("c-compacted-fp8"), "t::refused": rec(error="ValueError")}
+    assert timed_cases(records) == ["t::gpu"]
+    c = compared(fixture_rec("c-compacted-fp8"), fixture_rec("c-compacted-fp8"))
+    assert (c.kernel_time.why, c.plan_time.why) == ("", "")
+    timed = rec(kernel_us_repeats=STEADY, plan_us_repeats=STEADY)
+    assert "not judged" not in summary([c, compared(timed, timed)])["time"]
+
+
+def test_fixtures_have_their_own_line_with_equal_outputs_the_worst_rows_and_refusals():
+    equal = fixture_outputs("a-identity-fill-bf16")
+    old = fixture_outputs("c-compacted-fp8")
+    new = dict(old, lse=bumped(old["lse"], 2))
+    comparisons = [
+        compared(fixture_rec("a-identity-fill-bf16"), fixture_rec("a-identity-fill-bf16"), equal, equal),
+        compared(fixture_rec("c-compacted-fp8"), fixture_rec("c-compacted-fp8"), old, new),
+        compared(fixture_rec("h-kpool1-decode-bf16"), fixture_rec("h-kpool1-decode-bf16", error="ValueError: CSR metadata")),
+        compared(rec(case="t::gpu"), rec(case="t::gpu")),
+    ]
+    lines = summary(comparisons)
+    line = lines["fixtures"]
+    assert line.startswith("FAIL  fixtures   3 re-run: 1 of 2 with outputs bitwise equal to 0.7.2"), line
+    assert "worst `c-compacted-fp8` lse max abs" in line and "1/4 rows differ, worst rows 2 (" in line
+    assert "refusals 1 new, 0 gone (now raising: ValueError: CSR metadata in `h-kpool1-decode-bf16`)" in line
+    assert lines["verdict"].startswith("FAIL") and "1 case and 3 fixtures compared, 1 regression" in lines["verdict"]
+    assert lines["refusals"].startswith("ok") and lines["numerics"].startswith("ok"), "GPU-tier lines count GPU-tier cases"
+
+
+def test_a_fixture_that_passed_and_fails_now_fails_the_fixtures_line():
+    c = compared(fixture_rec("c-compacted-fp8"), fixture_rec("c-compacted-fp8", outcome="failed"))
+    assert c.regressions == ["was passed, now failed"]
+    assert summary([c])["fixtures"].startswith("FAIL") and "1 that passed fail now (`c-compacted-fp8`: failed)" in summary([c])["fixtures"]
+
+
+def after_only(tmp_path, version: str, record: CaseRecord, outputs=None) -> list:
+    """compare_directories of a baseline holding one GPU-tier case of ``version`` and a
+    run that recorded ``record`` (a fixture the baseline has no record of)."""
+    write_record(tmp_path / "base", rec(case="t::gpu", flashinfer=version), None)
+    write_record(tmp_path / "now", rec(case="t::gpu", flashinfer="0.8.0"), None)
+    write_record(tmp_path / "now", record, outputs)
+    return [c for c in compare_directories(tmp_path / "base", tmp_path / "now") if c.is_fixture]
+
+
+def test_a_fixture_the_baseline_did_not_record_is_compared_with_the_file_s_own_output(tmp_path):
+    [c] = after_only(tmp_path, "0.7.4", fixture_rec("c-compacted-fp8", flashinfer="0.8.0"), fixture_outputs("c-compacted-fp8"))
+    assert (c.status, c.against, c.bitwise_equal) == ("compared", "the fixture file's 0.7.4 record", True)
+    assert set(c.drift) == {"out", "lse"} and not c.regressions
+    line = summary([c], before="0.7.4")["fixtures"]
+    assert line == ("ok    fixtures   1 re-run: 1 of 1 with outputs bitwise equal to 0.7.4 (1 compared with the fixture file's "
+                    "record); refusals 0 new, 0 gone")
+
+    moved = fixture_outputs("c-compacted-fp8", "0.6.18.post1")
+    [c] = after_only(tmp_path / "old", "0.6.18.post1", fixture_rec("c-compacted-fp8"), dict(moved, out=bumped(moved["out"], 3)))
+    assert c.drift["out"]["worst_rows"][0][0] == 3 and c.drift["lse"]["bitwise_equal"] == 1.0
+    assert summary([c])["fixtures"].startswith("note") and "worst `c-compacted-fp8` out" in summary([c])["fixtures"]
+
+
+def test_a_refusal_recorded_in_the_fixture_file_is_the_old_release_s_refusal(tmp_path):
+    refused = load_fixture(FIXTURES / "strided-seed-layout-bf16.safetensors").meta["refused"]["0.7.4"]
+    [same] = after_only(tmp_path / "a", "0.7.4", fixture_rec("strided-seed-layout-bf16", error=refused))
+    assert same.status == "compared" and same.refusal == "" and not same.regressions
+    old = fixture_outputs("strided-seed-layout-bf16", "0.6.18.post1")
+    [gone] = after_only(tmp_path / "b", "0.7.4", fixture_rec("strided-seed-layout-bf16"), old)
+    assert gone.refusal == "gone" and not gone.regressions and "refusals 0 new, 1 gone" in summary([gone])["fixtures"]
+
+
+def test_a_fixture_with_no_record_of_the_old_release_anywhere_is_not_compared_and_never_green(tmp_path):
+    [c] = after_only(tmp_path, "0.7.2.post1", fixture_rec("c-compacted-fp8"), fixture_outputs("c-compacted-fp8"))
+    assert c.status == "new" and "no record of 0.7.2.post1, neither in the baseline nor in the fixture file" in c.why
+    line = summary([c, compared(rec(case="t::gpu"), rec(case="t::gpu"))])["fixtures"]
+    assert line.startswith("note") and "1 re-run: 0 of 0 with outputs bitwise equal" in line
+    assert "1 not compared (no record of 0.7.2.post1" in line
+    write_report([c], tmp_path / "report", "0.7.2.post1", "0.8.0")
+    assert "re-run, not compared: no record of 0.7.2.post1" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_baseline_fixture_not_re_run_now_fails_unless_the_user_asked_for_recorded_only():
+    before = fixture_rec("c-compacted-fp8")
+    case = before.case
+    recorded_only = RunFacts(not_rerun={case: RECORDED_ONLY}, outcomes={case: "passed"})
+    assert missing_case_status(case, recorded_only, before) == ("deselected", f"{RECORDED_ONLY}: recorded outputs judged only")
+    no_gpu = RunFacts(not_rerun={case: "no CUDA device"}, outcomes={case: "passed"})
+    assert compare_case(case, before, None, {}, {}, no_gpu).regressions == ["not run: not re-run: no CUDA device"]
+    status, why = missing_case_status(case, RunFacts(), before)
+    assert status == "not run" and "name its folder with --baseline-fixtures" in why and before.fixture in why
+
+
+def test_fixtures_not_re_run_are_said_on_the_fixtures_line_and_do_not_fail_it():
+    run = RunFacts(not_rerun={"tests/test_replay.py::test_replay_fixture[x]": "no CUDA device"})
+    lines = summary([compared(rec(), rec())], run)
+    assert lines["fixtures"] == ("note  fixtures   1 not re-run (no CUDA device): judged on their recorded outputs only, "
+                                 "nothing compared")
+    assert lines["verdict"].startswith("PASS")
+    nothing = summary_lines([compare_case("t::x", rec(case="t::x"), None, {}, {}, run)], run, "0.7.2", "0.7.4")
+    assert nothing[0].startswith("FAIL  GPU tier") and nothing[1].startswith("note  fixtures   1 not re-run")
+
+
+# --- fixtures across releases, through the replay tests with a stand-in FlashInfer -------------
+
+TWO = ("c-compacted-fp8", "h-kpool1-decode-bf16")
+
+
+@pytest.fixture
+def replaying(stand_in, device, monkeypatch, pytester):
+    """The replay tests re-run fixtures on the stand-in as if on an SM90 GPU; ``version(v)``
+    sets the FlashInfer version the run reports."""
+    import harness.availability
+    import harness.launch
+    import recording.environment
+    import recording.rerun
+
+    monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: None)
+    monkeypatch.setattr(harness.launch, "DEVICE", device.type)
+
+    def version(v: str):
+        monkeypatch.setattr(recording.environment, "flashinfer_version", lambda: v)
+        monkeypatch.setattr(recording.rerun, "flashinfer_version", lambda: v)
+
+    return version
+
+
+def replay_run(pytester, *args):
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(ROOT),
+                                        str(ROOT / "tests/test_replay.py"), "--baseline-timing=off",
+                                        *(f"--baseline-fixtures={FIXTURES / n}.safetensors" for n in TWO), *args)
+
+
+def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_release(replaying, stand_in, pytester, monkeypatch):
+    replaying("0.7.2.post1")
+    result = replay_run(pytester, "--record-baseline=base")
+    assert result.ret == 0, "\n".join(result.outlines[-30:])
+    result.stdout.fnmatch_lines(["PASS  baseline base: 0 cases and 2 fixture re-runs recorded, times not taken: --baseline-timing=off"])
+    records = check_baseline(pytester.path / "base")
+    assert sorted(Path(r.fixture).stem for r in records.values()) == sorted(TWO)
+    assert all(r.flashinfer == "0.7.2.post1" and r.ratios["out_max_ratio"] >= 0 for r in records.values())
+
+    replaying("0.7.4")
+    result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=same")
+    assert result.ret == 0, "\n".join(result.outlines[-30:])
+    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> 0.7.4: 0 cases and 2 fixtures compared, no regression",
+                                 "ok    fixtures   2 re-run: 2 of 2 with outputs bitwise equal to 0.7.2.post1; refusals 0 new, 0 gone"])
+
+    original = stand_in.run
+
+    def one_ulp_off(self, *args, out, lse, **kw):
+        original(self, *args, out=out, lse=lse, **kw)
+        out[1].view(-1)[:1].view(torch.int16).add_(1)
+
+    monkeypatch.setattr(stand_in, "run", one_ulp_off)
+    result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=moved")
+    assert result.ret == 0, "\n".join(result.outlines[-30:])
+    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: 0 of 2 with outputs bitwise equal to 0.7.2.post1; worst `*` out max abs "
+                                 "*, 1/* rows differ, worst rows 1 (*); refusals 0 new, 0 gone"])
+
+    stand_in.refuse = "CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size)."
+    result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=refused")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["FAIL  verdict    *2 regressions",
+                                 "FAIL  fixtures   2 re-run: 0 of 0 with outputs bitwise equal to 0.7.2.post1; refusals 2 new, "
+                                 "0 gone (now raising: ValueError: CSR metadata page counts*"])
+
+
+def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_files(replaying, pytester):
+    write_record(pytester.path / "base", rec(case="tests/gpu/test_x.py::test_case", flashinfer="0.7.4"), None)
+    replaying("0.8.0")
+    result = replay_run(pytester, "--compare-baseline=base")
+    assert result.ret == 0, "\n".join(result.outlines[-30:])
+    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: 0 of 2 with outputs bitwise equal to 0.7.4 (2 compared with the "
+                                 "fixture file's record); worst *",
+                                 "note  not run    0 cases of the baseline did not run; 1 left out by this run's selection (outside "
+                                 "the paths given), not judged"])
+    md = (pytester.path / "baseline-compare" / "report.md").read_text()
+    assert "## Fixtures" in md and "`c-compacted-fp8` (" in md and "against the fixture file's 0.7.4 record; lse max abs" in md
+
+
+def test_on_a_machine_without_a_gpu_fixtures_record_nothing_and_the_report_says_so(pytester):
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(ROOT),
+                                          str(ROOT / "tests/test_replay.py"), "--record-baseline=base", "--baseline-timing=off")
+    assert result.ret == 1, "the GPU tier did not run: nothing was recorded"
+    assert result.parseoutcomes().get("failed") is None, "the replay tests themselves pass on their recorded outputs"
+    result.stdout.fnmatch_lines(["FAIL  baseline base: nothing recorded*",
+                                 "note  fixtures: 14 not re-run (*): nothing recorded of them"])
+    assert not list((pytester.path / "base").glob("*.json"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--baseline-fixtures=fixtures"], "--baseline-fixtures names the fixtures of the upgrade check"),
+        (["--record-baseline=b", "--baseline-fixtures=nowhere"], "--baseline-fixtures: nowhere does not exist"),
+        (["--record-baseline=b", "--baseline-fixtures=empty"], "--baseline-fixtures: empty holds no fixture"),
+        (["--record-baseline=b", "--baseline-fixtures=empty", "--replay=empty"], "--baseline-fixtures and --replay"),
+    ],
+    ids=["without-the-check", "missing", "empty", "with-replay"],
+)
+def test_baseline_fixtures_that_give_nothing_to_replay_are_a_usage_error(suite, args, message):
+    (suite.path / "empty").mkdir()
+    result = run(suite, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.stderr.str()
