@@ -32,6 +32,7 @@ new or gone warnings are reported; they do not fail the check.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -80,8 +81,17 @@ class BaselineError(ValueError):
 RERECORD = "record it again with --record-baseline on the old FlashInfer"
 
 
+NAME_LIMIT = 180
+
+
 def safe_name(case: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", case.split("::", 1)[-1])[:180]
+    """The file name of a case's record: its test id (after the file) with other characters
+    than letters, digits, ``_.-`` replaced; a longer one (a fixture under a deep absolute path)
+    is cut and ends with a hash of the whole id, so two long ids never share a file."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.split("::", 1)[-1])
+    if len(name) <= NAME_LIMIT:
+        return name
+    return name[: NAME_LIMIT - 17] + "-" + hashlib.sha256(case.encode()).hexdigest()[:16]
 
 
 def write_record(directory: Path, record: CaseRecord, outputs: dict[str, torch.Tensor] | None) -> None:
@@ -506,7 +516,7 @@ def refusals_text(compared: list[CaseComparison]) -> tuple[str, list, list]:
     gone = [c for c in compared if c.refusal == "gone"]
     text = f"{len(new)} new, {len(gone)} gone"
     if new:
-        text += f" (now raising: {_clip(new[0].after.error, 90)} in `{_name(new[0])}`" + (
+        text += f" (now raising: {_clip(new[0].after.error, 60)} in `{_name(new[0])}`" + (
             f" and {len(new) - 1} more)" if len(new) > 1 else ")")
     return text, new, gone
 

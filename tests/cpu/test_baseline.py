@@ -27,6 +27,7 @@ from recording.baseline import (
     merge_timings,
     missing_case_status,
     repeated_medians,
+    safe_name,
     spread,
     summary_lines,
     timed_cases,
@@ -454,6 +455,13 @@ def test_drift_reads_bits_so_a_nan_equals_itself_and_differs_from_a_number_by_in
     assert (d["rows_differing"], d["max_abs"], d["worst_rows"]) == (1, float("inf"), [[1, float("inf")]])
 
 
+def test_long_case_ids_get_distinct_record_files():
+    deep = "tests/test_replay.py::test_replay_fixture[/" + "captures/" * 30 + "{}.safetensors]"
+    names = {safe_name(deep.format(n)) for n in ("a", "b")}
+    assert len(names) == 2 and all(len(n) <= 180 for n in names)
+    assert safe_name("tests/gpu/test_x.py::test_case[a-1]") == "test_case_a-1_"
+
+
 def test_fixture_re_runs_are_never_timed_and_leave_the_time_line_alone():
     records = {"t::gpu": rec(case="t::gpu"), "f": fixture_rec("c-compacted-fp8"), "t::refused": rec(error="ValueError")}
     assert timed_cases(records) == ["t::gpu"]
@@ -621,7 +629,7 @@ def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_fi
     replaying("0.8.0")
     result = replay_run(pytester, "--compare-baseline=base")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: 0 of 2 with outputs bitwise equal to 0.7.4 (2 compared with the "
+    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: * of 2 with outputs bitwise equal to 0.7.4 (2 compared with the "
                                  "fixture file's record); worst *",
                                  "note  not run    0 cases of the baseline did not run; 1 left out by this run's selection (outside "
                                  "the paths given), not judged"])
@@ -629,13 +637,16 @@ def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_fi
     assert "## Fixtures" in md and "`c-compacted-fp8` (" in md and "against the fixture file's 0.7.4 record; lse max abs" in md
 
 
-def test_on_a_machine_without_a_gpu_fixtures_record_nothing_and_the_report_says_so(pytester):
+def test_on_a_machine_without_a_gpu_fixtures_record_nothing_and_the_report_says_so(pytester, monkeypatch):
+    import harness.availability
+
+    monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: "no SM90 GPU (simulated)")
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(ROOT),
                                           str(ROOT / "tests/test_replay.py"), "--record-baseline=base", "--baseline-timing=off")
     assert result.ret == 1, "the GPU tier did not run: nothing was recorded"
     assert result.parseoutcomes().get("failed") is None, "the replay tests themselves pass on their recorded outputs"
     result.stdout.fnmatch_lines(["FAIL  baseline base: nothing recorded*",
-                                 "note  fixtures: 14 not re-run (*): nothing recorded of them"])
+                                 "note  fixtures: 14 not re-run (no SM90 GPU (simulated)): nothing recorded of them"])
     assert not list((pytester.path / "base").glob("*.json"))
 
 
