@@ -1,8 +1,8 @@
 """Replay of recorded fixtures: the checked-in ``fixtures/`` folder by default, or the files
-and folders given with ``--replay`` (or, under the upgrade check, ``--baseline-fixtures``). Each fixture's recorded FlashInfer outputs are checked
-against the reference over the planned slots (b) within the error budget, and the plan
-against the intended selection (a); a fixture recorded from a known finding declares it
-(``expect_finding``) and must still show it. On an SM90 GPU with FlashInfer each fixture is
+and folders given with ``--replay`` (or, under the upgrade check, ``--baseline-fixtures``).
+Each fixture's recorded FlashInfer outputs are checked against the reference over the
+planned slots (b) within the error budget, and the plan against the intended selection (a);
+a fixture recorded from a known finding declares it (``expect_finding``) and must still show it. On an SM90 GPU with FlashInfer each fixture is
 also re-run on the installed FlashInfer (recording.rerun) unless ``--replay-recorded-only``.
 With ``--replay`` the error heatmaps are written after the verdict, which they never change.
 Under ``--record-baseline`` / ``--compare-baseline`` each re-run is recorded for the upgrade
