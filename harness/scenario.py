@@ -13,6 +13,11 @@ Score magnitudes (docs/edges.md#magnitude): ``score_offsets`` adds a raw (before
 offset to every score of a query row through one shared coordinate of q and the KV cache
 (:func:`score_offset_coordinate`), exactly; ``split_score_signs`` gives the newer half of each
 request's tokens the opposite offset. :func:`with_empty_rows` empties chosen rows' selections.
+
+Production batch sizes (docs/edges.md#scale): :func:`build_attention_inputs_on` generates the
+same KV cache on the device, and q per row from a key (:func:`query_rows`), so a row keeps its
+q in any batch; :func:`intended_slots_on` and :func:`readable_slots_on` apply the convert rule
+there. The indexer rows are written by :func:`indexer_rows_fast`, bitwise the per-row model.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 import torch
 
 from mla_constants import DEEPSEEK_V32_SM_SCALE, INVALID, KV_LORA_RANK, ROPE_DIM, TOPK
-from reference.indexer import buffer_width, decode_rows_use_identity, indexer_rows, prefill_rows_use_identity
+from reference.indexer import buffer_width, decode_rows_use_identity, prefill_rows_use_identity
 from reference.rules import classify_rows, convert_rule, request_ids_per_row, route_prefills_to_mha, row_context
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -309,7 +314,7 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
     table_width = max((a.size for a in allocs), default=0) + spec.table_slack
     table = _block_table(allocs, max(table_width, 1), num_blocks, rng)
 
-    topk_indices = indexer_rows(
+    topk_indices = indexer_rows_fast(
         ctx, identity, spec.topk, spec.kpool, spec.resolved_width, component_seed(seed, "indexer"), spec.padded_rows
     )
     upper = seq_lens.clone()
@@ -442,3 +447,189 @@ def _carry_score_offsets(scenario: Scenario, q: torch.Tensor, flat: torch.Tensor
     q[:, :, coord] = query.to(torch.bfloat16).to(q.device).unsqueeze(1)
     keys = (scenario.slot_score_signs(filled) * SCORE_OFFSET_KEY).to(torch.float32).to(spec.torch_kv_dtype)
     flat[filled.to(flat.device), coord] = keys.to(flat.device)
+
+
+# --- production batch sizes (docs/edges.md#scale) ---------------------------------------------
+#
+# The same step at 10^4-10^5 rows: indexer rows written without a Python array per row, the
+# reference convert and the KV values computed on the device, and q drawn per row from the
+# counter-based hash, so that a row's q depends on its key alone (not on the batch around it).
+
+
+def indexer_rows_fast(
+    ctx: torch.Tensor, identity: torch.Tensor, topk: int, kpool: int, width: int, seed: int, num_padded_rows: int = 0
+) -> torch.Tensor:
+    """Bitwise what :func:`reference.indexer.indexer_rows` returns: the rows that draw (kpool 1
+    with ctx > topk, pooled with at least topk / kpool complete pools) call the generator in row
+    order exactly as the per-row model does; prefixes and pooled tails are written for all rows
+    at once."""
+    kpool = max(int(kpool), 1)
+    if kpool > 1 and topk % kpool:
+        raise ValueError(f"topk={topk} must be a multiple of kpool={kpool}")
+    if kpool > 1 and width < topk + kpool - 1:
+        raise ValueError(f"width={width} < topk + kpool - 1 = {topk + kpool - 1}")
+    c = ctx.to(torch.int64).numpy()
+    ident = identity.to(torch.bool).numpy()
+    n = c.size
+    too_wide = ident & (c > width)
+    if too_wide.any():
+        raise ValueError(f"identity fill needs ctx <= width, got ctx={int(c[too_wide][0])}, width={width}")
+    out = np.full((n + num_padded_rows, width), INVALID, dtype=np.int32)
+    if kpool == 1:
+        draws = ~ident & (c > topk)
+        prefix = np.where(draws, 0, c)
+        complete = tail = None
+    else:
+        complete, tail = np.divmod(c, kpool)
+        draws = ~ident & (complete >= topk // kpool)
+        prefix = np.where(ident, c, np.where(draws, 0, complete * kpool))
+        tail = np.where(ident, 0, tail)
+    _write_prefixes(out, prefix)
+    if kpool > 1:
+        _write_pool_tails(out, complete * kpool, tail, topk)
+    rng = np.random.default_rng(seed)
+    selectable = topk // kpool
+    spread = np.arange(kpool)
+    for r in np.flatnonzero(draws):
+        if kpool == 1:
+            out[r, :topk] = rng.choice(int(c[r]), size=topk, replace=False)
+        else:
+            pools = rng.choice(int(complete[r]), size=selectable, replace=False)
+            out[r, :topk] = (pools[:, None] * kpool + spread).reshape(-1)
+    return torch.from_numpy(out)
+
+
+_FILL_ROWS = 4096  # rows per vectorised write (bounds the temporaries)
+
+
+def _write_prefixes(out: np.ndarray, lengths: np.ndarray) -> None:
+    """Row r of ``out`` gets ``0..lengths[r]-1`` in its leading columns."""
+    cols = np.arange(out.shape[1], dtype=np.int32)
+    for start in range(0, lengths.size, _FILL_ROWS):
+        part = lengths[start : start + _FILL_ROWS, None]
+        rows = out[start : start + part.shape[0]]
+        np.copyto(rows, cols[None, :], where=cols[None, :] < part)
+
+
+def _write_pool_tails(out: np.ndarray, first: np.ndarray, counts: np.ndarray, topk: int) -> None:
+    """Row r of ``out`` gets ``first[r] .. first[r] + counts[r] - 1`` from column topk on (the
+    trailing incomplete pool)."""
+    if not counts.any():
+        return
+    span = int(counts.max())
+    offsets = np.arange(span)
+    for start in range(0, counts.size, _FILL_ROWS):
+        n = counts[start : start + _FILL_ROWS].size
+        values = (first[start : start + n, None] + offsets[None, :]).astype(np.int32)
+        block = out[start : start + n, topk : topk + span]
+        np.copyto(block, values, where=offsets[None, :] < counts[start : start + n, None])
+
+
+_HASH_ELEMENTS = 1 << 23  # 64-bit hash values per chunk on the device (64 MiB)
+
+
+def _as_int64(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x >> bits`` on the 64 bits of an int64 tensor as unsigned (zeros shifted in)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser of :func:`_splitmix64` on an int64 tensor holding uint64 bits
+    (wrapping arithmetic), in place, on any device."""
+    x ^= _logical_shift_right(x, 30)
+    x *= _as_int64(0xBF58476D1CE4E5B9)
+    x ^= _logical_shift_right(x, 27)
+    x *= _as_int64(0x94D049BB133111EB)
+    x ^= _logical_shift_right(x, 31)
+    return x
+
+
+def fill_hashed_normals(out: torch.Tensor, seed: int, keys: torch.Tensor, stride: int) -> torch.Tensor:
+    """Write standard normals into ``out [len(keys), width]`` (any float dtype, any device, rounded
+    to it): value j of row i is the normal-table entry that 16-bit lane ``j % 4`` of
+    ``splitmix64(seed + GOLDEN * (keys[i] * stride + j // 4 + 1))`` indexes. With
+    ``stride = 144`` this is :func:`slot_values`, bit for bit; a row's values depend on its key
+    alone. Chunked so the 64-bit intermediates stay small."""
+    rows, width = out.shape
+    chunks = -(-width // _LANES)
+    if chunks > stride:
+        raise ValueError(f"width {width} needs {chunks} hash values per key, more than the stride {stride}")
+    device = out.device
+    table = torch.from_numpy(_normal_table()).to(device)
+    steps = torch.arange(1, chunks + 1, dtype=torch.int64, device=device)
+    keys = keys.to(device=device, dtype=torch.int64)
+    per = max(1, _HASH_ELEMENTS // chunks)
+    for start in range(0, rows, per):
+        part = keys[start : start + per]
+        bits = (part[:, None] * stride + steps[None, :]).mul_(_as_int64(int(_GOLDEN))).add_(_as_int64(seed % (1 << 64)))
+        bits = splitmix64_torch(bits)
+        values = torch.empty((part.numel(), chunks, _LANES), dtype=torch.float32, device=device)
+        for lane in range(_LANES):
+            values[:, :, lane] = table[_logical_shift_right(bits, 16 * lane) & 0xFFFF]
+        out[start : start + part.numel()] = values.view(part.numel(), chunks * _LANES)[:, :width].to(out.dtype)
+    return out
+
+
+def slot_values_on(seed: int, slots: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`slot_values` computed on ``slots``' device, as ``dtype``: bitwise the same values."""
+    out = torch.empty((slots.numel(), head_dim), dtype=dtype, device=slots.device)
+    return fill_hashed_normals(out, seed, slots.reshape(-1), _MAX_HEAD_DIM // _LANES)
+
+
+def query_rows(seed: int, keys: torch.Tensor, num_heads: int, head_dim: int, device) -> torch.Tensor:
+    """bf16 q ``[len(keys), H, head_dim]`` on ``device``: row i is a function of ``(seed, keys[i],
+    H, head_dim)`` alone (:func:`fill_hashed_normals`), whatever rows are drawn with it."""
+    width = num_heads * head_dim
+    out = torch.empty((keys.numel(), width), dtype=torch.bfloat16, device=device)
+    fill_hashed_normals(out, seed, keys.reshape(-1), -(-width // _LANES))
+    return out.view(keys.numel(), num_heads, head_dim)
+
+
+def intended_slots_on(scenario: Scenario, device) -> torch.Tensor:
+    """:meth:`Scenario.intended_slots` (the reference convert rule) computed on ``device``."""
+    return convert_rule(
+        scenario.topk_indices.to(device), scenario.block_table.to(device), scenario.request_ids().to(device),
+        scenario.spec.block_size,
+    )
+
+
+def readable_slots_on(scenario: Scenario, device) -> torch.Tensor:
+    """:meth:`Scenario.readable_slots` computed on ``device`` (sorted int64 slot ids there)."""
+    slots = intended_slots_on(scenario, device)
+    return torch.unique(slots[slots != INVALID].to(torch.int64))
+
+
+def build_attention_inputs_on(
+    scenario: Scenario, device, *, poison: bool = True, row_keys: torch.Tensor | None = None,
+    q_seed_component: str = "q-rows",
+) -> AttentionInputs:
+    """q and the KV cache generated on ``device`` (for batches of 10^4-10^5 rows). The cache is
+    bitwise that of :func:`build_attention_inputs` (same slots filled, same values); q row i is
+    drawn from its key ``row_keys[i]`` (default: the row index) by :func:`query_rows`, so a row
+    given the same key in another batch gets the same q."""
+    spec = scenario.spec
+    rows = scenario.topk_indices.shape[0]
+    keys = torch.arange(rows, dtype=torch.int64) if row_keys is None else row_keys.to(torch.int64)
+    if keys.numel() != rows:
+        raise ValueError(f"row_keys has {keys.numel()} keys for {rows} rows")
+    q = query_rows(component_seed(scenario.seed, q_seed_component), keys, spec.num_heads, spec.head_dim, device)
+    cache = torch.empty((scenario.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=device)
+    flat = cache.view(-1, spec.head_dim)
+    kv_seed = component_seed(scenario.seed, "kv")
+    if poison:
+        bits, pattern = _NAN_BITS[spec.kv_dtype]
+        cache.view(bits).fill_(pattern)
+        slots = readable_slots_on(scenario, device)
+    else:
+        slots = torch.arange(scenario.num_slots, dtype=torch.int64, device=device)
+    for start in range(0, slots.numel(), _HASH_ELEMENTS // 64):
+        part = slots[start : start + _HASH_ELEMENTS // 64]
+        flat[part] = slot_values_on(kv_seed, part, spec.head_dim).to(spec.torch_kv_dtype)
+    if spec.score_offsets:
+        _carry_score_offsets(scenario, q, flat, slots.cpu())
+    return AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=cache)

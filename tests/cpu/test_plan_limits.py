@@ -1,0 +1,269 @@
+"""The plan-limit study's pure parts (harness.plan_limits): the grow-then-bisect search, the
+children that make attempts (stood in for by small fake programs: crashes, hangs, refusals),
+the sizes whose rows are checked, the scheduler's work-item count, and the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness.plan_limits import (
+    FA3_WORK_CAPACITY,
+    INT32_ROWS_BOUND,
+    PLAN_WIDTH,
+    Attempt,
+    PlanWorker,
+    checked_sizes,
+    entry_finding,
+    exceeds_work_capacity,
+    fa3_work_items,
+    report_markdown,
+    run_rows_attempt,
+    search_largest,
+    study_heads,
+    write_report,
+)
+
+
+def threshold_attempts(limit: int, failing: str = "refused"):
+    """An attempt function that succeeds up to ``limit`` rows and fails above it, with a log."""
+    log = []
+
+    def attempt(n: int) -> Attempt:
+        log.append(n)
+        return Attempt("plan", n, 16, "accepted" if n <= limit else failing, "" if n <= limit else f"over {limit}")
+
+    return attempt, log
+
+
+# --- the search ------------------------------------------------------------------------------
+
+
+@given(limit=st.integers(0, 5000), bound=st.integers(1, 4000))
+def test_search_finds_the_exact_limit_or_the_bound(limit, bound):
+    attempt, log = threshold_attempts(limit)
+    search = search_largest(attempt, bound=bound)
+    assert search.largest_ok == min(limit, bound)
+    if limit < bound:
+        assert search.first_failing is not None and search.first_failing.rows == limit + 1
+        assert not search.reached_bound
+    else:
+        assert search.reached_bound and search.first_failing is None
+    assert [a.rows for a in search.attempts] == log
+    assert len(log) == len(set(log)), "an N was attempted twice"
+    assert len(log) <= 2 * bound.bit_length() + 2
+
+
+def test_search_grows_by_doubling_then_bisects():
+    attempt, log = threshold_attempts(20)
+    search_largest(attempt, bound=1000)
+    assert log == [1, 2, 4, 8, 16, 32, 24, 20, 22, 21]
+
+
+def test_search_caps_the_growth_at_the_bound():
+    attempt, log = threshold_attempts(10**9)
+    search = search_largest(attempt, bound=100)
+    assert log == [1, 2, 4, 8, 16, 32, 64, 100] and search.largest_ok == 100 and search.reached_bound
+
+
+def test_search_where_the_first_attempt_fails():
+    attempt, log = threshold_attempts(0, failing="crashed")
+    search = search_largest(attempt, bound=64)
+    assert search.largest_ok == 0 and search.first_failing.outcome == "crashed" and log == [1]
+
+
+@pytest.mark.parametrize("failing", ["refused", "crashed", "timeout"])
+def test_crashes_and_timeouts_stop_the_growth_like_refusals(failing):
+    attempt, _ = threshold_attempts(300, failing=failing)
+    search = search_largest(attempt, bound=10_000)
+    assert search.largest_ok == 300 and search.first_failing.outcome == failing and search.first_failing.rows == 301
+
+
+def test_search_rejects_a_start_outside_the_bound():
+    with pytest.raises(ValueError, match="start"):
+        search_largest(lambda n: Attempt("plan", n, 16, "accepted"), bound=4, start=5)
+
+
+def test_search_result_survives_json():
+    attempt, _ = threshold_attempts(5)
+    data = json.loads(json.dumps(search_largest(attempt, bound=16).to_dict()))
+    assert data["largest_ok"] == 5 and data["first_failing"]["rows"] == 6 and len(data["attempts"]) == 6
+
+
+# --- the children -------------------------------------------------------------------------------
+
+FAKE_PLAN_CHILD = r"""
+import json, os, sys, time
+for line in sys.stdin:
+    n, h, w = map(int, line.split())
+    if n == 13:
+        sys.stderr.write("CUDA error: an illegal memory access was encountered\n"); sys.stderr.flush()
+        os._exit(134)
+    if n == 21:
+        time.sleep(60)
+    if n > 40:
+        r = {"outcome": "refused", "detail": "ValueError: needs %d work items" % n, "healthy": True}
+    elif n == 30:
+        r = {"outcome": "refused", "detail": "RuntimeError: CUDA error", "healthy": False}
+    else:
+        r = {"outcome": "accepted", "detail": ""}
+    print("RESULT " + json.dumps(dict(kind="plan", rows=n, heads=h, width=w, pid=os.getpid(), **r)), flush=True)
+"""
+
+
+def test_plan_worker_survives_crashes_hangs_and_restarts_after_unhealthy_refusals():
+    with PlanWorker(timeout=3, command=[sys.executable, "-c", FAKE_PLAN_CHILD]) as worker:
+        first = worker.attempt(5, 16)
+        assert first.outcome == "accepted" and first.extra["width"] == PLAN_WIDTH
+        assert worker.attempt(6, 16).extra["pid"] == first.extra["pid"], "a clean attempt replaced the child"
+        crash = worker.attempt(13, 16)
+        assert crash.outcome == "crashed" and "134" in crash.detail and "illegal memory access" in crash.detail
+        after = worker.attempt(7, 16)
+        assert after.outcome == "accepted" and after.extra["pid"] != first.extra["pid"]
+        hang = worker.attempt(21, 16)
+        assert hang.outcome == "timeout"
+        refused = worker.attempt(41, 128)
+        assert refused.outcome == "refused" and refused.detail.startswith("ValueError") and refused.heads == 128
+        assert worker.attempt(8, 16).extra["pid"] == refused.extra["pid"], "a healthy refusal replaced the child"
+        unhealthy = worker.attempt(30, 16)
+        assert unhealthy.outcome == "refused"
+        assert worker.attempt(9, 16).extra["pid"] != unhealthy.extra["pid"], "the child kept running after a CUDA error"
+        assert worker.started == 4
+
+
+CRASHING_ABOVE_12 = r"""
+import json, os, sys
+for line in sys.stdin:
+    n, h, w = map(int, line.split())
+    if n > 12:
+        os._exit(139)
+    print("RESULT " + json.dumps(dict(kind="plan", rows=n, heads=h, outcome="accepted")), flush=True)
+"""
+
+
+def test_search_through_a_worker_goes_on_past_a_crash():
+    with PlanWorker(timeout=10, command=[sys.executable, "-c", CRASHING_ABOVE_12]) as worker:
+        search = search_largest(lambda n: worker.attempt(n, 16), bound=64)
+    assert search.largest_ok == 12 and search.first_failing.outcome == "crashed"
+    assert [a.rows for a in search.attempts] == [1, 2, 4, 8, 16, 12, 14, 13]
+    assert [a.outcome for a in search.attempts][-1] == "crashed"
+
+
+def fake_rows_child(body: str) -> list[str]:
+    return [sys.executable, "-c", "import json, os, sys, time\n" + body]
+
+
+def test_rows_attempt_reports_the_child_result():
+    body = ('print("STAGE " + json.dumps({"stage": "run"}), flush=True)\n'
+            'print("RESULT " + json.dumps({"kind": "rows", "rows": 7, "heads": 16, "outcome": "wrong", '
+            '"detail": "2 of 7 rows", "summary": {"bad_rows": 2}}), flush=True)\n')
+    attempt = run_rows_attempt(7, 16, command=fake_rows_child(body), timeout=30)
+    assert attempt.outcome == "wrong" and attempt.extra["summary"] == {"bad_rows": 2}
+
+
+def test_rows_attempt_names_the_stage_a_dead_child_reached():
+    body = ('print("STAGE " + json.dumps({"stage": "plan"}), flush=True)\n'
+            'print("STAGE " + json.dumps({"stage": "run"}), flush=True)\n'
+            'sys.stderr.write("RuntimeError: CUDA error: an illegal memory access\\n"); sys.stderr.flush()\n'
+            'os._exit(1)\n')
+    attempt = run_rows_attempt(9, 128, command=fake_rows_child(body), timeout=30)
+    assert attempt.outcome == "crashed" and attempt.extra["stage"] == "run"
+    assert "illegal memory access" in attempt.detail and attempt.rows == 9 and attempt.heads == 128
+
+
+def test_rows_attempt_times_out():
+    body = 'print("STAGE " + json.dumps({"stage": "judge"}), flush=True)\ntime.sleep(60)\n'
+    attempt = run_rows_attempt(3, 16, command=fake_rows_child(body), timeout=2)
+    assert attempt.outcome == "timeout" and attempt.extra["stage"] == "judge"
+
+
+# --- what is checked, and the report ----------------------------------------------------------------
+
+
+def test_checked_sizes_around_a_refusal_and_at_the_bound():
+    attempt, _ = threshold_attempts(100)
+    assert checked_sizes(search_largest(attempt, bound=1000)) == [99, 100, 101]
+    assert checked_sizes(search_largest(attempt, bound=64)) == [63, 64], "nothing above the bound is tried"
+    attempt, _ = threshold_attempts(0)
+    assert checked_sizes(search_largest(attempt, bound=64)) == [1]
+
+
+def fake_study(plan_limit: int, rows_right_up_to: int, bound: int, rows_search: bool = True) -> dict:
+    def plan(n, heads):
+        return Attempt("plan", n, heads, "accepted" if n <= plan_limit else "refused",
+                       "" if n <= plan_limit else "ValueError: FA MLA needs more work items")
+
+    def rows(n, heads):
+        return Attempt("rows", n, heads, "right" if n <= rows_right_up_to else "wrong",
+                       "" if n <= rows_right_up_to else f"{n - rows_right_up_to} rows beyond the budget")
+
+    return study_heads(16, bound=bound, plan_attempt_fn=plan, rows_attempt_fn=rows, rows_search=rows_search)
+
+
+def test_study_checks_the_rows_around_the_limit_and_keeps_the_refusal():
+    entry = fake_study(plan_limit=100, rows_right_up_to=1000, bound=4096)
+    checks = entry["row_checks"]
+    assert [(c["kind"], c["rows"], c["outcome"]) for c in checks] == [
+        ("rows", 99, "right"), ("rows", 100, "right"), ("plan", 101, "refused")]
+    assert "rows_search" not in entry, "the rows search ran although every checked row was right"
+    assert entry_finding(entry) == "refused above N=100; the rows at the limit are right"
+
+
+def test_study_finds_accepted_plans_with_wrong_rows_and_where_they_start():
+    entry = fake_study(plan_limit=10**9, rows_right_up_to=300, bound=1024)
+    assert entry["plan_search"]["reached_bound"]
+    assert [(c["rows"], c["outcome"]) for c in entry["row_checks"]] == [(1023, "wrong"), (1024, "wrong")]
+    assert entry["rows_search"]["largest_ok"] == 300
+    finding = entry_finding(entry)
+    assert finding.startswith("FINDING: plan() accepted N=1023 and then gave wrong rows without an error")
+    assert finding.endswith("every row right up to N=300")
+
+
+def test_report_has_one_line_per_head_count_and_survives_json(tmp_path):
+    report = {"schema": 1, "flashinfer": "0.6.18.post1", "device": "NVIDIA H200", "num_sm": 132, "width": PLAN_WIDTH,
+              "bound": 1024, "work_capacity": FA3_WORK_CAPACITY,
+              "results": [fake_study(10**9, 300, 1024), fake_study(100, 1000, 1024) | {"heads": 128}]}
+    text = report_markdown(report)
+    assert "## FlashInfer 0.6.18.post1 on NVIDIA H200 (132 SMs)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 16 ") or line.startswith("| 128 ")]
+    assert len(rows) == 2 and "1024 (the bound)" in rows[0] and "FINDING" in rows[0] and "| 300 |" in rows[0]
+    assert "| 100 | refused: ValueError: FA MLA needs more work items |" in rows[1]
+    json_path, md_path = write_report(report, str(tmp_path))
+    assert json.load(open(json_path))["results"][0]["rows_search"]["largest_ok"] == 300
+    assert open(md_path).read() == text and md_path.endswith("plan-limits-0.6.18.post1.md")
+
+
+# --- the scheduler's work items ---------------------------------------------------------------------
+
+
+def test_one_row_alone_is_split_into_many_work_items():
+    # 2048 slots over 132 SMs: 16 per cluster, the chunk is 64 slots, 32 items.
+    assert fa3_work_items([1], [2048], num_heads=16, num_sm=132) == 32
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("rows", [132, 1000, FA3_WORK_CAPACITY, FA3_WORK_CAPACITY + 1])
+def test_from_a_few_hundred_rows_on_every_row_is_one_work_item(rows, heads):
+    assert fa3_work_items([1] * rows, [PLAN_WIDTH] * rows, heads, num_sm=132) == rows
+
+
+def test_rows_without_a_query_make_no_work_and_empty_rows_make_one():
+    # padded rows (q_len 0) of a CUDA-graph plan; a row with kv_len 0 still gets an item
+    assert fa3_work_items([1, 1, 0, 0], [0, 5, 0, 0], 16, 132) == 2
+
+
+def test_cluster_size_follows_the_average_packed_query():
+    # H 128: packed 128 > 64 -> clusters of 2 CTAs, tiles of 128 rows: 1 tile per row
+    assert fa3_work_items([1] * 200, [2048] * 200, 128, 132) == 200
+    # 4 query rows of one request at H 32: 128 packed rows, one tile of 128; 100 slots over 66
+    # clusters is 2 per cluster, so chunks of 32 slots: 4 items
+    assert fa3_work_items([4], [100], 32, 132) == 4
+
+
+def test_work_capacity_rule():
+    assert not exceeds_work_capacity(FA3_WORK_CAPACITY) and exceeds_work_capacity(FA3_WORK_CAPACITY + 1)
+    assert INT32_ROWS_BOUND * PLAN_WIDTH < 2**31 <= (INT32_ROWS_BOUND + 1) * PLAN_WIDTH
