@@ -1,7 +1,8 @@
-"""Faithful re-creations of the CPU-visible production bugs
-(docs/findings.md#at-a-glance), as implementations
+"""Faithful re-creations of production bugs (docs/findings.md#at-a-glance), as implementations
 that plug into the suite with ``--impl tests.bugs:<ClassName>`` (a class is its own factory). The suite must fail on each
-(``tests/cpu/test_suite_catches_bugs.py`` checks that it does)."""
+(``tests/cpu/test_suite_catches_bugs.py`` checks that it does). Most are CPU-visible; the last
+ones live in the attention state and are caught by the GPU tier's edge families
+(docs/edges.md)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,43 @@ class ConvertAcceptsMismatchedReqIds(FastImpl):
         n = min(rows, req_id.shape[0])
         fixed[:n] = req_id[:n]
         return super().convert(topk_indices, block_table, fixed, block_size, out=out, with_counts=with_counts)
+
+
+
+class PlanKeptForTheSameRowCount(FastImpl):
+    """docs/findings.md#plan-kept-for-the-same-row-count:
+    plan reuse keyed on the row count alone (as an engine that keys its plans, like its CUDA
+    graphs, on the batch size): a step with as many rows as the last one but other lengths
+    keeps the last plan, so the kernel reads the last step's spans: slots past each row's new
+    kv_len."""
+
+    name = "edge-plan-kept-for-the-same-row-count"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from fast.sm90 import SM90AttentionState  # FlashInfer is imported only with a state
+
+        class State(SM90AttentionState):
+            def _same_as_last_plan(self, num_rows, lens):
+                return self._planned and num_rows == self.num_rows
+
+        return State(self, config, device, **kwargs)
+
+
+class LseBaseChangedThroughExp(FastImpl):
+    """docs/findings.md#lse-base-changed-through-exp:
+    FlashInfer's base-2 LSE turned into natural log through the sum it stands for,
+    ``log(exp2(lse))``, instead of a multiplication by ln 2: right while the sum fits float32,
+    +inf or -inf once |lse| passes about 88 (scores far from zero)."""
+
+    name = "edge-lse-base-changed-through-exp"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from fast.sm90 import SM90AttentionState  # FlashInfer is imported only with a state
+
+        class State(SM90AttentionState):
+            def attend(self, q_nope, q_pe, ckv, kpe, out, lse):
+                super().attend(q_nope, q_pe, ckv, kpe, out, lse)
+                n = self.num_rows
+                lse[:n] = torch.log(torch.exp2(lse[:n]))
+
+        return State(self, config, device, **dict(kwargs, lse_base_e=False))  # FlashInfer's own base-2 LSE

@@ -1,9 +1,13 @@
-"""Tests of the suite itself: each CPU-visible production bug (docs/findings.md), re-created in
+"""Tests of the suite itself: each production bug (docs/findings.md), re-created in
 ``tests/bugs.py`` and plugged in with ``--impl``, must make the suite fail, with a message
-that names what broke."""
+that names what broke. The bugs of the attention state are caught by the GPU tier's edge
+families (docs/edges.md): those run on the installed FlashInfer where the GPU tier runs, and
+everywhere on a simulated SM90 machine (``tests/simulated_sm90.py``: FlashInfer's wrapper
+replaced by the reference), where the families must also pass on the project's own path."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -50,3 +54,63 @@ def test_bad_impl_spec_is_a_clear_usage_error(pytester):
     result = run_suite(pytester, "tests.bugs:NoSuchThing", KVLEN, "identity")
     assert result.ret != 0
     assert "cannot load the factory" in "\n".join(result.outlines + result.errlines)
+
+
+EDGES = "tests/gpu/test_edges.py"
+
+# (docs/findings.md anchor, re-creation, GPU test file, -k selection, message the failure shows)
+GPU_BUG_CASES = [
+    ("plan-kept-for-the-same-row-count", "PlanKeptForTheSameRowCount", EDGES,
+     "test_previous_steps_slots_change_nothing and packed-short", r"edge stale-slots.*kv_len differs from the planned lens"),
+    ("lse-base-changed-through-exp", "LseBaseChangedThroughExp", EDGES,
+     "test_kernel_holds_at_any_score_offset and offsets-across-batch-kpool1",
+     r"lse\[offset 32768\]: .*inf mismatches"),
+]
+GPU_BUG_IDS = [c[1] for c in GPU_BUG_CASES]
+
+
+def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, simulated: bool):
+    """Run GPU tests in a nested session in a subprocess (a crash or a CUDA error stays there):
+    on the installed FlashInfer, or on a simulated SM90 machine with every GPU hidden."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if simulated:
+        monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        args = ("-p", "tests.simulated_sm90", *args)
+    else:
+        args = ("--require-gpu-tier", *args)
+    return pytester.runpytest_subprocess(str(ROOT / path), "-k", select, "-p", "no:xdist", "-p", "no:cacheprovider",
+                                         "--rootdir", str(ROOT), *args, timeout=600)
+
+
+def assert_caught(result, entry: str, bug: str, message: str) -> None:
+    output = "\n".join(result.outlines + result.errlines)
+    assert result.ret == 1, f"docs/findings.md#{entry}: the suite did not fail on tests.bugs:{bug} (exit {result.ret})\n{output[-3000:]}"
+    assert re.search(message, output, flags=re.S), f"docs/findings.md#{entry}: expected /{message}/ in\n{output[-3000:]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.suite_self_test
+@pytest.mark.parametrize(("entry", "bug", "path", "select", "message"), GPU_BUG_CASES, ids=GPU_BUG_IDS)
+def test_gpu_families_fail_on_recreated_bug(pytester, monkeypatch, entry, bug, path, select, message):
+    """On the installed FlashInfer."""
+    result = run_gpu_family(pytester, monkeypatch, path, select, "-x", f"--impl=tests.bugs:{bug}", simulated=False)
+    assert_caught(result, entry, bug, message)
+
+
+@pytest.mark.suite_self_test
+@pytest.mark.parametrize(("entry", "bug", "path", "select", "message"), GPU_BUG_CASES, ids=GPU_BUG_IDS)
+def test_gpu_families_fail_on_recreated_bug_on_a_simulated_machine(pytester, monkeypatch, entry, bug, path, select, message):
+    result = run_gpu_family(pytester, monkeypatch, path, select, "-x", f"--impl=tests.bugs:{bug}", simulated=True)
+    assert_caught(result, entry, bug, message)
+
+
+@pytest.mark.suite_self_test
+def test_gpu_families_pass_on_the_project_path_on_a_simulated_machine(pytester, monkeypatch):
+    """The same selections pass on the project's own implementation: the failures above are the bugs'."""
+    select = " or ".join(f"({c[3]})" for c in GPU_BUG_CASES)
+    result = run_gpu_family(pytester, monkeypatch, EDGES, select, simulated=True)
+    output = "\n".join(result.outlines + result.errlines)
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0 and outcomes.get("passed") == len(GPU_BUG_CASES) and not outcomes.get("skipped"), output[-3000:]
