@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -143,8 +144,9 @@ class Search:
 
 def search_largest(attempt: Callable[[int], Attempt], *, bound: int, start: int = 1) -> Search:
     """Grow N from ``start`` by doubling (capped at ``bound``) while attempts succeed, then
-    bisect between the last success and the first failure, to the exact N. Assumes success is
-    monotone in N; every attempt is kept, so a report shows what was tried."""
+    bisect between the last success (0 when ``start`` itself fails) and the first failure, to the
+    exact N. Assumes success is monotone in N; every attempt is kept, so a report shows what was
+    tried."""
     if not 1 <= start <= bound:
         raise ValueError(f"need 1 <= start <= bound, got start={start}, bound={bound}")
     attempts: list[Attempt] = []
@@ -476,27 +478,30 @@ def checked_sizes(search: Search) -> list[int]:
 
 
 def study_heads(heads: int, *, bound: int, plan_attempt_fn, rows_attempt_fn, rows_search: bool = False,
-                rows_bound: int | None = None) -> dict:
+                rows_search_start: int = 1024, rows_workers: int = 1) -> dict:
     """For one head count: the plan search, then every row of the plans just below, at and just
     above the limit (:func:`checked_sizes`; one that plan() did not accept is recorded as the
-    search saw it), and, with
-    ``rows_search``, the largest N whose rows are all right (searched only when some checked
-    plan was not)."""
+    search saw it), ``rows_workers`` children at once. With ``rows_search``, where a checked plan
+    was accepted and its rows were not all right, the largest N whose rows are (growing from
+    ``rows_search_start``, up to the smallest such plan)."""
     plans = search_largest(lambda n: plan_attempt_fn(n, heads), bound=bound)
-    checks = []
-    for n in checked_sizes(plans):
-        failed = plans.first_failing if plans.first_failing and plans.first_failing.rows == n else None
-        checks.append(failed if failed is not None else rows_attempt_fn(n, heads))
+    failed = plans.first_failing
+    sizes = checked_sizes(plans)
+    to_run = [n for n in sizes if failed is None or n != failed.rows]
+    with ThreadPoolExecutor(max_workers=max(1, rows_workers)) as pool:
+        ran = dict(zip(to_run, pool.map(lambda n: rows_attempt_fn(n, heads), to_run)))
+    checks = [ran[n] if n in ran else failed for n in sizes]
     entry = {"heads": heads, "plan_search": plans.to_dict(), "row_checks": [asdict(c) for c in checks]}
     wrong = [c for c in checks if c.kind == "rows" and not c.ok and c.outcome != "not-run"]
     if rows_search and wrong:
-        top = min(rows_bound or bound, min(c.rows for c in wrong))
-        entry["rows_search"] = search_largest(lambda n: rows_attempt_fn(n, heads), bound=top).to_dict()
+        top = min(c.rows for c in wrong)
+        entry["rows_search"] = search_largest(lambda n: rows_attempt_fn(n, heads), bound=top,
+                                              start=min(rows_search_start, top)).to_dict()
     return entry
 
 
 def study(heads_list=DEFAULT_HEADS, *, bound: int = INT32_ROWS_BOUND, rows_search: bool = False,
-          plan_timeout: float = PLAN_TIMEOUT_S, rows_timeout: float = ROWS_TIMEOUT_S) -> dict:
+          plan_timeout: float = PLAN_TIMEOUT_S, rows_timeout: float = ROWS_TIMEOUT_S, rows_workers: int = 1) -> dict:
     """The plan limits of the FlashInfer installed here, for each head count (children on this
     machine's GPU)."""
     info = environment_info()
@@ -506,7 +511,7 @@ def study(heads_list=DEFAULT_HEADS, *, bound: int = INT32_ROWS_BOUND, rows_searc
             started = time.perf_counter()
             entry = study_heads(heads, bound=bound, plan_attempt_fn=worker.attempt,
                                 rows_attempt_fn=lambda n, h: run_rows_attempt(n, h, timeout=rows_timeout),
-                                rows_search=rows_search)
+                                rows_search=rows_search, rows_workers=rows_workers)
             entry["seconds"] = round(time.perf_counter() - started, 1)
             entries.append(entry)
         info["plan_children"] = worker.started

@@ -4,6 +4,9 @@ device-side generators (bitwise the host builder's), the scale batches, the row-
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,12 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import harness.scenario as scenario_module
+from fast.impl import FastImpl
 from fast.layouts import LAYOUTS
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import KPOOLS, VARIANTS
 from harness.pipeline import as_planned, prepare_step, selection_mismatches
 from harness.row_check import judge_rows, planned_selection_on, row_errors, same_multisets_on, selection_mismatches_on
-from harness.scale import LARGE_ROWS, SCALE_HEADS, SCALE_ROWS, case_by_id, scale_cases, scale_spec
+from harness.scale import LARGE_ROWS, SCALE_HEADS, SCALE_ROWS, case_by_id, run_case_in_child, scale_cases, scale_spec
 from harness.scenario import (
     build_attention_inputs_on,
     component_seed,
@@ -272,3 +276,57 @@ def test_device_selections_are_the_host_selections(impl, device, layout):
     else:
         regimes = {scenario.row_regime[r] for r in selection_mismatches(step)}
         assert regimes <= {"C"}
+
+
+# --- a scale case in a child process ------------------------------------------------------------
+
+
+class DyingImpl(FastImpl):
+    """The production path, dying (as a device fault would) when it makes the attention state."""
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        sys.stderr.write("CUDA error: an illegal memory access was encountered\n")
+        sys.stderr.flush()
+        os._exit(3)
+
+
+class RefusingState:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def plan(self, num_rows, lens):
+        raise ValueError(f"FA MLA needs {num_rows} work items including KV splits; native capacity is 1")
+
+
+class RefusingImpl(FastImpl):
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        return RefusingState()
+
+
+def dying_impl():
+    return DyingImpl()
+
+
+def refusing_impl():
+    return RefusingImpl()
+
+
+@pytest.fixture
+def child_on_cpu(monkeypatch):
+    monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_a_scale_child_that_dies_is_reported_with_its_stage_and_regimes(child_on_cpu):
+    case = case_by_id("rows1-kpool4-bf16-rope64-h16")
+    result = run_case_in_child(case, f"{__name__}:dying_impl", timeout=240)
+    assert result["outcome"] == "crashed" and result["stage"] == "selection", result
+    assert result["regimes"] == {"G": 1}
+    assert "exited with 3 at stage selection" in result["detail"] and "illegal memory access" in result["detail"]
+
+
+def test_a_scale_child_reports_a_refusal_at_plan(child_on_cpu):
+    case = case_by_id("rows2-kpool4-bf16-rope64-h128")
+    result = run_case_in_child(case, f"{__name__}:refusing_impl", timeout=240)
+    assert result["outcome"] == "refused" and result["refusal_is_value_error"], result
+    assert result["detail"].startswith("ValueError: FA MLA needs 2 work items") and result["regimes"] == {"C": 1, "G": 1}
