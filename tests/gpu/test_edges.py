@@ -153,7 +153,7 @@ def test_kernel_holds_at_any_score_offset(impl, features, request, regime_log, c
     note_baseline(request, state, launch, step, out, lse, every)
     regime_log.blame(step.regimes(sorted({r for _, rows in failed for r in rows})))
     assert not failed, f"kernel vs (b) beyond the error budget at large score offsets; {ctx}\n" + "\n".join(
-        f"{c.summary(step.regimes())} (positions above count within this offset's rows: {rows})"
+        f"{c.summary(step.regimes())} (positions count within this offset's rows: {rows})"
         for c, rows in failed
     )
 
