@@ -190,10 +190,10 @@ HEALTHY_REFUSALS = (ValueError, TypeError, NotImplementedError)
 
 
 def _refusal(exc: BaseException) -> dict:
-    """A refusal as a result: the exception's text, its base classes, and whether it leaves the
-    process healthy (:data:`HEALTHY_REFUSALS`)."""
-    bases = [c.__name__ for c in type(exc).__mro__[1:] if c not in (BaseException, object)]
-    return {"outcome": "refused", "detail": _exception_text(exc), "bases": bases,
+    """A refusal as a result: the exception's text, its class and base classes, and whether it
+    leaves the process healthy (:data:`HEALTHY_REFUSALS`)."""
+    types = [c.__name__ for c in type(exc).__mro__ if c not in (BaseException, object)]
+    return {"outcome": "refused", "detail": _exception_text(exc), "exception_types": types,
             "healthy": isinstance(exc, HEALTHY_REFUSALS)}
 
 
@@ -227,14 +227,17 @@ def plan_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
 
     start = time.perf_counter()
     result = {"kind": "plan", "rows": n, "heads": heads, "outcome": "accepted", "detail": ""}
+    on_cuda = torch.device(device).type == "cuda"
     try:
         wrapper, plan, _ = _limit_plan(n, heads, width, device)
         wrapper.plan(**plan)
-        torch.cuda.synchronize()
+        if on_cuda:
+            torch.cuda.synchronize()
         del wrapper, plan
     except Exception as exc:  # noqa: BLE001 - the refusal is the result
         result.update(_refusal(exc))
-    torch.cuda.empty_cache()
+    if on_cuda:
+        torch.cuda.empty_cache()
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -266,7 +269,8 @@ def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
         result["stage"] = stage
         emit("STAGE " + json.dumps({"stage": stage, "seconds": round(time.perf_counter() - start, 3)}))
 
-    free, _ = torch.cuda.mem_get_info()
+    on_cuda = torch.device(device).type == "cuda"
+    free = torch.cuda.mem_get_info()[0] if on_cuda else float("inf")
     needed = rows_bytes(n, heads, width) + (6 << 30)
     if needed > 0.9 * free:
         result.update(outcome="not-run", detail=f"needs about {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
@@ -289,7 +293,8 @@ def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
     try:
         reached("run")
         wrapper.run(q[..., :512], q[..., 512:], ckv, kpe, out=out, lse=lse)
-        torch.cuda.synchronize()
+        if on_cuda:
+            torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001
         result.update(outcome="run-error", detail=_exception_text(exc))
         return result

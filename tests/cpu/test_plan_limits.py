@@ -21,12 +21,15 @@ from harness.plan_limits import (
     entry_finding,
     exceeds_work_capacity,
     fa3_work_items,
+    plan_attempt,
     report_markdown,
+    rows_attempt,
     run_rows_attempt,
     search_largest,
     study_heads,
     write_report,
 )
+from tests.cpu.test_rerun import ReferenceWrapper, stand_in  # noqa: F401 - the fixture
 
 
 def threshold_attempts(limit: int, failing: str = "refused"):
@@ -267,3 +270,35 @@ def test_cluster_size_follows_the_average_packed_query():
 def test_work_capacity_rule():
     assert not exceeds_work_capacity(FA3_WORK_CAPACITY) and exceeds_work_capacity(FA3_WORK_CAPACITY + 1)
     assert INT32_ROWS_BOUND * PLAN_WIDTH < 2**31 <= (INT32_ROWS_BOUND + 1) * PLAN_WIDTH
+
+
+# --- what a child does, through the CPU stand-in of the wrapper ------------------------------------
+
+
+def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):  # noqa: F811
+    assert plan_attempt(5, 16, width=64, device="cpu")["outcome"] == "accepted"
+    ReferenceWrapper.refuse = "FA MLA needs 5 work items including KV splits; native capacity is 4."
+    try:
+        refused = plan_attempt(5, 16, width=64, device="cpu")
+    finally:
+        ReferenceWrapper.refuse = None
+    assert refused["outcome"] == "refused" and refused["healthy"] and refused["exception_types"] == ["ValueError", "Exception"]
+    assert refused["detail"] == "ValueError: FA MLA needs 5 work items including KV splits; native capacity is 4."
+
+
+def test_rows_attempt_judges_every_row(stand_in, monkeypatch):  # noqa: F811
+    stages = []
+    result = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append)
+    assert result["outcome"] == "right" and result["summary"]["rows"] == 6 and result["nonfinite_rows"] == 0
+    assert [json.loads(s[len("STAGE "):])["stage"] for s in stages] == ["inputs", "plan", "run", "judge", "done"]
+    # a kernel that writes a wrong row, silently
+    real_run = ReferenceWrapper.run
+
+    def one_wrong_row(self, q_nope, q_pe, ckv, kpe, *, out, lse, k_scale=1.0):
+        real_run(self, q_nope, q_pe, ckv, kpe, out=out, lse=lse, k_scale=k_scale)
+        out[4].mul_(1.05)
+
+    monkeypatch.setattr(ReferenceWrapper, "run", one_wrong_row)
+    wrong = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append)
+    assert wrong["outcome"] == "wrong" and wrong["summary"]["first_bad"] == [4]
+    assert wrong["detail"].startswith("1 of 6 rows beyond the budget, no error")
