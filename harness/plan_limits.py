@@ -282,7 +282,7 @@ def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
     q = query_rows(component_seed(seed, "limit-q"), torch.arange(n), heads, 576, device)
     pool = slot_values_on(component_seed(seed, "limit-kv"), torch.arange(POOL_SLOTS, device=device), 576,
                           torch.bfloat16)
-    ckv, kpe = pool[:, None, :512], pool[:, None, 512:]
+    ckv, kpe = pool.view(-1, 1, 576)[..., :512], pool.view(-1, 1, 576)[..., 512:]  # the kernel's [N, 1, D] views
     out, lse = nan_buffers(n, heads, device)
     try:
         reached("plan")

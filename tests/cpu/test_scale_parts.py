@@ -35,7 +35,7 @@ from mla_constants import INVALID, TOPK
 from reference import compare_to_budget, kv_len_rule, sparse_mla_reference
 from reference.budget import LSE_ULPS
 from reference.indexer import indexer_rows
-from reference.invariants import planned_selection, same_multisets
+from reference.invariants import same_multisets
 from reference.rules import valid_counts
 
 BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}

@@ -29,7 +29,7 @@ from harness.plan_limits import (
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_large, pytest.mark.edge("scale")]
 
 TEST_BOUND = 2 * FA3_WORK_CAPACITY
-ROWS_TIMEOUT_S = 180.0
+ROWS_TIMEOUT_S = 120.0
 
 
 def attempts_text(entry: dict) -> str:
