@@ -11,7 +11,9 @@ it on PYTHONPATH and give the release a JIT cache of its own (FLASHINFER_WORKSPA
 Without --wheels the installed FlashInfer runs, labelled "installed". --release defaults to
 every release folder in DIR. --cold-and-warm (default): empty the release's JIT cache, run,
 then run again on the cache that run left (the cold and the warm wall). --warm-only: one run on
-whatever the cache holds (a CI runner that keeps --jit-cache between jobs).
+whatever the cache holds (a CI runner that keeps --jit-cache between jobs). In the extra pytest
+arguments `{release}` and `{phase}` (cold, warm) are filled in per run, so that every run can
+record into a folder of its own: `-- --record-baseline=base/{release}-{phase}`.
 
 Each run's log, junit xml and FlashInfer's JIT build log go to --out (default out/gpu-runner);
 the table is printed last and written as table.md and table.json there. Exit status 1 when a
@@ -273,6 +275,12 @@ def build_pytest_command(junit: Path, extra: list[str]) -> list[str]:
             "--require-gpu-tier", f"--junitxml={junit}", "--durations=25", *extra]
 
 
+def expand_placeholders(extra: list[str], release: str, phase: str) -> list[str]:
+    """The extra pytest arguments with ``{release}`` and ``{phase}`` filled in, so that each run
+    can write a folder of its own (``--record-baseline=base-{release}-{phase}``)."""
+    return [arg.replace("{release}", release).replace("{phase}", phase) for arg in extra]
+
+
 def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str], timeout: float) -> Run:
     junit = out / f"junit-{release}-{phase}.xml"
     log = out / f"log-{release}-{phase}.txt"
@@ -281,7 +289,7 @@ def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str],
         f.unlink(missing_ok=True)
     env = dict(env, FLASHINFER_JIT_BUILD_LOG=str(build_log), GPU_RUNNER_RUN=f"{release}-{phase}",
                PYTHONUNBUFFERED="1")
-    command = build_pytest_command(junit, extra)
+    command = build_pytest_command(junit, expand_placeholders(extra, release, phase))
     print(f"=== {release} {phase}: {' '.join(command[1:])}", flush=True)
     started = time.monotonic()
     with open(log, "w") as sink:

@@ -107,3 +107,9 @@ def test_wheel_folders_and_fixed_mtimes(tmp_path):
         runner.wheel_files(tmp_path, "empty")
     runner.set_mtimes(tmp_path)
     assert {int(os.stat(f).st_mtime) for f in tmp_path.rglob("*.whl")} == {runner.INSTALL_MTIME}
+
+
+def test_extra_arguments_name_a_folder_per_run():
+    extra = ["--record-baseline=base/{release}-{phase}", "-k", "not slow"]
+    assert runner.expand_placeholders(extra, "0.7.4", "cold") == ["--record-baseline=base/0.7.4-cold", "-k", "not slow"]
+    assert runner.expand_placeholders(extra, "0.7.4", "warm")[0] == "--record-baseline=base/0.7.4-warm"
