@@ -184,12 +184,21 @@ def pytest_report_header(config):
     return lines
 
 
+#: Why a ``gpu_stand_in`` test is skipped where the GPU tier runs.
+STAND_IN_REPLACED = ("stands in for the GPU tier on machines without one; here the GPU tier runs the same "
+                     "families on the real FlashInfer")
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
+    stand_ins = [item for item in items if item.get_closest_marker("gpu_stand_in")]
+    if not (gpu_items or stand_ins):
         return
     reason = availability.sm90_flashinfer_unavailable_reason()
     config.stash[GPU_REASON] = reason or ""
+    if not reason:
+        for item in stand_ins:
+            item.add_marker(pytest.mark.skip(reason=STAND_IN_REPLACED))
     if reason and not config.getoption("--require-gpu-tier"):
         skip = pytest.mark.skip(reason=f"GPU tier: {reason}")
         for item in gpu_items:

@@ -312,12 +312,13 @@ def refusing_impl():
 
 
 @pytest.fixture
-def child_on_cpu(monkeypatch):
-    monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def child_on_this_device(monkeypatch, device):
+    """The child runs where this process's tests run: the compiled convert kernel on a GPU
+    machine, Triton's interpreter on CPU (TRITON_INTERPRET is inherited)."""
+    monkeypatch.setenv("SPARSE_MLA_DEVICE", device.type)
 
 
-def test_a_scale_child_that_dies_is_reported_with_its_stage_and_regimes(child_on_cpu):
+def test_a_scale_child_that_dies_is_reported_with_its_stage_and_regimes(child_on_this_device):
     case = case_by_id("rows1-kpool4-bf16-rope64-h16")
     result = run_case_in_child(case, f"{__name__}:dying_impl", timeout=240)
     assert result["outcome"] == "crashed" and result["stage"] == "selection", result
@@ -325,7 +326,7 @@ def test_a_scale_child_that_dies_is_reported_with_its_stage_and_regimes(child_on
     assert "exited with 3 at stage selection" in result["detail"] and "illegal memory access" in result["detail"]
 
 
-def test_a_scale_child_reports_a_refusal_at_plan(child_on_cpu):
+def test_a_scale_child_reports_a_refusal_at_plan(child_on_this_device):
     case = case_by_id("rows2-kpool4-bf16-rope64-h128")
     result = run_case_in_child(case, f"{__name__}:refusing_impl", timeout=240)
     assert result["outcome"] == "refused" and result["refusal_is_value_error"], result

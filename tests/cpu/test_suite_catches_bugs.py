@@ -100,6 +100,7 @@ def test_gpu_families_fail_on_recreated_bug(pytester, monkeypatch, entry, bug, p
     assert_caught(result, entry, bug, message)
 
 
+@pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
 @pytest.mark.parametrize(("entry", "bug", "path", "select", "message"), GPU_BUG_CASES, ids=GPU_BUG_IDS)
 def test_gpu_families_fail_on_recreated_bug_on_a_simulated_machine(pytester, monkeypatch, entry, bug, path, select, message):
@@ -107,6 +108,7 @@ def test_gpu_families_fail_on_recreated_bug_on_a_simulated_machine(pytester, mon
     assert_caught(result, entry, bug, message)
 
 
+@pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
 def test_gpu_families_pass_on_the_project_path_on_a_simulated_machine(pytester, monkeypatch):
     """Every test of the families' files passes on the project's own implementation: the
