@@ -35,6 +35,24 @@ def pytest_configure(config):
         share_cores(workerinput.get("workercount"))
 
 
+# --- slow tests first ------------------------------------------------------------------------
+
+SLOW_MARKERS = ("gpu_large", "suite_self_test")
+
+
+def starts_slow(item) -> bool:
+    """A test that takes seconds, not milliseconds: the largest plans, the suite's self-tests
+    and every test that runs a nested pytest session."""
+    return any(item.get_closest_marker(m) for m in SLOW_MARKERS) or "pytester" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (otherwise in collection order): xdist hands the first tests out one per
+    worker in turn, so they start on different workers at once instead of ending the run late."""
+    items[:] = sorted(items, key=lambda item: not starts_slow(item))
+
+
 # --- CPU threads per xdist worker --------------------------------------------------------------
 
 
