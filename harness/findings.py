@@ -5,6 +5,8 @@ finding. A finding that gets fixed turns its xfails into failures that ask for t
 
 from __future__ import annotations
 
+from .plan_limits import FA3_WORK_CAPACITY
+
 FINDINGS_DOC = "docs/findings.md"
 
 #: Regime C rows under the strided and packed layouts (format with ``layout=``).
@@ -14,6 +16,17 @@ REGIME_C_FINDING = "regime C rows planned as a prefix under {layout}: " + FINDIN
 STALE_CLUSTER_FINDING = (
     "graph replay keeps the captured cluster size: " + FINDINGS_DOC + "#graph-replay-with-stale-plan-state"
 )
+
+#: Plans of more work items than FlashInfer's fa3 scheduler holds (rows, at page size 1).
+WORK_CAPACITY_FINDING = (
+    f"a plan of more than {FA3_WORK_CAPACITY} work items (rows, at page size 1): "
+    + FINDINGS_DOC + "#plans-beyond-the-schedulers-work-capacity"
+)
+
+
+class WorkCapacityExceeded(AssertionError):
+    """A plan beyond the scheduler's work capacity was refused, or was accepted and then gave
+    wrong rows or crashed (the finding, whichever the release does)."""
 
 
 class RegimeCPlannedAsPrefix(AssertionError):

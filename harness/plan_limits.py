@@ -50,17 +50,6 @@ PLAN_TIMEOUT_S = 240.0  # the first plan of a fresh JIT cache builds the kernel 
 ROWS_TIMEOUT_S = 300.0
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: Reason of the strict xfails of plans beyond the work capacity (docs/edges.md).
-WORK_CAPACITY_FINDING = (
-    f"a plan of more than {FA3_WORK_CAPACITY} work items (rows, at page size 1): "
-    "docs/edges.md#plans-beyond-the-schedulers-work-capacity"
-)
-
-
-class WorkCapacityExceeded(AssertionError):
-    """A plan beyond the scheduler's work capacity was refused, or was accepted and then gave
-    wrong rows or crashed (the finding, whichever the release does)."""
-
 
 # --- the scheduler's work items -------------------------------------------------------------------
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import pytest
 
+from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
 from harness.plan_limits import (
     BAD_ROWS_OUTCOMES,
     DEFAULT_HEADS,
     FA3_WORK_CAPACITY,
-    WORK_CAPACITY_FINDING,
     PlanWorker,
-    WorkCapacityExceeded,
     entry_finding,
     run_rows_attempt,
     study_heads,
