@@ -2,7 +2,7 @@
 that plug into the suite with ``--impl tests.bugs:<ClassName>`` (a class is its own factory). The suite must fail on each
 (``tests/cpu/test_suite_catches_bugs.py`` checks that it does). Most are CPU-visible; the last
 ones live in the attention state and are caught by the GPU tier's edge families
-(docs/edges.md)."""
+(docs/edges.md), one per family."""
 
 from __future__ import annotations
 
@@ -153,3 +153,73 @@ class LseBaseChangedThroughExp(FastImpl):
                 lse[:n] = torch.log(torch.exp2(lse[:n]))
 
         return State(self, config, device, **dict(kwargs, lse_base_e=False))  # FlashInfer's own base-2 LSE
+
+
+#: Rows the step kernels of :class:`StepKernelsOnTheCapturedGrid` cover: the largest batch an
+#: engine captures in a CUDA graph (vLLM's default largest capture size).
+CAPTURED_GRID_ROWS = 512
+
+
+class StepKernelsOnTheCapturedGrid(FastImpl):
+    """docs/findings.md#step-kernels-on-the-captured-grid:
+    the convert and layout kernels of a step launched on a fixed grid of 512 rows, the largest
+    batch captured in a CUDA graph, also for the larger batches an engine runs eagerly: rows past
+    512 are planned and run, but their kv_indices keep what the buffer held (zeros in a fresh
+    state, the previous step's slots in a used one)."""
+
+    name = "edge-step-kernels-on-the-captured-grid"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from fast.sm90 import SM90AttentionState  # FlashInfer is imported only with a state
+
+        class State(SM90AttentionState):
+            def write_indices(self, topk_indices, block_table, req_id):
+                cfg = self.config
+                grid = min(CAPTURED_GRID_ROWS, cfg.max_rows)
+                self.impl.convert(topk_indices[:grid], block_table, req_id[:grid], cfg.block_size,
+                                  out=self.slots[:grid])
+                if cfg.layout != "strided":
+                    self.impl.write_kv_indices(cfg.layout, self.slots[:grid], self.kv_len[:grid],
+                                               self.kv_indptr[: grid + 1], self.kv_indices)
+
+        return State(self, config, device, **kwargs)
+
+
+class PlanKeptForAReorderedBatch(FastImpl):
+    """docs/findings.md#plan-kept-for-a-reordered-batch:
+    FlashInfer's plan kept while the batch's row count and sorted lengths repeat (what the cost
+    of a plan depends on), not which row has which length. The step's metadata still goes into
+    the reserved buffers, so the layout writes each row's new span; the kernel runs the kept
+    plan's spans over it: after a step with the same rows in another order, each row reads the
+    slots that now lie where the row in its place before had its span. The plan is kept with
+    ``AttentionConfig.reuse_plan`` on or off."""
+
+    name = "edge-plan-kept-for-a-reordered-batch"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from fast.sm90 import SM90AttentionState  # FlashInfer is imported only with a state
+
+        class State(SM90AttentionState):
+            kept_profile = None
+
+            def plan(self, num_rows, lens):
+                profile = (num_rows, sorted(lens.tolist()))
+                if not (self._planned and profile == self.kept_profile):
+                    super().plan(num_rows, lens)
+                    self.kept_profile = profile
+                    return
+                # FlashInfer's plan kept; the step's metadata written as plan() writes it.
+                cfg = self.config
+                torch.clamp(self._arange, max=num_rows, out=self._qo_host)
+                self._kv_len_host.zero_()
+                self._kv_len_host[:num_rows] = lens.to(torch.int32)
+                self._kv_indptr_host.copy_(self.impl.kv_indptr(cfg.layout, self._kv_len_host[:num_rows], cfg.max_rows,
+                                                               cfg.width))
+                for buffer, host in ((self.qo_indptr, self._qo_host), (self.kv_indptr, self._kv_indptr_host),
+                                     (self.kv_len, self._kv_len_host)):
+                    buffer.copy_(host)
+                self.num_rows = num_rows
+                self.plans += 1
+                self.reused_plans += 1
+
+        return State(self, config, device, **kwargs)

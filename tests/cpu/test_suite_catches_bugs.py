@@ -57,6 +57,13 @@ def test_bad_impl_spec_is_a_clear_usage_error(pytester):
 
 
 EDGES = "tests/gpu/test_edges.py"
+SCALE = "tests/gpu/test_scale.py"
+INVARIANCE = "tests/gpu/test_invariance.py"
+#: The scale case past the 512-row grid of StepKernelsOnTheCapturedGrid that the simulated
+#: machine runs in seconds (H 16); the larger cases take minutes there.
+SCALE_PAST_THE_GRID = "rows1024-kpool1"
+#: One invariance case (H 16, no rope: the cheapest on the simulated machine).
+INVARIANCE_CASE = "short-bf16-nope-h16"
 
 # (docs/findings.md anchor, re-creation, GPU test file, -k selection, message the failure shows)
 GPU_BUG_CASES = [
@@ -65,8 +72,28 @@ GPU_BUG_CASES = [
     ("lse-base-changed-through-exp", "LseBaseChangedThroughExp", EDGES,
      "test_kernel_holds_at_any_score_offset and offsets-across-batch-kpool1",
      r"lse\[offset 32768\]: .*inf mismatches"),
+    # Exactly the rows past the grid fail, the first of them named: the 512 rows the grid covers
+    # pass the family's checks.
+    ("step-kernels-on-the-captured-grid", "StepKernelsOnTheCapturedGrid", SCALE, SCALE_PAST_THE_GRID,
+     r"rows1024-\S+: wrong at stage done.*\b512 of 1024 rows beyond the error budget \(worst first\):\n"
+     r"E?\s+row (51[2-9]|5[2-9]\d|[6-9]\d\d|10[01]\d|102[0-3]) \(request \d+, regime"),
+    # The `last` placement fails, its rows named, and no other placement does: those are
+    # planned afresh and pass the family's checks.
+    ("plan-kept-for-a-reordered-batch", "PlanKeptForAReorderedBatch", INVARIANCE, INVARIANCE_CASE,
+     r"(?m)\A(?!.*^E\s+(?:alone|first|among-long|among-short): )"
+     r".*^E\s+last: \d+ of 256 rows beyond the error budget \(worst first\):\nE?\s+row \d+ \(row of key \d+, \d+ slots"
+     r".*^E\s+last: the target row moved by more than its error budget"),
 ]
 GPU_BUG_IDS = [c[1] for c in GPU_BUG_CASES]
+
+#: What runs on the project's path on the simulated machine: all of the edge file, and the scale
+#: cases of 1 to 3 rows. The larger scale and the invariance cases run there with their bugs
+#: only, whose messages above show the rows and placements the bugs leave right passing.
+PROJECT_PATH_RUNS = [(EDGES, ""), (SCALE, "rows1- or rows2- or rows3-")]
+
+#: glibc keeps freed memory for reuse instead of returning it: the references' large temporaries
+#: are then not mapped and zeroed afresh on every call (half the simulated runs' time otherwise).
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
 
 def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, simulated: bool):
@@ -74,6 +101,8 @@ def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, si
     on the installed FlashInfer, or on a simulated SM90 machine with every GPU hidden."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if simulated:
+        for name, value in KEEP_FREED_MEMORY.items():
+            monkeypatch.setenv(name, value)
         monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -110,13 +139,12 @@ def test_gpu_families_fail_on_recreated_bug_on_a_simulated_machine(pytester, mon
 
 @pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
-def test_gpu_families_pass_on_the_project_path_on_a_simulated_machine(pytester, monkeypatch):
-    """Every test of the families' files passes on the project's own implementation: the
-    failures above are the bugs', and the families' own code (plans, buffers, comparisons) runs
-    in every CI run."""
-    for path in sorted({c[2] for c in GPU_BUG_CASES}):
-        result = run_gpu_family(pytester, monkeypatch, path, "", simulated=True)
-        output = "\n".join(result.outlines + result.errlines)
-        outcomes = result.parseoutcomes()
-        assert result.ret == 0 and set(outcomes) == {"passed"}, f"{path} on a simulated machine:\n{output[-3000:]}"
-        assert outcomes["passed"] >= len(GPU_BUG_CASES), output[-3000:]
+@pytest.mark.parametrize(("path", "select"), PROJECT_PATH_RUNS, ids=[Path(p).stem for p, _ in PROJECT_PATH_RUNS])
+def test_gpu_families_pass_on_the_project_path_on_a_simulated_machine(pytester, monkeypatch, path, select):
+    """The families' tests pass on the project's own implementation: the failures above are the
+    bugs', and the families' own code (plans, buffers, comparisons) runs in every CI run."""
+    result = run_gpu_family(pytester, monkeypatch, path, select, simulated=True)
+    output = "\n".join(result.outlines + result.errlines)
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0 and outcomes.get("passed") and set(outcomes) <= {"passed", "deselected"}, (
+        f"{path} on a simulated machine:\n{output[-3000:]}")
