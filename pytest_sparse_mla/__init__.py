@@ -4,11 +4,14 @@ no ``-p`` is needed.
 
 - ``hypothesis_profiles``: the ``ci`` (default, derandomised) and ``thorough`` profiles;
 - ``impl``: ``--impl`` and ``--device`` (the ``impl`` and ``device`` fixtures), GPU gating of
-  ``gpu``-marked tests, the GPU-tier status in the header and summary, ``--require-gpu-tier``;
-- ``baselines``: ``--record-baseline`` / ``--compare-baseline`` / ``--baseline-out``;
+  ``gpu``-marked tests, the GPU-tier status in the header and summary, ``--require-gpu-tier``,
+  the ``gpu_stand_in`` tests skipped where the GPU tier runs;
+- ``baselines``: ``--record-baseline`` / ``--compare-baseline`` / ``--baseline-out`` /
+  ``--baseline-fixtures`` / ``--baseline-timing``, the timing pass;
 - ``replay``: ``--replay``, ``--dump-failures`` and the replay diagnostics;
-- ``regimes``: the ``regime_log`` fixture and the per-regime summary;
-- ``gpus``: per-worker GPU pinning, the GPU each xdist worker used, and the kernel
+- ``regimes``: the ``regime_log`` fixture, the ``regimes`` and ``edge`` markers, the summary per
+  regime and per edge family;
+- ``gpus``: slow tests spread over the xdist workers, per-worker GPU pinning, the GPU each xdist worker used, and the kernel
   error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
   a file).
 
