@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from .fixture import same_bits
+
 SCHEMA = 2
 KERNEL_TIME_LIMIT = 1.15
 KERNEL_TIME_FLOOR_US = 2.0
@@ -224,17 +226,6 @@ def judge_time(what: str, before: list[float], after: list[float], limit: float,
 # --- outputs ----------------------------------------------------------------------------------
 
 WORST_ROWS = 3
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per element: the same bits (a NaN equals a NaN of the same bits); values compared where
-    the dtypes differ."""
-    if a.dtype != b.dtype:
-        return a.double() == b.double()
-    if a.dtype.is_floating_point:
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return a.contiguous().view(bits) == b.contiguous().view(bits)
-    return a == b
 
 
 def drift(a: torch.Tensor, b: torch.Tensor) -> dict:

@@ -52,14 +52,28 @@ class Fixture:
         return self.tensors[key]
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bits (NaN-poisoned entries included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.dtype.is_floating_point:
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        bits = _BITS[a.element_size()]
         return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
     return torch.equal(a, b)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: the same bits (a NaN equals a NaN of the same bits); values compared where
+    the dtypes differ."""
+    if a.dtype != b.dtype:
+        return a.double() == b.double()
+    if a.dtype.is_floating_point:
+        bits = _BITS[a.element_size()]
+        return a.contiguous().view(bits) == b.contiguous().view(bits)
+    return a == b
 
 
 def remap_slots(*selections: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -22,7 +22,7 @@ from reference.invariants import check_row_invariants, planned_selection, same_m
 from reference.oracle import sparse_mla_reference
 
 from .case_log import note_fixture
-from .fixture import Fixture, bitwise_equal
+from .fixture import Fixture, bitwise_equal, same_bits
 
 
 @dataclass
@@ -281,22 +281,13 @@ def output_drift(new: torch.Tensor, old: torch.Tensor, against: str, k: int = 3,
     (NaN against NaN counts as equal when the bits are; any other NaN is an infinite diff)."""
     if new.shape != old.shape:
         return Drift(against, 0, max(new.numel(), old.numel()), float("inf"), [], what)
-    same = _bitwise_equal_elements(new, old)
+    same = same_bits(new, old)
     diff = (new.double() - old.double()).abs()
     diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
     per_row = diff.flatten(1).amax(dim=1) if diff.numel() else torch.zeros(new.shape[0], dtype=torch.float64)
     top = torch.topk(per_row, min(k, per_row.numel())) if per_row.numel() else None
     worst = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if v > 0] if top is not None else []
     return Drift(against, int(same.sum()), same.numel(), float(diff.max()) if diff.numel() else 0.0, worst, what)
-
-
-def _bitwise_equal_elements(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.dtype != b.dtype:
-        return a.double() == b.double()
-    if a.dtype.is_floating_point:
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return a.contiguous().view(bits) == b.contiguous().view(bits)
-    return a == b
 
 
 def agreeing_groups(outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[list[str]]:
