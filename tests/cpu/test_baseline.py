@@ -42,6 +42,11 @@ FIXTURES = ROOT / "fixtures"
 STEADY = [70.0, 70.5, 69.8]  # repeated medians (us) that agree within the spread limits
 
 
+def bf16_values(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Seeded bf16 test data: the same tensor on every run and every worker."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(torch.bfloat16)
+
+
 def rec(**kw) -> CaseRecord:
     return CaseRecord(case=kw.pop("case", "tests/gpu/test_x.py::test_case[a]"), **kw)
 
@@ -55,12 +60,13 @@ def summary(comparisons, run=None, before="0.7.2") -> dict[str, str]:
 
 
 def test_drift_counts_bitwise_equal_elements_relative_l2_and_the_rows_that_differ():
-    a = torch.randn(8, 8, dtype=torch.float64).to(torch.bfloat16)
+    a = torch.full((8, 8), 1.0, dtype=torch.bfloat16)
     b = a.clone()
-    b[2] = (b[2].float() * 1.01).to(torch.bfloat16)
-    b[5, :2] = (b[5, :2].float() * 1.5).to(torch.bfloat16)
+    b[2] = 1.0078125  # the next bf16 above 1
+    b[5, :2] = 1.5
     d = drift(a, b)
-    assert 0.6 < d["bitwise_equal"] < 1.0 and 0 < d["rel_l2"] < 0.2
+    assert d["bitwise_equal"] == 54 / 64 and d["max_abs"] == 0.5
+    assert d["rel_l2"] == pytest.approx((8 * 0.0078125**2 + 2 * 0.5**2) ** 0.5 / 8)
     assert (d["rows"], d["rows_differing"]) == (8, 2)
     assert [r for r, _ in d["worst_rows"]] == [5, 2], "the row that moved most comes first"
     same = drift(a, a)
@@ -189,7 +195,7 @@ def fixture_rec(name: str, **kw) -> CaseRecord:
 
 
 def test_a_release_against_itself_passes_with_every_class_ok():
-    out = {"out": torch.randn(6, 2, 8).to(torch.bfloat16)}
+    out = {"out": bf16_values(6, 2, 8)}
     r = rec(ratios={"out_max_ratio": 0.4}, kernel_us_repeats=STEADY, plan_us_repeats=[150.0, 152.0, 149.0])
     f = fixture_rec("a-identity-fill-bf16")
     lines = summary([compared(r, r, out, out), compared(f, f, out, out)])
@@ -200,7 +206,7 @@ def test_a_release_against_itself_passes_with_every_class_ok():
 
 
 def test_summary_has_one_line_per_class_of_change():
-    out = torch.randn(6, 2, 8).to(torch.bfloat16)
+    out = bf16_values(6, 2, 8)
     moved = out.clone()
     moved[4] += 0.5
     comparisons = [
@@ -244,7 +250,7 @@ def test_a_run_with_no_record_is_no_green(tmp_path):
 
 
 def test_directories_round_trip_into_markdown_and_json(tmp_path):
-    out = torch.randn(4, 2, 8).to(torch.bfloat16)
+    out = bf16_values(4, 2, 8)
     write_record(tmp_path / "a", rec(case="t::x", flashinfer="0.6.18.post1", kernel_us_repeats=STEADY,
                                      plan_us_repeats=[150.0] * 3, ratios={"out_max_ratio": 1.1}), {"out": out})
     write_record(tmp_path / "b", rec(case="t::x", flashinfer="0.7.4", kernel_us_repeats=STEADY,
