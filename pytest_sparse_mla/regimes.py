@@ -189,42 +189,31 @@ class RegimeTally:
             test["outcome"] = worse(test["outcome"], phase_outcome(report))
 
     def counts(self) -> tuple[Counter[str], dict[str, Counter[str]]]:
-        """(rows checked per regime, test outcomes per regime and on the no-regime line)."""
+        """(rows checked, test outcomes) per line of the table: per regime (a test with none
+        counts on the no-regime line) and per edge family (every row the family's tests
+        recorded, whatever its regime). A skipped test checked no row."""
         rows: Counter[str] = Counter()
         outcomes: dict[str, Counter[str]] = defaultdict(Counter)
         for test in self.tests.values():
             outcome = test["outcome"]
             if outcome is None:
                 continue
-            if outcome != "skipped" and test["recorded"]:
-                rows.update(test["recorded"]["rows"])
+            recorded = test["recorded"]["rows"] if test["recorded"] and outcome != "skipped" else Counter()
+            rows.update(recorded)
             for regime in credited_regimes(test["recorded"], test["declared"]) or [NO_REGIME]:
                 outcomes[regime][outcome] += 1
-        return rows, outcomes
-
-    def edge_counts(self) -> tuple[Counter[str], dict[str, Counter[str]]]:
-        """(rows checked per edge family: every row its tests recorded, whatever the regime;
-        test outcomes per edge family)."""
-        rows: Counter[str] = Counter()
-        outcomes: dict[str, Counter[str]] = defaultdict(Counter)
-        for test in self.tests.values():
-            outcome = test["outcome"]
-            if outcome is None:
-                continue
-            recorded = sum(test["recorded"]["rows"].values()) if test["recorded"] else 0
             for edge in test["edges"]:
-                outcomes[edge][outcome] += 1
-                if outcome != "skipped":
-                    rows[edge] += recorded
+                label = EDGE_LABEL.format(edge)
+                outcomes[label][outcome] += 1
+                rows[label] += sum(recorded.values())
         return rows, outcomes
 
     def lines(self) -> list[str]:
         rows, outcomes = self.counts()
-        edge_rows, edge_outcomes = self.edge_counts()
-        table = [(regime, "-" if regime == NO_REGIME else str(rows.get(regime, 0)), outcomes.get(regime, Counter()), meaning)
-                 for regime, meaning in [*REGIMES.items(), (NO_REGIME, "tests that cover no context regime")]]
-        table += [(EDGE_LABEL.format(edge), str(edge_rows.get(edge, 0)), edge_outcomes.get(edge, Counter()), meaning)
-                  for edge, meaning in EDGE_FAMILIES.items()]
+        meanings = [*REGIMES.items(), (NO_REGIME, "tests that cover no context regime"),
+                    *((EDGE_LABEL.format(edge), meaning) for edge, meaning in EDGE_FAMILIES.items())]
+        table = [(label, "-" if label == NO_REGIME else str(rows.get(label, 0)), outcomes.get(label, Counter()), meaning)
+                 for label, meaning in meanings]
         width = max(len(label) for label, *_ in table) + 1
         head = (f"{'regime':<{width}}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}{'skipped':>9}"
                 "  meaning")
