@@ -55,6 +55,10 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
+#: The start of the ValueError with which a plan() that checks page counts
+#: (``plan_checks_page_counts``) refuses a row whose kv_indptr span is not ceil(kv_len / page_size).
+PAGE_COUNT_REFUSAL = "CSR metadata page counts in kv_indptr must equal ceil"
+
 #: The behaviours :func:`probe_behaviour` finds out, with what each one means.
 PROBED_BEHAVIOURS = {
     "plan_checks_page_counts": "plan() refuses kv_indptr page counts other than ceil(kv_len / page_size)",

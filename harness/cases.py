@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK, variant_name
+import torch
+
+from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, KV_LORA_RANK, ROPE_DIM, TOPK, variant_name
 from reference import classify_row
 
-from .scenario import BatchSpec, batch, build_scenario
+from .scenario import KV_DTYPES, BatchSpec, batch, build_scenario
 
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
 KPOOLS = (1, 4)
@@ -107,6 +109,18 @@ class KernelConfig:
     @property
     def variant(self) -> str:
         return variant_name(self.kv_dtype, self.rope)
+
+    @property
+    def rope_dim(self) -> int:
+        return ROPE_DIM if self.rope else 0
+
+    @property
+    def head_dim(self) -> int:
+        return KV_LORA_RANK + self.rope_dim
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype]
 
     @property
     def id(self) -> str:

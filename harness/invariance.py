@@ -24,7 +24,10 @@ import torch
 from mla_constants import INVALID, TOPK
 
 from .cases import KernelConfig
-from .scenario import _NAN_BITS, component_seed, query_rows, slot_values_on
+from recording.fixture import same_bits
+from reference.budget import finite_mismatch
+
+from .scenario import component_seed, nan_kv_buffer, query_rows, slot_values_on
 
 POOL_SLOTS = 1 << 16
 FILLERS = 255
@@ -101,9 +104,8 @@ def build_batch(rows: list[Row], target: int, config: KernelConfig, seed: int, m
     topk[: len(rows)] = torch.where(cols < lens[:, None], cols, INVALID).to(torch.int32)
     table = torch.zeros((max_rows, width), dtype=torch.int32)
     table[: len(rows)] = slots.clamp(min=0).to(torch.int32)
-    head_dim = 512 + (64 if config.rope else 0)
     keys = torch.tensor([row.key for row in rows] + [0] * (max_rows - len(rows)), dtype=torch.int64)
-    q = query_rows(component_seed(seed, "invariance-q"), keys, config.num_heads, head_dim, device)
+    q = query_rows(component_seed(seed, "invariance-q"), keys, config.num_heads, config.head_dim, device)
     return Batch(rows, target, topk.to(device), table.to(device), torch.arange(max_rows, dtype=torch.int32, device=device),
                  lens, slots, q)
 
@@ -111,29 +113,24 @@ def build_batch(rows: list[Row], target: int, config: KernelConfig, seed: int, m
 def pool_cache(batches: list[Batch], config: KernelConfig, seed: int, device) -> torch.Tensor:
     """``[POOL_SLOTS, 1, 512 + R]`` in the variant's KV dtype: the slots some row reads hold the
     per-slot hash values, every other slot NaN (a read outside a selection shows)."""
-    head_dim = 512 + (64 if config.rope else 0)
-    dtype = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}[config.kv_dtype]
-    cache = torch.empty((POOL_SLOTS, 1, head_dim), dtype=dtype, device=device)
-    bits, pattern = _NAN_BITS[config.kv_dtype]
-    cache.view(bits).fill_(pattern)
+    cache = nan_kv_buffer((POOL_SLOTS, 1, config.head_dim), config.kv_dtype, device)
     used = torch.unique(torch.cat([b.slots[b.slots != INVALID] for b in batches])).to(device)
-    cache[used, 0] = slot_values_on(component_seed(seed, "invariance-kv"), used, head_dim).to(dtype)
+    cache[used, 0] = slot_values_on(component_seed(seed, "invariance-kv"), used, config.head_dim).to(config.torch_kv_dtype)
     return cache
 
 
 def bits_equal_share(a: torch.Tensor, b: torch.Tensor) -> float:
     """Share of elements whose bits are equal (NaN with the same bits counts as equal)."""
-    views = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
     if a.numel() == 0:
         return 1.0
-    return float((a.contiguous().view(views[a.dtype]) == b.contiguous().view(views[b.dtype])).double().mean())
+    return float(same_bits(a, b).double().mean())
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| where both are finite; inf where they disagree on NaN or on an infinity."""
     a, b = a.double(), b.double()
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    inf_mismatch = (torch.isinf(a) | torch.isinf(b)) & (a != b) & ~nan_a & ~nan_b
+    inf_mismatch = finite_mismatch(a, b) & ~nan_a & ~nan_b
     if bool((nan_a != nan_b).any() or inf_mismatch.any()):
         return float("inf")
     both = torch.isfinite(a) & torch.isfinite(b)

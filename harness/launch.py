@@ -42,6 +42,14 @@ def attention_config(scenario: Scenario, layout: str, max_rows: int | None = Non
     )
 
 
+def strided_plan_refused(features, step: Step) -> bool:
+    """A FlashInfer whose plan() checks page counts (probed: ``features.plan_checks_page_counts``)
+    refuses a strided plan whose planned rows are not all full width, with
+    ``fast.flashinfer_compat.PAGE_COUNT_REFUSAL``."""
+    width = step.scenario.spec.resolved_width
+    return step.layout == "strided" and bool(features.plan_checks_page_counts) and bool((step.planned_lens != width).any())
+
+
 def failure_context(step: Step, version: str) -> str:
     return f"flashinfer {version}; {step.context()}"
 

@@ -25,7 +25,7 @@ import torch
 
 from mla_constants import INVALID
 from reference import sparse_mla_reference
-from reference.budget import ABS_FLOOR, FACTORS, FLOAT32_EPS, LSE_ULPS
+from reference.budget import LSE_ULPS, allowed_errors, element_errors, finite_mismatch
 
 #: Output elements (rows x heads x 512) whose references one chunk computes: 2**26 float64
 #: values are 512 MiB, and the comparison holds a few tensors of that size at once.
@@ -85,31 +85,24 @@ def row_errors(name: str, actual: torch.Tensor, truth: torch.Tensor, lowp: torch
     the row's floor by that many float32 ulps of the row's largest finite ``|truth|``."""
     if actual.shape != truth.shape or lowp.shape != truth.shape:
         raise ValueError(f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}")
-    max_factor, mean_factor = FACTORS[kv_dtype]
     n = truth.shape[0]
     a, t, l = (x.detach().to(device=truth.device, dtype=torch.float64).reshape(n, truth.shape[1] if truth.dim() > 1 else 1, -1)
                for x in (actual, truth, lowp))
-    zero = torch.zeros((), dtype=torch.float64, device=t.device)
-    t_finite = torch.isfinite(t)
-    both = t_finite & torch.isfinite(a)
-    err = torch.where(both, (a - t).abs(), zero)
-    err_l = torch.where(t_finite & torch.isfinite(l), (l - t).abs(), zero)
+    err, err_l, both = element_errors(a, t, l)
     count = both.flatten(1).sum(dim=1).clamp(min=1).to(torch.float64)
     per_head = err.amax(dim=2)  # [N, H]
     max_err = per_head.amax(dim=1)
-    floor = ABS_FLOOR + ulps * FLOAT32_EPS * torch.where(t_finite, t.abs(), zero).flatten(1).amax(dim=1)
-    max_l = err_l.flatten(1).amax(dim=1)
-    mean_err = err.flatten(1).sum(dim=1) / count
-    mean_l = err_l.flatten(1).sum(dim=1) / count
-    inf_bad = ((torch.isinf(a) | torch.isinf(t)) & (a != t)).flatten(1).sum(dim=1)
+    max_abs_t = torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).flatten(1).amax(dim=1)
+    max_budget, mean_budget = allowed_errors(err_l.flatten(1).amax(dim=1), err_l.flatten(1).sum(dim=1) / count,
+                                             max_abs_t, kv_dtype, ulps)
     return RowErrors(
         name=name,
         nan=torch.isnan(a).flatten(1).sum(dim=1),
-        inf_bad=inf_bad,
+        inf_bad=finite_mismatch(a, t).flatten(1).sum(dim=1),
         max_err=max_err,
-        max_budget=max_factor * max_l + floor,
-        mean_err=mean_err,
-        mean_budget=mean_factor * mean_l + floor,
+        max_budget=max_budget,
+        mean_err=err.flatten(1).sum(dim=1) / count,
+        mean_budget=mean_budget,
         worst_head=per_head.argmax(dim=1),
     )
 

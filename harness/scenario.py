@@ -409,6 +409,25 @@ def slot_values(seed: int, slots: np.ndarray, head_dim: int) -> np.ndarray:
     return _normal_table()[lanes[:, :head_dim]]
 
 
+def nan_kv_buffer(shape: tuple[int, ...], kv_dtype: str, device) -> torch.Tensor:
+    """A KV buffer of ``kv_dtype`` on ``device`` with every element NaN: a slot no builder
+    wrote shows in any output that reads it."""
+    bits, pattern = _NAN_BITS[kv_dtype]
+    buffer = torch.empty(shape, dtype=KV_DTYPES[kv_dtype], device=device)
+    buffer.view(bits).fill_(pattern)
+    return buffer
+
+
+def _kv_cache_buffer(scenario: Scenario, device, poison: bool) -> torch.Tensor:
+    """The scenario's KV cache buffer on ``device``: every slot NaN with ``poison`` (the builder
+    then writes the slots some row reads), uninitialised without (the builder writes every slot)."""
+    spec = scenario.spec
+    shape = (scenario.num_blocks, spec.block_size, spec.head_dim)
+    if poison:
+        return nan_kv_buffer(shape, spec.kv_dtype, device)
+    return torch.empty(shape, dtype=spec.torch_kv_dtype, device=device)
+
+
 def build_attention_inputs(
     scenario: Scenario, device: torch.device | str = "cpu", *, poison: bool = True, q_seed_component: str = "q"
 ) -> AttentionInputs:
@@ -420,12 +439,10 @@ def build_attention_inputs(
     rows = scenario.topk_indices.shape[0]
     q = _normal(component_seed(scenario.seed, q_seed_component), (rows, spec.num_heads, spec.head_dim))
     q = q.to(torch.bfloat16).to(device)
-    cache = torch.empty((scenario.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=device)
+    cache = _kv_cache_buffer(scenario, device, poison)
     flat = cache.view(-1, spec.head_dim)
     kv_seed = component_seed(scenario.seed, "kv")
     if poison:
-        bits, pattern = _NAN_BITS[spec.kv_dtype]
-        cache.view(bits).fill_(pattern)
         slots = scenario.readable_slots()
         values = torch.from_numpy(slot_values(kv_seed, slots.numpy(), spec.head_dim)).to(spec.torch_kv_dtype)
         flat[slots.to(device)] = values.to(device)
@@ -618,12 +635,10 @@ def build_attention_inputs_on(
     if keys.numel() != rows:
         raise ValueError(f"row_keys has {keys.numel()} keys for {rows} rows")
     q = query_rows(component_seed(scenario.seed, q_seed_component), keys, spec.num_heads, spec.head_dim, device)
-    cache = torch.empty((scenario.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=device)
+    cache = _kv_cache_buffer(scenario, device, poison)
     flat = cache.view(-1, spec.head_dim)
     kv_seed = component_seed(scenario.seed, "kv")
     if poison:
-        bits, pattern = _NAN_BITS[spec.kv_dtype]
-        cache.view(bits).fill_(pattern)
         slots = readable_slots_on(scenario, device)
     else:
         slots = torch.arange(scenario.num_slots, dtype=torch.int64, device=device)

@@ -53,9 +53,33 @@ class Comparison:
         return "; ".join([head] + self.problems + ([f"worst: {worst}"] if worst else []))
 
 
-def _finite_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def finite_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Positions where one is +-inf and the other is not the same infinity."""
     return (torch.isinf(a) | torch.isinf(b)) & (a != b)
+
+
+def element_errors(a: torch.Tensor, t: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(err_kernel, err_lowp, both_finite)``: ``|a - t|`` where ``a`` and the truth ``t`` are
+    both finite (else 0), ``|l - t|`` where ``l`` and ``t`` are (else 0), and the first mask. The
+    means of the policy divide by the count of that mask."""
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
+    t_finite = torch.isfinite(t)
+    both = t_finite & torch.isfinite(a)
+    return torch.where(both, (a - t).abs(), zero), torch.where(t_finite & torch.isfinite(l), (l - t).abs(), zero), both
+
+
+def error_floor(max_abs_truth, ulps: float = 0.0):
+    """The absolute floor of the budget: ``ABS_FLOOR`` plus ``ulps`` float32 ulps of the largest
+    finite ``|truth|`` (a float or a tensor of them)."""
+    return ABS_FLOOR + ulps * FLOAT32_EPS * max_abs_truth
+
+
+def allowed_errors(max_lowp, mean_lowp, max_abs_truth, kv_dtype: str = "bfloat16", ulps: float = 0.0):
+    """``(max, mean)`` error the kernel may have given the low-precision reference's (floats or
+    tensors of them): the factors of ``kv_dtype`` times the reference's error, plus the floor."""
+    max_factor, mean_factor = FACTORS[kv_dtype]
+    floor = error_floor(max_abs_truth, ulps)
+    return max_factor * max_lowp + floor, mean_factor * mean_lowp + floor
 
 
 def _first_position(mask: torch.Tensor) -> tuple[int, ...]:
@@ -75,10 +99,8 @@ def _worst_rows_heads(err: torch.Tensor, k: int = 5) -> list[tuple[int, int, flo
 def _error_sums(a: torch.Tensor, t: torch.Tensor, l: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
     """The comparison's summary numbers, computed where the tensors live and brought back in one
     transfer, and the kernel's absolute error (0 where it or the truth is not finite)."""
-    finite = torch.isfinite(t) & torch.isfinite(a)
+    err, err_l, finite = element_errors(a, t, l)
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    err = torch.where(finite, (a - t).abs(), zero)
-    err_l = torch.where(torch.isfinite(t) & torch.isfinite(l), (l - t).abs(), zero)
     t_abs = torch.where(torch.isfinite(t), t.abs(), zero)
     t_fin = torch.where(finite, t, zero)
     if t.numel():
@@ -87,7 +109,7 @@ def _error_sums(a: torch.Tensor, t: torch.Tensor, l: torch.Tensor) -> tuple[dict
         maxima = [zero, zero, zero]
     names = ("nan", "inf_bad", "finite", "max_err", "max_l", "max_abs_t", "err_sum", "err_l_sum", "err_norm", "t_norm")
     values = torch.stack([
-        torch.isnan(a).sum().to(t.dtype), _finite_mismatch(a, t).sum().to(t.dtype), finite.sum().to(t.dtype), *maxima,
+        torch.isnan(a).sum().to(t.dtype), finite_mismatch(a, t).sum().to(t.dtype), finite.sum().to(t.dtype), *maxima,
         err.sum(), err_l.sum(), err.norm(), t_fin.norm(),
     ]).tolist()
     return dict(zip(names, values)), err
@@ -114,13 +136,14 @@ def compare_to_budget(
     if sums["nan"]:
         problems.append(f"{int(sums['nan'])} NaN (first at {_first_position(torch.isnan(a))})")
     if sums["inf_bad"]:
-        problems.append(f"{int(sums['inf_bad'])} inf mismatches (first at {_first_position(_finite_mismatch(a, t))})")
+        problems.append(f"{int(sums['inf_bad'])} inf mismatches (first at {_first_position(finite_mismatch(a, t))})")
     n = max(int(sums["finite"]), 1)
     max_err, mean_err = sums["max_err"], sums["err_sum"] / n
     max_l, mean_l = sums["max_l"], sums["err_l_sum"] / n
-    floor = ABS_FLOOR + ulps * FLOAT32_EPS * sums["max_abs_t"]
-    ok_max = max_err <= max_factor * max_l + floor
-    ok_mean = mean_err <= mean_factor * mean_l + floor
+    floor = error_floor(sums["max_abs_t"], ulps)
+    max_allowed, mean_allowed = allowed_errors(max_l, mean_l, sums["max_abs_t"], kv_dtype, ulps)
+    ok_max = max_err <= max_allowed
+    ok_mean = mean_err <= mean_allowed
     if not ok_max:
         problems.append(f"max err {max_err:.3g} > {max_factor} x lowp {max_l:.3g} + {floor:.3g}")
     if not ok_mean:

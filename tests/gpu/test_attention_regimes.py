@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from fast.layouts import LAYOUTS
 from harness import build_attention_inputs, build_scenario
 from harness.cases import (
@@ -29,7 +30,6 @@ from harness.cases import (
 from harness.findings import REGIME_C_FINDING, RegimeCPlannedAsPrefix, regime_c_finding
 from harness.launch import (
     DEVICE,
-    sync,
     assert_launchable,
     assert_within_budget,
     attention_config,
@@ -40,6 +40,8 @@ from harness.launch import (
     nan_buffers,
     prepared,
     state_matches_step,
+    strided_plan_refused,
+    sync,
     untouched_rows,
 )
 from harness.pipeline import describe_rows
@@ -50,9 +52,6 @@ from tests.gpu.notes import note_baseline, record_errors
 pytestmark = pytest.mark.gpu
 
 CASES = all_regime_cases() + situation_cases(1) + situation_cases(4)
-STRIDED_REJECTED = "CSR metadata page counts in kv_indptr must equal ceil"
-
-
 def params(cases, offset: int = 0):
     out = []
     for i, case in enumerate(cases):
@@ -65,13 +64,6 @@ def params(cases, offset: int = 0):
                                                raises=RegimeCPlannedAsPrefix, strict=True))
             out.append(pytest.param(case, layout, config, id=f"{case.id}-{layout}-{config.id}", marks=marks))
     return out
-
-
-def strided_rejected(features, step) -> bool:
-    """A FlashInfer whose plan checks page counts (probed) refuses a strided plan whose live
-    rows are not all full width."""
-    width = step.scenario.spec.resolved_width
-    return step.layout == "strided" and features.plan_checks_page_counts and bool((step.planned_lens != width).any())
 
 
 def run_case(impl, features, request, regime_log, case, layout, config, seed: int, *, scenario=None, label=""):
@@ -95,8 +87,8 @@ def run_case(impl, features, request, regime_log, case, layout, config, seed: in
     state = impl.make_attention_state(attention_config(scenario, layout, max_rows), DEVICE)
     launch = launch_inputs(impl, scenario, inputs, max_rows)
     out, lse = nan_buffers(max_rows, spec.num_heads)
-    if strided_rejected(features, step):
-        with pytest.raises(ValueError, match=STRIDED_REJECTED) as rejected:
+    if strided_plan_refused(features, step):
+        with pytest.raises(ValueError, match=PAGE_COUNT_REFUSAL) as rejected:
             state.plan(step.num_planned, step.planned_lens)
         request.getfixturevalue("baseline").note(error=f"ValueError at plan: {rejected.value}"[:300])
         return None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from fast.layouts import LAYOUTS
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import LONG_CTX, Case, covering_config
@@ -42,6 +43,7 @@ from harness.launch import (
     prepared,
     references,
     state_matches_step,
+    strided_plan_refused,
     sync,
     untouched_rows,
 )
@@ -51,7 +53,6 @@ from mla_constants import TOPK
 from recording.case_log import note_step
 from reference.budget import compare_attention
 from tests.gpu.notes import note_baseline, record_errors
-from tests.gpu.test_attention_regimes import STRIDED_REJECTED, strided_rejected
 
 pytestmark = pytest.mark.gpu
 
@@ -352,8 +353,8 @@ def test_previous_steps_slots_change_nothing(impl, features, request, regime_log
         ctx = f"edge stale-slots, step {index} ({case.name}{after}); {failure_context(step, features.version)}"
         inputs = build_attention_inputs(scenario, DEVICE, poison=False)
         launch = launch_inputs(impl, scenario, inputs, max_rows)
-        if strided_rejected(features, step):
-            with pytest.raises(ValueError, match=STRIDED_REJECTED):
+        if strided_plan_refused(features, step):
+            with pytest.raises(ValueError, match=PAGE_COUNT_REFUSAL):
                 reused.plan(n, step.planned_lens)
             return
         reused.plan(n, step.planned_lens)

@@ -12,7 +12,6 @@ more than its error budget (a finding).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fast.sm90 import AttentionConfig
 from harness.cases import VARIANTS, KernelConfig
@@ -33,7 +32,6 @@ from mla_constants import INVALID, KV_LORA_RANK, TOPK
 pytestmark = [pytest.mark.gpu, pytest.mark.edge("invariance")]
 
 SEED = 29
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def params():
@@ -79,7 +77,7 @@ def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_pr
     cache = pool_cache(list(batches.values()), config, SEED, DEVICE)
     state = impl.make_attention_state(AttentionConfig(
         num_heads=config.num_heads, max_rows=max_rows, width=TOPK, layout="compacted", block_size=1,
-        sm_scale=config.sm_scale, rope_dim=64 if config.rope else 0, kv_dtype=KV_DTYPES[config.kv_dtype],
+        sm_scale=config.sm_scale, rope_dim=config.rope_dim, kv_dtype=config.torch_kv_dtype,
         k_scale=config.k_scale), DEVICE)
     rows, problems = {}, []
     for placement, batch in batches.items():
