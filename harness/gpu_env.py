@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import warnings
 
 
 def worker_index(worker_id: str | None) -> int | None:
@@ -34,18 +35,45 @@ def pick_gpu(worker_id: str | None, visible_devices: str | None, gpu_count: int)
     return devices[index % len(devices)]
 
 
-def count_gpus_without_cuda() -> int:
-    """Number of NVIDIA GPUs, asked of NVML or nvidia-smi so that CUDA stays uninitialised."""
+def ask_nvml(query):
+    """``query(pynvml)`` between NVML's init and shutdown; None where NVML cannot answer: pynvml
+    not installed, or NVML's own error (no driver, no library, a GPU it cannot read), which the
+    callers answer by asking nvidia-smi. Any other exception is a bug in the query or in pynvml:
+    it is reported as a warning naming it, and the callers fall back alike."""
     try:
         import pynvml
-
+    except ImportError:
+        return None
+    try:
         pynvml.nvmlInit()
         try:
-            return int(pynvml.nvmlDeviceGetCount())
+            return query(pynvml)
         finally:
             pynvml.nvmlShutdown()
-    except Exception:
-        pass
+    except pynvml.NVMLError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported, then nvidia-smi answers instead
+        warnings.warn(f"NVML query failed unexpectedly ({type(exc).__name__}: {exc}); asking nvidia-smi instead",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+def nvml_gpus(nvml) -> list[tuple[str, str]]:
+    """``(name, compute capability)`` of each GPU NVML lists."""
+    gpus = []
+    for i in range(int(nvml.nvmlDeviceGetCount())):
+        handle = nvml.nvmlDeviceGetHandleByIndex(i)
+        name = nvml.nvmlDeviceGetName(handle)
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        gpus.append((name.decode() if isinstance(name, bytes) else str(name), f"{major}.{minor}"))
+    return gpus
+
+
+def count_gpus_without_cuda() -> int:
+    """Number of NVIDIA GPUs, asked of NVML or nvidia-smi so that CUDA stays uninitialised."""
+    count = ask_nvml(lambda nvml: int(nvml.nvmlDeviceGetCount()))
+    if count is not None:
+        return count
     if shutil.which("nvidia-smi"):
         try:
             listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
@@ -71,22 +99,9 @@ def gpus_without_cuda() -> list[tuple[str, str]]:
     """``(name, compute capability such as "9.0")`` of each NVIDIA GPU, asked of NVML or
     nvidia-smi so that CUDA stays uninitialised; the capability is "" where the driver does
     not report it."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            gpus = []
-            for i in range(int(pynvml.nvmlDeviceGetCount())):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-                name = pynvml.nvmlDeviceGetName(handle)
-                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-                gpus.append((name.decode() if isinstance(name, bytes) else str(name), f"{major}.{minor}"))
-            return gpus
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        pass
+    gpus = ask_nvml(nvml_gpus)
+    if gpus is not None:
+        return gpus
     if not shutil.which("nvidia-smi"):
         return []
     for fields in ("name,compute_cap", "name"):  # older drivers do not know compute_cap

@@ -4,10 +4,13 @@ intra-op threads it gets (no GPU needed)."""
 from __future__ import annotations
 
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
+from harness import gpu_env
 from harness.gpu_env import pick_gpu, worker_index
 from pytest_sparse_mla.gpus import THREAD_ENV, available_cores, share_cores, threads_per_worker
 
@@ -120,3 +123,72 @@ def test_spreading_ends_with_few_tests_or_none_slow():
     assert spread(["a", "b", "c"], [False, False, False], 1) == ["a", "b", "c"]
     assert spread(["a", "b", "c"], [False, True, True], 1) == ["b", "a", "c"]
     assert spread([], [], 1) == []
+
+
+class FakeNvml(types.ModuleType):
+    """A pynvml with one H200; ``fail`` names the call that raises and ``error`` what it raises."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, fail: str = "", error: type[Exception] | None = None):
+        super().__init__("pynvml")
+        self.fail, self.error, self.shut = fail, error, False
+
+    def _call(self, name, value):
+        if name == self.fail:
+            raise (self.error or self.NVMLError)(f"{name} failed")
+        return value
+
+    def nvmlInit(self):
+        return self._call("nvmlInit", None)
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):
+        return self._call("nvmlDeviceGetCount", 1)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self._call("nvmlDeviceGetHandleByIndex", i)
+
+    def nvmlDeviceGetName(self, handle):
+        return self._call("nvmlDeviceGetName", b"NVIDIA H200")
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle):
+        return self._call("nvmlDeviceGetCudaComputeCapability", (9, 0))
+
+
+@pytest.fixture
+def no_nvidia_smi(monkeypatch):
+    monkeypatch.setattr(gpu_env.shutil, "which", lambda name: None)
+
+
+def test_nvml_lists_the_gpus(monkeypatch, no_nvidia_smi, recwarn):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    assert gpu_env.gpus_without_cuda() == [("NVIDIA H200", "9.0")]
+    assert gpu_env.count_gpus_without_cuda() == 1
+    assert not recwarn.list
+
+
+@pytest.mark.parametrize("fail", ["nvmlInit", "nvmlDeviceGetName"])
+def test_nvml_errors_fall_back_quietly(monkeypatch, no_nvidia_smi, recwarn, fail):
+    """No driver, or a GPU NVML cannot read: NVML's own error; nvidia-smi is asked instead."""
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(fail))
+    assert gpu_env.gpus_without_cuda() == []
+    assert not recwarn.list
+
+
+def test_no_pynvml_falls_back_quietly(monkeypatch, no_nvidia_smi, recwarn):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    assert gpu_env.gpus_without_cuda() == [] and gpu_env.count_gpus_without_cuda() == 0
+    assert not recwarn.list
+
+
+@pytest.mark.parametrize("fail", ["nvmlDeviceGetCount", "nvmlDeviceGetCudaComputeCapability"])
+def test_an_unexpected_nvml_exception_is_reported(monkeypatch, no_nvidia_smi, fail):
+    fake = FakeNvml(fail, TypeError)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with pytest.warns(RuntimeWarning, match=rf"NVML query failed unexpectedly \(TypeError: {fail} failed\)"):
+        assert gpu_env.gpus_without_cuda() == []
+    assert fake.shut, "NVML was not shut down after the failed query"
