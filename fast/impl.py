@@ -112,7 +112,10 @@ def load_impl(spec: str) -> SparseMLAImpl:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--impl {spec!r}: cannot load the factory: {exc}") from exc
-    impl = factory()
+    try:
+        impl = factory()
+    except Exception as exc:  # noqa: BLE001 - whatever the user's factory raises is named
+        raise ValueError(f"--impl {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
     missing = [m for m in ("kv_lens", "planned_lens", "request_ids", "convert", "kv_indptr", "write_kv_indices") if not callable(getattr(impl, m, None))]
     if missing:
         raise ValueError(f"--impl {spec!r}: the object lacks {missing} (see fast.impl.SparseMLAImpl)")

@@ -2,7 +2,10 @@
 production code runs on (``--device``, the ``device`` fixture), and the GPU gating of
 ``gpu``-marked tests: skipped with the reason where no SM90 GPU with FlashInfer is usable, and
 said plainly (header and summary) where an NVIDIA GPU is visible but the GPU tier cannot run;
-``--require-gpu-tier`` makes that a failure.
+``--require-gpu-tier`` makes that a failure. Options that name something to load or write are
+checked when the run starts, each a usage error of one line: ``--impl`` (loaded and checked
+against the seam by the controlling process) and the folder of ``--dump-failures`` (an option of
+``pytest_sparse_mla.replay``).
 
 Who decides what: the controlling process (the only one under plain pytest) never touches
 CUDA nor imports FlashInfer; it asks NVML / nvidia-smi and ``importlib`` for the header and for
@@ -25,6 +28,7 @@ from harness import availability, gpu_env
 from .keys import GROUP
 
 IMPL_SPEC = pytest.StashKey[str]()
+IMPL = pytest.StashKey[object]()  # the implementation the controlling process loaded and checked
 GPU_REASON = pytest.StashKey[str]()  # why the GPU tier is skipped ("" when it runs), per test process
 WORKER_GPU_REASONS = pytest.StashKey[set]()  # the workers' GPU_REASON (controller)
 GPU_STATUS = pytest.StashKey["GpuTierStatus"]()  # the controller's CUDA-free view
@@ -85,10 +89,35 @@ def kernel_line(device: torch.device, gpu_name: str | None, *, interpreted: bool
     return f"convert kernel: {'Triton interpreter' if interpreted else 'compiled Triton'} on {where}"
 
 
+def checked_impl(spec: str):
+    """The implementation ``spec`` names, loaded and checked against the seam; a bad spec (no
+    colon, a module or factory that cannot be loaded, a factory that raises, an object without
+    the seam's methods) is one usage error naming it."""
+    try:
+        return load_impl(spec)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def dump_folder_problem(path: str) -> str | None:
+    """Why ``--dump-failures`` cannot write into ``path`` (made here if missing), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--dump-failures={path}: exists and is not a folder"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"--dump-failures={path}: cannot make the folder: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--dump-failures={path}: the folder is not writable"
+    return None
+
+
 @pytest.fixture(scope="session")
 def impl(pytestconfig):
-    """The implementation under test (``--impl module:factory``; default: fast/)."""
-    return load_impl(pytestconfig.stash[IMPL_SPEC])
+    """The implementation under test (``--impl module:factory``; default: fast/): loaded at
+    start-up by the controlling process, by each xdist worker when a test first asks."""
+    loaded = pytestconfig.stash.get(IMPL, None)
+    return loaded if loaded is not None else checked_impl(pytestconfig.stash[IMPL_SPEC])
 
 
 @pytest.fixture(scope="session")
@@ -154,7 +183,12 @@ def is_controller(config) -> bool:
 def pytest_configure(config):
     config.stash[IMPL_SPEC] = config.getoption("--impl")
     if not is_controller(config):
-        return
+        return  # a worker loads the implementation after its GPU pinning (pytest_sparse_mla.gpus)
+    config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])
+    dump = config.getoption("--dump-failures", None)
+    problem = dump_folder_problem(dump) if dump else None
+    if problem:
+        raise pytest.UsageError(problem)
     gpus = gpu_env.gpus_without_cuda()
     status = GpuTierStatus(gpus, availability.reason_without_cuda(gpus))
     config.stash[GPU_STATUS] = status

@@ -140,3 +140,64 @@ def test_device_cuda_without_cuda_is_a_usage_error(pytester):
     result, out = nested_run(pytester, "--device=cuda")
     assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     assert "--device=cuda, but torch sees no CUDA GPU here" in out, out[-3000:]
+
+
+# --- --impl and --dump-failures checked at start-up -----------------------------------------------
+
+BAD_IMPLS = """
+def raises():
+    raise RuntimeError("this backend needs its server")
+
+
+def lacking():
+    return object()
+"""
+
+
+def usage_run(pytester, *args: str, xdist: bool = False):
+    """A nested run of GPU_TEST's CPU test with ``args``; in a subprocess under xdist."""
+    pytester.makeconftest("pytest_plugins = ('pytest_sparse_mla',)\n")
+    pytester.makepyfile(test_gating=GPU_TEST, bad_impls=BAD_IMPLS)
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
+    pytester.syspathinsert()
+    if xdist:
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", *args)
+    else:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", *args)
+    return result, "\n".join(result.outlines + result.errlines)
+
+
+def assert_one_usage_error(result, out: str, line: str, *, exact: bool = True) -> None:
+    """rc 4, one error line (``line``, or beginning with it), no test run, no traceback."""
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    errors = [text for text in out.splitlines() if text.startswith("ERROR: ")]
+    assert len(errors) == 1, out[-3000:]
+    assert errors[0] == f"ERROR: {line}" if exact else errors[0].startswith(f"ERROR: {line}"), out[-3000:]
+    assert "passed" not in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize(("spec", "line"), [
+    ("fast.impl.default_impl", "--impl expects 'module:factory', got 'fast.impl.default_impl'"),
+    ("no_such_backend:make", "--impl 'no_such_backend:make': cannot load the factory: No module named 'no_such_backend'"),
+    ("bad_impls:raises", "--impl 'bad_impls:raises': the factory raised RuntimeError: this backend needs its server"),
+    ("bad_impls:lacking", "--impl 'bad_impls:lacking': the object lacks ['kv_lens', 'planned_lens', 'request_ids', "
+                          "'convert', 'kv_indptr', 'write_kv_indices'] (see fast.impl.SparseMLAImpl)"),
+], ids=["no-colon", "no-module", "factory-raises", "not-the-seam"])
+def test_a_bad_impl_is_one_usage_error_before_any_test(pytester, spec, line):
+    result, out = usage_run(pytester, f"--impl={spec}")
+    assert_one_usage_error(result, out, line)
+
+
+def test_a_bad_impl_is_a_usage_error_under_xdist_too(pytester):
+    result, out = usage_run(pytester, "--impl=bad_impls:raises", xdist=True)
+    assert_one_usage_error(result, out, "--impl 'bad_impls:raises': the factory raised RuntimeError: "
+                                        "this backend needs its server")
+
+
+def test_dump_failures_into_what_cannot_be_a_folder_is_a_usage_error(pytester, tmp_path):
+    existing = tmp_path / "a-file"
+    existing.write_text("")
+    result, out = usage_run(pytester, f"--dump-failures={existing}")
+    assert_one_usage_error(result, out, f"--dump-failures={existing}: exists and is not a folder")
+    result, out = usage_run(pytester, "--dump-failures=/proc/sparse-mla-dump")
+    assert_one_usage_error(result, out, "--dump-failures=/proc/sparse-mla-dump: cannot make the folder: ", exact=False)

@@ -52,8 +52,11 @@ def test_suite_fails_on_recreated_bug(pytester, entry, bug, path, select, messag
 
 def test_bad_impl_spec_is_a_clear_usage_error(pytester):
     result = run_suite(pytester, "tests.bugs:NoSuchThing", KVLEN, "identity")
-    assert result.ret != 0
-    assert "cannot load the factory" in "\n".join(result.outlines + result.errlines)
+    output = "\n".join(result.outlines + result.errlines)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("ERROR: ")]
+    assert errors == ["ERROR: --impl 'tests.bugs:NoSuchThing': cannot load the factory: "
+                      "module 'tests.bugs' has no attribute 'NoSuchThing'"], output[-3000:]
 
 
 EDGES = "tests/gpu/test_edges.py"
