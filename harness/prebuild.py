@@ -12,6 +12,7 @@ import torch
 from fast.impl import default_impl
 from mla_constants import TOPK
 
+from .availability import sm90_flashinfer_unavailable_reason
 from .cases import VARIANTS, KernelConfig
 from .launch import attention_config
 from .scenario import batch, build_scenario
@@ -28,6 +29,12 @@ def build_variant(impl, kv_dtype: str, rope: bool, k_scale: float) -> float:
 
 
 def main() -> int:
+    """Build every variant; where the SM90 FlashInfer path cannot run, one line saying why
+    and exit status 2, nothing built."""
+    reason = sm90_flashinfer_unavailable_reason()
+    if reason:
+        print(f"harness.prebuild: nothing to build here: {reason}", file=sys.stderr)
+        return 2
     impl = default_impl()
     total = 0.0
     for kv_dtype, rope, k_scale in VARIANTS:

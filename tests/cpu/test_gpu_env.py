@@ -4,6 +4,7 @@ intra-op threads it gets (no GPU needed)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -192,3 +193,15 @@ def test_an_unexpected_nvml_exception_is_reported(monkeypatch, no_nvidia_smi, fa
     with pytest.warns(RuntimeWarning, match=rf"NVML query failed unexpectedly \(TypeError: {fail} failed\)"):
         assert gpu_env.gpus_without_cuda() == []
     assert fake.shut, "NVML was not shut down after the failed query"
+
+
+def test_prebuild_without_a_gpu_refuses_in_one_line():
+    """``python3 -m harness.prebuild`` with every GPU hidden: one line naming why, non-zero exit."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-m", "harness.prebuild"], capture_output=True, text=True, timeout=120,
+                          cwd=root, env=env)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert done.returncode != 0 and lines == ["harness.prebuild: nothing to build here: no CUDA GPU visible to torch"], (
+        f"exit {done.returncode}:\n" + "\n".join(lines[-20:]))
