@@ -11,6 +11,13 @@ test that fails before recording a row still counts as failed where it belongs. 
 covers no regime is counted on the ``no regime`` line. Rows are counted for every test that
 was not skipped.
 
+A test that launches the attention kernel says so (``regime_log.kernel_ran()``), and a test whose
+plan() the installed FlashInfer refused as it is expected to (``regime_log.expected_refusal(why)``,
+as ``harness.launch.launch_step`` does) says that instead: such a test that passed counts in the
+``refused`` column, not as passed, and its rows are not counted as checked (no kernel read
+them). The run's summary ends with how many tests ran the kernel and how many ended at an
+expected refusal.
+
 Beside the regimes, the table has one line per edge family (docs/edges.md): a test marked
 ``@pytest.mark.edge("family")`` counts its outcome and every row it records on that family's
 line, whatever regimes it covers too. A test may carry several families; a family name that is
@@ -26,10 +33,10 @@ import pytest
 
 from reference import REGIMES
 
-from .keys import DECLARED_EDGES_KEY, DECLARED_REGIMES_KEY, REGIME_KEY
+from .keys import DECLARED_EDGES_KEY, DECLARED_REGIMES_KEY, LAUNCH_KEY, REGIME_KEY
 
 NO_REGIME = "no regime"
-OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+OUTCOMES = ("passed", "failed", "xfailed", "skipped", "refused")
 
 #: The edge families of the kernel's inputs (docs/edges.md), each with its line in the table.
 EDGE_FAMILIES: dict[str, str] = {
@@ -50,6 +57,7 @@ class RegimeLog:
         self.rows: Counter[str] = Counter()
         self.focus: set[str] = set()
         self.blamed: set[str] = set()
+        self.launches = {"ran": 0, "refused": []}
 
     def record(self, regimes, focus=None) -> None:
         """Count checked rows; without declared regimes the test's outcome is credited to
@@ -64,6 +72,22 @@ class RegimeLog:
         if regimes:
             self.blamed = regimes
             self._save()
+
+    def kernel_ran(self) -> None:
+        """The test launched the attention kernel (once more)."""
+        self.launches["ran"] += 1
+        self._save_launches()
+
+    def expected_refusal(self, why: str) -> None:
+        """The installed FlashInfer refused a plan, as this release is expected to: no kernel ran
+        for it."""
+        self.launches["refused"].append(why)
+        self._save_launches()
+
+    def _save_launches(self) -> None:
+        self._node.user_properties[:] = [p for p in self._node.user_properties if p[0] != LAUNCH_KEY]
+        self._node.user_properties.append((LAUNCH_KEY, {"ran": self.launches["ran"],
+                                                        "refused": list(self.launches["refused"])}))
 
     def _save(self) -> None:
         self._node.user_properties[:] = [p for p in self._node.user_properties if p[0] != REGIME_KEY]
@@ -155,6 +179,11 @@ def pytest_runtest_setup(item):
 # --- the tally ------------------------------------------------------------------------------
 
 
+def tally_outcome(outcome: str | None, launches: dict | None) -> str | None:
+    """A passed test that ended at an expected refusal is ``refused``; any other as it is."""
+    return "refused" if outcome == "passed" and launches and launches.get("refused") else outcome
+
+
 def phase_outcome(report) -> str:
     """passed, failed, xfailed or skipped for one phase's report (an xpass is a failure)."""
     if hasattr(report, "wasxfail"):
@@ -180,8 +209,10 @@ class RegimeTally:
         self.tests: dict[str, dict] = {}
 
     def add(self, report) -> None:
-        test = self.tests.setdefault(report.nodeid, {"outcome": None, "recorded": None, "declared": None, "edges": []})
+        test = self.tests.setdefault(report.nodeid, {"outcome": None, "recorded": None, "declared": None, "edges": [],
+                                                     "launches": None})
         props = dict(report.user_properties)
+        test["launches"] = props.get(LAUNCH_KEY, test["launches"])
         test["recorded"] = props.get(REGIME_KEY, test["recorded"])
         test["declared"] = props.get(DECLARED_REGIMES_KEY, test["declared"])
         test["edges"] = props.get(DECLARED_EDGES_KEY, test["edges"])
@@ -191,14 +222,15 @@ class RegimeTally:
     def counts(self) -> tuple[Counter[str], dict[str, Counter[str]]]:
         """(rows checked, test outcomes) per line of the table: per regime (a test with none
         counts on the no-regime line) and per edge family (every row the family's tests
-        recorded, whatever its regime). A skipped test checked no row."""
+        recorded, whatever its regime). A skipped or refused test checked no row."""
         rows: Counter[str] = Counter()
         outcomes: dict[str, Counter[str]] = defaultdict(Counter)
         for test in self.tests.values():
-            outcome = test["outcome"]
+            outcome = tally_outcome(test["outcome"], test["launches"])
             if outcome is None:
                 continue
-            recorded = test["recorded"]["rows"] if test["recorded"] and outcome != "skipped" else Counter()
+            checked = test["recorded"] and outcome not in ("skipped", "refused")
+            recorded = test["recorded"]["rows"] if checked else Counter()
             rows.update(recorded)
             for regime in credited_regimes(test["recorded"], test["declared"]) or [NO_REGIME]:
                 outcomes[regime][outcome] += 1
@@ -216,12 +248,22 @@ class RegimeTally:
                  for label, meaning in meanings]
         width = max(len(label) for label, *_ in table) + 1
         head = (f"{'regime':<{width}}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}{'skipped':>9}"
-                "  meaning")
+                f"{'refused':>9}  meaning")
         out = [head]
         for label, checked, o, meaning in table:
             out.append(f"{label:<{width}}{checked:>13}  |       {o['passed']:>7}{o['failed']:>8}{o['xfailed']:>9}"
-                       f"{o['skipped']:>9}  {meaning}")
+                       f"{o['skipped']:>9}{o['refused']:>9}  {meaning}")
         return out
+
+    def launch_counts(self) -> tuple[int, int]:
+        """(tests that ran the attention kernel, tests that ended at an expected refusal)."""
+        launches = [t["launches"] for t in self.tests.values() if t["launches"] and t["outcome"] is not None]
+        return sum(1 for x in launches if x["ran"]), sum(1 for x in launches if x["refused"])
+
+    def launch_line(self) -> str:
+        ran, refused = self.launch_counts()
+        return (f"attention kernel: ran in {ran} test{'s' if ran != 1 else ''}; {refused} ended at a refusal the "
+                "installed FlashInfer is expected to make (counted as refused, not passed)")
 
     def pytest_runtest_logreport(self, report):
         """Registered as a plugin on the controlling process only (one per session: nested
@@ -255,3 +297,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("sparse-MLA rows and test outcomes per context regime and edge family")
         for line in tally.lines():
             terminalreporter.write_line(line)
+        terminalreporter.write_line(tally.launch_line())

@@ -3,7 +3,9 @@ records a row still counts as failed in the regimes it declares, an xpass counts
 a skipped test's rows are not counted, a blamed failure counts only where it was blamed, and a
 test that covers no regime is counted on its own line, never dropped. Edge families: each has a
 line whatever ran, a test marked with a family counts there (its outcome and all its rows)
-besides its regimes, and an unknown family fails the test."""
+besides its regimes, and an unknown family fails the test. Launches: a passed test that ended at
+an expected refusal counts as refused (its rows unchecked), not passed, and the summary says how
+many tests ran the kernel and how many were expected refusals, under xdist too."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sparse_mla.regimes import EDGE_FAMILIES, EDGE_LABEL, NO_REGIME, credited_regimes, worse
+from pytest_sparse_mla.regimes import EDGE_FAMILIES, EDGE_LABEL, NO_REGIME, credited_regimes, tally_outcome, worse
 
 SUITE = """
 import pytest
@@ -154,6 +156,45 @@ def test_plain(regime_log):
 """
 
 
+LAUNCH_SUITE = """
+import pytest
+
+
+@pytest.mark.regimes("A")
+def test_ran(regime_log):
+    regime_log.record(["A", "A"])
+    regime_log.kernel_ran()
+
+
+@pytest.mark.regimes("A")
+def test_refused(regime_log):
+    regime_log.record(["A"] * 3)
+    regime_log.expected_refusal("ValueError at plan: CSR metadata page counts")
+
+
+@pytest.mark.regimes("B")
+def test_refused_then_failed(regime_log):
+    regime_log.record(["B"])
+    regime_log.expected_refusal("ValueError at plan: CSR metadata page counts")
+    assert False, "a check after the refusal failed"
+
+
+@pytest.mark.edge("stale-slots")
+def test_edge_refused(regime_log):
+    regime_log.record(["C"] * 4)
+    regime_log.expected_refusal("ValueError at plan: CSR metadata page counts")
+
+
+def test_ran_twice(regime_log):
+    regime_log.kernel_ran()
+    regime_log.kernel_ran()
+
+
+def test_launched_nothing():
+    pass
+"""
+
+
 def summary_table(output: str) -> dict[str, tuple]:
     """regime -> (rows checked, passed, failed, xfailed, skipped) from the printed table."""
     lines = output.splitlines()
@@ -169,13 +210,24 @@ def summary_table(output: str) -> dict[str, tuple]:
     return table
 
 
-def run_suite(folder: Path, suite: str) -> tuple[dict[str, tuple], str]:
-    """The summary of one run of ``suite`` in its own process, and the run's output."""
+def refused_column(output: str) -> dict[str, int]:
+    """regime -> the tests counted as expected refusals, from the printed table."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if "rows and test outcomes per context regime" in line)
+    assert lines[start + 1].split("|", 1)[1].split()[1:6] == ["passed", "failed", "xfailed", "skipped", "refused"]
+    return {line.split("|", 1)[0].rsplit(None, 1)[0].strip(): int(line.split("|", 1)[1].split()[4])
+            for line in lines[start + 2:] if "|" in line}
+
+
+def run_suite(folder: Path, suite: str, xdist: bool = False) -> tuple[dict[str, tuple], str]:
+    """The summary of one run of ``suite`` in its own process (with two xdist workers or none),
+    and the run's output."""
     (folder / "conftest.py").write_text('pytest_plugins = ("pytest_sparse_mla",)\n')
     (folder / "test_suite.py").write_text(suite)
     repo = Path(__file__).resolve().parents[2]
+    workers = ("-n", "2") if xdist else ("-p", "no:xdist")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "--rootdir", str(folder),
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *workers, "-q", "--rootdir", str(folder),
          str(folder)],
         capture_output=True, text=True, timeout=300, cwd=folder, env={**os.environ, "PYTHONPATH": str(repo)},
     )
@@ -298,3 +350,45 @@ def test_an_unknown_or_missing_family_fails_the_test_and_names_the_families(edge
     # as do test_magnitude_fails_before_recording (failed) and test_no_rows (passed)
     assert counts[NO_REGIME] == ("-", 1, 3, 0, 0), out
     assert counts["B"] == ("1", 1, 0, 0, 0), out
+
+
+@pytest.fixture(scope="module")
+def launch_table(tmp_path_factory):
+    """The summary of one run of LAUNCH_SUITE under xdist (the launches travel in the reports)."""
+    return run_suite(tmp_path_factory.mktemp("launch_suite"), LAUNCH_SUITE, xdist=True)
+
+
+def test_an_expected_refusal_counts_as_refused_not_passed_and_its_rows_unchecked(launch_table):
+    counts, out = launch_table
+    refused = refused_column(out)
+    assert counts["A"] == ("2", 1, 0, 0, 0) and refused["A"] == 1, out  # test_ran's 2 rows; the refused test's 3 not
+    assert counts[edge("stale-slots")] == ("0", 0, 0, 0, 0) and refused[edge("stale-slots")] == 1, out
+    assert counts["C"] == ("0", 0, 0, 0, 0) and refused["C"] == 1, out
+
+
+def test_a_failure_after_a_refusal_counts_as_failed(launch_table):
+    counts, out = launch_table
+    assert counts["B"] == ("1", 0, 1, 0, 0) and refused_column(out)["B"] == 0, out
+
+
+def test_the_summary_counts_tests_that_ran_the_kernel_and_expected_refusals(launch_table):
+    counts, out = launch_table
+    assert counts[NO_REGIME] == ("-", 2, 0, 0, 0), out
+    assert ("attention kernel: ran in 2 tests; 3 ended at a refusal the installed FlashInfer is expected to make "
+            "(counted as refused, not passed)") in out, out
+
+
+def test_without_launches_the_summary_says_none_ran(table):
+    counts, out = table
+    assert "attention kernel: ran in 0 tests; 0 ended at a refusal" in out, out
+
+
+@pytest.mark.parametrize(("outcome", "launches", "expected"), [
+    ("passed", None, "passed"),
+    ("passed", {"ran": 1, "refused": []}, "passed"),
+    ("passed", {"ran": 0, "refused": ["ValueError at plan"]}, "refused"),
+    ("failed", {"ran": 0, "refused": ["ValueError at plan"]}, "failed"),
+    ("xfailed", {"ran": 0, "refused": ["ValueError at plan"]}, "xfailed"),
+])
+def test_tally_outcome(outcome, launches, expected):
+    assert tally_outcome(outcome, launches) == expected
