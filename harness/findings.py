@@ -24,6 +24,14 @@ WORK_CAPACITY_FINDING = (
 )
 
 
+#: The kernel's error on rows whose raw scores carry one product of 2**15.
+SCORE_PRECISION_FINDING = "raw score offsets of 2**15 exceed the budget: " + FINDINGS_DOC + "#score-precision-at-2-15"
+
+
+class ScorePrecisionAt2To15(AssertionError):
+    """Only rows at raw score offsets of +-2**15 are beyond the budget, and within a few times it."""
+
+
 class WorkCapacityExceeded(AssertionError):
     """A plan beyond the scheduler's work capacity was refused, or was accepted and then gave
     wrong rows or crashed (the finding, whichever the release does)."""

@@ -1,6 +1,14 @@
 """What every GPU test does with one scenario: check before launch, launch through the attention
 state of the implementation under test, then compare with the references.
 
+:func:`launch_step` is the one launch a GPU test makes of a prepared step: the checks before
+launch, a fresh state, NaN-filled outputs, then plan, where the installed FlashInfer refuses the
+plan as it is expected to (:func:`strided_plan_refused`) the refusal checked and returned as the
+outcome, else convert -> layout -> run. It tells the test's log which it was (``kernel_ran()`` or
+``expected_refusal(why)``: the ``regime_log`` fixture), so the run counts refusals apart from
+kernel checks. Tests that drive a state themselves (graphs, reused states) plan through
+:func:`plan_or_refusal` and log their launches alike.
+
 Order matters: invariants and (b) == (a) are checked first and a violation fails the case
 without launching; the kernel runs on NaN-filled output buffers before any reference is
 allocated; the references are the float64 truth and the low-precision yardstick over the
@@ -9,12 +17,15 @@ as-implemented selection (b), compared by the one tolerance policy (reference.bu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import dataclasses
 import os
+import re
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from fast.sm90 import AttentionConfig
 from mla_constants import KV_LORA_RANK
 from recording.case_log import note_step
@@ -22,7 +33,7 @@ from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
 
 from .pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
-from .scenario import AttentionInputs, Scenario
+from .scenario import AttentionInputs, Scenario, build_attention_inputs
 
 DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
 
@@ -222,3 +233,93 @@ class StaticStep:
 
     def args(self):
         return (self.topk, self.table, self.req, self.q[..., :KV_LORA_RANK], self.q[..., KV_LORA_RANK:], self.ckv, self.kpe, self.out, self.lse)
+
+
+# --- one launch ---------------------------------------------------------------------------------
+
+
+class LaunchLog(Protocol):
+    """Where a test's launch outcomes go (the ``regime_log`` fixture)."""
+
+    def kernel_ran(self) -> None: ...
+
+    def expected_refusal(self, why: str) -> None: ...
+
+
+def plan_or_refusal(features, state, step: Step, log: LaunchLog) -> str | None:
+    """``state.plan`` for ``step``. Where the installed FlashInfer is expected to refuse this plan
+    (:func:`strided_plan_refused`), the refusal is checked (a ValueError with
+    ``PAGE_COUNT_REFUSAL``; any other error propagates), logged and returned; a plan accepted
+    there fails."""
+    if not strided_plan_refused(features, step):
+        state.plan(step.num_planned, step.planned_lens)
+        return None
+    try:
+        state.plan(step.num_planned, step.planned_lens)
+    except ValueError as exc:
+        if not re.search(re.escape(PAGE_COUNT_REFUSAL), str(exc)):
+            raise
+        why = f"ValueError at plan: {exc}"[:300]
+        log.expected_refusal(why)
+        return why
+    raise AssertionError(f"plan() accepted a strided plan with rows shorter than W, where the probe found that "
+                         f"this FlashInfer checks page counts (Features.plan_checks_page_counts); "
+                         f"{failure_context(step, features.version)}")
+
+
+@dataclass
+class Launched:
+    """One step launched on a fresh state: what the test checks next. ``refusal``: why the
+    installed FlashInfer refused the plan, as expected (nothing ran; ``out``/``lse`` hold NaN)."""
+
+    step: Step
+    inputs: AttentionInputs
+    state: object
+    launch: Launch
+    out: torch.Tensor
+    lse: torch.Tensor
+    version: str
+    refusal: str | None = None
+
+    @property
+    def ran(self) -> bool:
+        return self.refusal is None
+
+    @property
+    def rows(self) -> int:
+        return self.step.num_planned
+
+    def context(self, what: str = "") -> str:
+        """The failure context: ``what``, the FlashInfer version and the step."""
+        return f"{what}; {failure_context(self.step, self.version)}" if what else failure_context(self.step, self.version)
+
+
+def launch_step(impl, features, step: Step, *, log: LaunchLog, inputs: AttentionInputs | None = None,
+                **config_changes) -> Launched:
+    """The checks before launch (:func:`assert_launchable`), then plan + convert + layout + run of
+    ``step`` on a fresh state (``AttentionConfig`` fields changed by ``config_changes``) and NaN-filled
+    outputs, synchronised; or the plan refused as this FlashInfer is expected to. ``inputs``: the
+    step's device inputs (built from its scenario when not given)."""
+    assert_launchable(step, features.version)
+    scenario = step.scenario
+    inputs = inputs if inputs is not None else build_attention_inputs(scenario, DEVICE)
+    config = dataclasses.replace(attention_config(scenario, step.layout, step.max_rows), **config_changes)
+    state = impl.make_attention_state(config, DEVICE)
+    launch = launch_inputs(impl, scenario, inputs, step.max_rows)
+    out, lse = nan_buffers(step.max_rows, scenario.spec.num_heads)
+    refusal = plan_or_refusal(features, state, step, log)
+    if refusal is None:
+        state.step(*launch.step_args(out, lse))
+        sync()
+        log.kernel_ran()
+    return Launched(step, inputs, state, launch, out, lse, features.version, refusal)
+
+
+def check_launched(launched: Launched, what: str = "") -> None:
+    """After a launch that ran: the state handed the kernel what (b) describes, and the kernel
+    wrote no row past the planned rows (failures say ``what`` first)."""
+    step, ctx = launched.step, launched.context(what)
+    problems = state_matches_step(launched.state, step)
+    assert not problems, f"the state hands the kernel something else than (b) describes; {ctx}\n" + "\n".join(problems)
+    n = step.num_planned
+    assert untouched_rows(launched.out, n), f"the kernel wrote rows past the {n} planned rows; {ctx}"

@@ -16,25 +16,15 @@ from hypothesis import strategies as st
 
 from fast.layouts import LAYOUTS
 from harness import BatchSpec, Request, build_attention_inputs, build_scenario
-from harness.cases import all_regime_cases, has_regime_c, situation_cases
-from harness.findings import REGIME_C_FINDING, RegimeCPlannedAsPrefix, regime_c_finding
 from harness.pipeline import describe_rows, fixture_from_step, prepare_step, selection_mismatches
 from reference import kv_len_rule, valid_counts
-
-CASES = all_regime_cases() + situation_cases(1) + situation_cases(4)
+from tests.regime_c import REGIME_CASES as CASES
+from tests.regime_c import raise_regime_c_finding, regime_c_marks
 
 
 def layout_params():
-    params = []
-    for case in CASES:
-        c_rows = has_regime_c(case)
-        for layout in LAYOUTS:
-            marks = []
-            if c_rows and layout != "compacted":
-                marks.append(pytest.mark.xfail(reason=REGIME_C_FINDING.format(layout=layout),
-                                               raises=RegimeCPlannedAsPrefix, strict=True))
-            params.append(pytest.param(case, layout, id=f"{case.id}-{layout}", marks=marks))
-    return params
+    return [pytest.param(case, layout, id=f"{case.id}-{layout}", marks=regime_c_marks(case, layout))
+            for case in CASES for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -63,10 +53,7 @@ def test_plan_reads_the_intended_slots(impl, device, case, layout, regime_log, f
     failure_dump.arm(lambda: fixture_from_step(step, build_attention_inputs(scenario), focus=list(case.focus)))
     regime_log.record(step.regimes(), focus=case.focus or None)
     regime_log.blame(step.regimes([v.row for v in step.violations if v.row is not None]))
-    finding = regime_c_finding(step)
-    if finding:
-        regime_log.blame(["C"])
-        raise RegimeCPlannedAsPrefix(finding)
+    raise_regime_c_finding(step, regime_log)
     assert not step.violations, f"invariant violations; {step.context()}\n" + "\n".join(map(str, step.violations[:8]))
     bad = selection_mismatches(step)
     regime_log.blame(step.regimes(bad))

@@ -5,7 +5,8 @@ test that covers no regime is counted on its own line, never dropped. Edge famil
 line whatever ran, a test marked with a family counts there (its outcome and all its rows)
 besides its regimes, and an unknown family fails the test. Launches: a passed test that ended at
 an expected refusal counts as refused (its rows unchecked), not passed, and the summary says how
-many tests ran the kernel and how many were expected refusals, under xdist too."""
+many tests ran the kernel and how many were expected refusals, under xdist too, and so do the
+GPU tier's strided cases on a simulated machine whose FlashInfer refuses them at plan."""
 
 from __future__ import annotations
 
@@ -392,3 +393,32 @@ def test_without_launches_the_summary_says_none_ran(table):
 ])
 def test_tally_outcome(outcome, launches, expected):
     assert tally_outcome(outcome, launches) == expected
+
+
+#: Strided cases of three GPU families on a simulated machine whose FlashInfer checks page counts
+#: (tests.simulated_page_counts): rows shorter than W are refused at plan (ctx1; the stale-slots
+#: case's second step, after a first step that ran; the graph sequence's capture batch), full-width
+#: rows run (ctx4096).
+REFUSING_SELECTION = ("ctx1-kpool1-strided or ctx4096-kpool1-strided or strided-short "
+                      "or test_capture_once_replan_and_replay and strided")
+
+
+@pytest.mark.gpu_stand_in
+@pytest.mark.suite_self_test
+def test_expected_refusals_of_the_gpu_tier_count_as_refused_on_a_simulated_machine(tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "SPARSE_MLA_DEVICE": "cpu", "TRITON_INTERPRET": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    paths = [str(repo / "tests" / "gpu" / name) for name in ("test_attention_regimes.py", "test_edges.py",
+                                                              "test_cuda_graphs.py")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.simulated_sm90", "-p", "tests.simulated_page_counts",
+         "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--rootdir", str(repo), *paths, "-k", REFUSING_SELECTION],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "4 passed" in out, out[-3000:]
+    counts, refused = summary_table(out), refused_column(out)
+    assert counts["H"][1] == 1 and refused["H"] == 3, out[-3000:]  # ctx4096 ran; ctx1, stale slots and graphs refused
+    assert counts[edge("stale-slots")][1] == 0 and refused[edge("stale-slots")] == 1, out[-3000:]
+    assert "attention kernel: ran in 2 tests; 3 ended at a refusal" in out, out[-3000:]

@@ -1,8 +1,10 @@
-"""GPU-tier fixtures: the installed FlashInfer's features (its checks probed on the GPU), and
-the FlashInfer warnings each test raised attached to its report (summed up by
-``pytest_sparse_mla.gpus``)."""
+"""GPU-tier fixtures: the installed FlashInfer's features (its checks probed on the GPU), what a
+GPU test works with (``gpu``), and the FlashInfer warnings each test raised attached to its report
+(summed up by ``pytest_sparse_mla.gpus``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -17,6 +19,23 @@ def features():
     from harness.launch import DEVICE
 
     return detect_features(DEVICE)
+
+
+@dataclass(frozen=True)
+class GpuTest:
+    """What a GPU test launches with and reports to: the implementation under test, the
+    installed FlashInfer's features, the test's request and its regime log (where its launches
+    are counted, ``harness.launch.launch_step``)."""
+
+    impl: object
+    features: object
+    request: object
+    regime_log: object
+
+
+@pytest.fixture
+def gpu(impl, features, request, regime_log) -> GpuTest:
+    return GpuTest(impl, features, request, regime_log)
 
 
 @pytest.fixture(autouse=True)

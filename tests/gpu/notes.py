@@ -1,6 +1,7 @@
 """What the GPU tests attach to their reports: the measured error ratios (summed up at the end
 of the run) and, with ``--record-baseline`` / ``--compare-baseline``, each case's outputs and
-ratios, and in the upgrade check's timing pass its times."""
+ratios or the plan the installed FlashInfer refused, and in the upgrade check's timing pass its
+times."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import functools
 
 import torch
 
-from harness.launch import DEVICE, Launch, nan_buffers
+from harness.launch import DEVICE, Launch, Launched, nan_buffers
 from harness.pipeline import Step
 from pytest_sparse_mla.keys import ERROR_KEY
 from reference import Comparison
@@ -38,15 +39,22 @@ def case_timer():
     return timer
 
 
-def note_baseline(request, state, launch: Launch, step: Step, out, lse, comparisons) -> None:
-    """With --record-baseline / --compare-baseline: the case's outputs and ratios; in the timing
-    pass (--baseline-timing-out, one process per GPU): only its kernel and plan() times."""
+def note_baseline(request, launched: Launched, comparisons=None, *, out=None, lse=None) -> None:
+    """For the upgrade check: a plan the installed FlashInfer refused, as the case's error;
+    else, with --record-baseline / --compare-baseline, the case's outputs (``launched``'s, or
+    ``out``/``lse``) and ratios; in the timing pass (--baseline-timing-out, one process per GPU)
+    only its kernel and plan() times."""
     from pytest_sparse_mla.baselines import baseline_directory, timing_directory
 
+    if launched.refusal is not None:
+        request.getfixturevalue("baseline").note(error=launched.refusal)
+        return
+    out = launched.out if out is None else out
+    lse = launched.lse if lse is None else lse
     if timing_directory(request.config) is not None:
-        request.getfixturevalue("baseline").note(**time_case(state, launch, step, out))
+        request.getfixturevalue("baseline").note(**time_case(launched.state, launched.launch, launched.step, out))
     elif baseline_directory(request.config) is not None:
-        n = step.num_planned
+        n = launched.rows
         ratios = {f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio")}
         request.getfixturevalue("baseline").note(ratios=ratios, outputs={"out": out[:n], "lse": lse[:n]})
 

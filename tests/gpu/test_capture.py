@@ -16,7 +16,7 @@ from recording.replay import replay
 pytestmark = pytest.mark.gpu
 
 
-def program(impl, layout: str) -> list[torch.Tensor]:
+def program(impl, layout: str, regime_log) -> list[torch.Tensor]:
     """Three steps of one state (max 8 rows): plan on the host, then convert -> layout -> run."""
     specs = [batch((70, 1), (3000, 1), (300, 2), topk=256, kpool=4, num_heads=16, block_size=16),
              batch((2050, 1), (9, 1), topk=256, kpool=4, num_heads=16, block_size=16),
@@ -41,14 +41,15 @@ def program(impl, layout: str) -> list[torch.Tensor]:
         state.plan(step.num_planned, step.planned_lens)
         state.step(*launch.step_args(out, lse))
         sync()
+        regime_log.kernel_ran()
         results.append(torch.cat([out[: step.num_planned].float(), lse[: step.num_planned, :, None]], dim=-1).cpu())
     return results
 
 
-def test_capture_of_the_production_state(impl, tmp_path):
-    plain = program(impl, "compacted")
+def test_capture_of_the_production_state(impl, regime_log, tmp_path):
+    plain = program(impl, "compacted", regime_log)
     with capture_mla(tmp_path, every=1, max_cases=8) as log:
-        captured = program(impl, "compacted")
+        captured = program(impl, "compacted", regime_log)
     assert len(plain) == len(captured) == 3, f"{len(plain)} plain and {len(captured)} captured results of 3 steps"
     changed = [i for i, (a, b) in enumerate(zip(plain, captured, strict=True)) if not bitwise_equal(a, b)]  # NaN bits count as equal
     assert not changed, f"capturing changed the program's results at steps {changed}"

@@ -21,29 +21,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from fast.layouts import LAYOUTS
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import LONG_CTX, Case, covering_config
+from harness.findings import SCORE_PRECISION_FINDING, ScorePrecisionAt2To15
 from harness.launch import (
     DEVICE,
     assert_launchable,
     assert_within_budget,
     attention_config,
+    check_launched,
     compare_with_references,
-    eager_step,
     failure_context,
     launch_inputs,
+    launch_step,
     nan_buffers,
+    plan_or_refusal,
     prepared,
     references,
     state_matches_step,
-    strided_plan_refused,
     sync,
     untouched_rows,
 )
@@ -76,6 +78,8 @@ ALIGNMENT_OFFSET = 32768.0
 ALIGNMENT_CEILING = 4.0
 ALIGNMENT_FINDING = ("score precision at raw offsets of 2**15 (docs/findings.md#score-precision-at-2-15): only the "
                      "rows at +-32768 exceed the budget, at {worst:.2f}x lowp (budget 2x, ceiling {ceiling:g}x)")
+#: The magnitude case that shows it on every FlashInfer release measured (0.6.18.post1, 0.7.0.post1, 0.7.4).
+ALIGNMENT_CASE = "offsets-across-batch-kpool1"
 
 
 def magnitude_cases() -> list[Case]:
@@ -103,6 +107,13 @@ MAGNITUDE_PARAMS = [
 ]
 
 
+def expects_alignment_finding(case, features) -> bool:
+    """Whether ``case`` is to show the score-precision finding here: the finding is FlashInfer's
+    kernel's, so it is expected wherever a FlashInfer release is under test (a simulated
+    machine's reference stand-in does not show it)."""
+    return case.name == ALIGNMENT_CASE and re.match(r"\d+\.\d+", str(features.version)) is not None
+
+
 def offset_groups(scenario, num_rows: int) -> dict[float, list[int]]:
     """Planned rows by their raw score offset, in order of offset."""
     offsets = scenario.row_score_offsets()[:num_rows].tolist()
@@ -126,32 +137,21 @@ def plain_names(comparisons):
     return [dataclasses.replace(c, name=c.name.split("[", 1)[0]) for c in comparisons]
 
 
-def run_fresh(impl, step, inputs):
-    """plan + convert + layout + run of ``step`` on a fresh state; (state, launch, out, lse)."""
-    scenario = step.scenario
-    state = impl.make_attention_state(attention_config(scenario, step.layout, step.max_rows), DEVICE)
-    launch = launch_inputs(impl, scenario, inputs, step.max_rows)
-    out, lse = nan_buffers(step.max_rows, scenario.spec.num_heads)
-    eager_step(state, launch, step, out, lse)
-    sync()
-    return state, launch, out, lse
-
-
 @pytest.mark.edge("magnitude")
 @pytest.mark.parametrize(("case", "layout", "config"), MAGNITUDE_PARAMS)
-def test_kernel_holds_at_any_score_offset(impl, features, request, regime_log, case, layout, config):
-    """Each offset's rows: kernel == (b) within the budget, as at offset 0."""
+def test_kernel_holds_at_any_score_offset(gpu, case, layout, config):
+    """Each offset's rows: kernel == (b) within the budget, as at offset 0; where the
+    score-precision finding is expected, a strict xfail that only that finding satisfies."""
+    impl, features, request, regime_log = gpu.impl, gpu.features, gpu.request, gpu.regime_log
+    if expects_alignment_finding(case, features):
+        request.applymarker(pytest.mark.xfail(reason=SCORE_PRECISION_FINDING, raises=ScorePrecisionAt2To15, strict=True))
     scenario = build_scenario(config.apply(case.spec), seed=41)
     step = prepared(impl, scenario, layout)
     regime_log.record(step.regimes(), focus=case.focus or None)
-    assert_launchable(step, features.version)
-    inputs = build_attention_inputs(scenario, DEVICE)
-    state, launch, out, lse = run_fresh(impl, step, inputs)
-    n = step.num_planned
-    ctx = f"edge magnitude; {failure_context(step, features.version)}"
-    problems = state_matches_step(state, step)
-    assert not problems, f"the state hands the kernel something else than (b) describes; {ctx}\n" + "\n".join(problems)
-    assert untouched_rows(out, n), f"the kernel wrote rows past the {n} planned rows; {ctx}"
+    launched = launch_step(impl, features, step, log=regime_log)
+    check_launched(launched, "edge magnitude")
+    n, inputs, out, lse = launched.rows, launched.inputs, launched.out, launched.lse
+    ctx = launched.context("edge magnitude")
 
     note_step(step, inputs, out, lse)
     truth, lowp = references(step, inputs)
@@ -161,13 +161,13 @@ def test_kernel_holds_at_any_score_offset(impl, features, request, regime_log, c
         record_errors(request.node, step, plain_names(comparisons), label=f"magnitude offset {offset:g}")
         every += comparisons
         failed += [(offset, c, rows) for c in comparisons if not c.ok]
-    note_baseline(request, state, launch, step, out, lse, every)
+    note_baseline(request, launched, every)
     regime_log.blame(step.regimes(sorted({r for _, _, rows in failed for r in rows})))
     alignment_only = failed and all(abs(o) == ALIGNMENT_OFFSET and c.max_ratio <= ALIGNMENT_CEILING for o, c, _ in failed)
     if alignment_only:
         worst = max(c.max_ratio for _, c, _ in failed)
-        pytest.xfail(ALIGNMENT_FINDING.format(worst=worst, ceiling=ALIGNMENT_CEILING) + "; "
-                     + "; ".join(c.summary(step.regimes()).splitlines()[0] for _, c, _ in failed))
+        raise ScorePrecisionAt2To15(ALIGNMENT_FINDING.format(worst=worst, ceiling=ALIGNMENT_CEILING) + f"; {ctx}\n"
+                                    + "\n".join(c.summary(step.regimes()).splitlines()[0] for _, c, _ in failed))
     failed = [(c, rows) for _, c, rows in failed]
     assert not failed, f"kernel vs (b) beyond the error budget at large score offsets; {ctx}\n" + "\n".join(
         f"{c.summary(step.regimes())} (positions count within this offset's rows: {rows})"
@@ -230,20 +230,19 @@ EMPTIED = (0, 3, 5)
 @pytest.mark.edge("magnitude")
 @pytest.mark.parametrize(("layout", "config"), [pytest.param(layout, covering_config(index), id=f"{layout}-{covering_config(index).id}")
                                                 for layout, index in [("packed", 4), ("compacted", 5)]])
-def test_rows_with_no_slot_hold_the_contract(impl, features, request, regime_log, layout, config):
+def test_rows_with_no_slot_hold_the_contract(gpu, layout, config):
     """Empty rows among normal rows: the empty rows hold the contract, the others match (b)."""
+    impl, features, regime_log = gpu.impl, gpu.features, gpu.regime_log
     case = EMPTY_ROWS_CASE
     scenario = with_empty_rows(build_scenario(config.apply(case.spec), seed=43), EMPTIED)
     step = prepare_step(EmptyRows(impl, EMPTIED), scenario, layout, device=DEVICE)
     regime_log.record(step.regimes())
     n = step.num_planned
     assert [int(step.planned_lens[r]) for r in EMPTIED] == [0] * len(EMPTIED), "test setup: rows not emptied"
-    assert_launchable(step, features.version)
-    inputs = build_attention_inputs(scenario, DEVICE)
-    state, _, out, lse = run_fresh(impl, step, inputs)
-    ctx = f"edge magnitude (empty rows {list(EMPTIED)}); {failure_context(step, features.version)}"
-    problems = state_matches_step(state, step)
-    assert not problems, f"the state hands the kernel something else than (b) describes; {ctx}\n" + "\n".join(problems)
+    launched = launch_step(impl, features, step, log=regime_log)
+    what = f"edge magnitude (empty rows {list(EMPTIED)})"
+    check_launched(launched, what)
+    inputs, out, lse, ctx = launched.inputs, launched.out, launched.lse, launched.context(what)
 
     contract = empty_row_contract(features)
     empty = list(EMPTIED)
@@ -256,7 +255,7 @@ def test_rows_with_no_slot_hold_the_contract(impl, features, request, regime_log
     truth, lowp = references(step, inputs)
     others = [r for r in range(n) if r not in EMPTIED]
     comparisons = compare_rows(step, out, lse, truth, lowp, others, suffix="[rows with slots]")
-    record_errors(request.node, step, plain_names(comparisons), label="magnitude empty rows")
+    record_errors(gpu.request.node, step, plain_names(comparisons), label="magnitude empty rows")
     assert_within_budget(step, comparisons, features.version, what="kernel vs (b) beside empty rows")
 
 
@@ -331,9 +330,11 @@ assert {p.values[0] for p in STALE_PARAMS} == set(LAYOUTS), "every kv_indices la
 
 @pytest.mark.edge("stale-slots")
 @pytest.mark.parametrize(("layout", "kind", "config"), STALE_PARAMS)
-def test_previous_steps_slots_change_nothing(impl, features, request, regime_log, layout, kind, config):
+def test_previous_steps_slots_change_nothing(gpu, layout, kind, config):
     """A step on a state a larger step left behind, then with every entry outside the planned
-    spans overwritten by finite slot ids, equals the same step on a fresh state, bitwise."""
+    spans overwritten by finite slot ids, equals the same step on a fresh state, bitwise. Where
+    the installed FlashInfer refuses a step's plan as it is expected to, the test ends there."""
+    impl, features, request, regime_log = gpu.impl, gpu.features, gpu.request, gpu.regime_log
     cases = stale_sequence(kind)
     specs = one_cache_size([config.apply(c.spec) for c in cases])
     scenarios = [build_scenario(spec, seed=51 + i) for i, spec in enumerate(specs)]
@@ -353,11 +354,8 @@ def test_previous_steps_slots_change_nothing(impl, features, request, regime_log
         ctx = f"edge stale-slots, step {index} ({case.name}{after}); {failure_context(step, features.version)}"
         inputs = build_attention_inputs(scenario, DEVICE, poison=False)
         launch = launch_inputs(impl, scenario, inputs, max_rows)
-        if strided_plan_refused(features, step):
-            with pytest.raises(ValueError, match=PAGE_COUNT_REFUSAL):
-                reused.plan(n, step.planned_lens)
+        if plan_or_refusal(features, reused, step, regime_log) is not None:
             return
-        reused.plan(n, step.planned_lens)
         reused.write_indices(launch.topk_indices, launch.block_table, launch.req_id)
         problems = state_matches_step(reused, step)
         assert not problems, (f"the state hands the kernel something else than (b) describes (checked before "
@@ -366,10 +364,12 @@ def test_previous_steps_slots_change_nothing(impl, features, request, regime_log
         i = launch.inputs
         reused.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, out, lse)
         sync()
+        regime_log.kernel_ran()
         if index == 0:
             continue
 
-        _, _, fresh_out, fresh_lse = run_fresh(impl, step, inputs)
+        fresh = launch_step(impl, features, step, log=regime_log, inputs=inputs)
+        fresh_out, fresh_lse = fresh.out, fresh.lse
         note_step(step, inputs, fresh_out, fresh_lse)
         comparisons = compare_with_references(step, inputs, fresh_out, fresh_lse)
         record_errors(request.node, step, comparisons, label=f"stale-slots step {index}")
@@ -385,6 +385,7 @@ def test_previous_steps_slots_change_nothing(impl, features, request, regime_log
         lse.fill_(float("nan"))
         reused.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, out, lse)
         sync()
+        regime_log.kernel_ran()
         bad = differing_rows(out[:n], lse[:n], fresh_out[:n], fresh_lse[:n])
         regime_log.blame(step.regimes(bad))
         assert not bad, (f"{overwritten} kv_indices entries outside the planned spans, overwritten with finite slot "

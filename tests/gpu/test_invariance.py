@@ -44,12 +44,13 @@ def params():
     return out
 
 
-def run_batch(state, batch, cache, config: KernelConfig, max_rows: int):
+def run_batch(state, batch, cache, config: KernelConfig, max_rows: int, regime_log):
     out, lse = nan_buffers(max_rows, config.num_heads)
     state.plan(len(batch.rows), batch.lens)
     state.step(batch.topk_indices, batch.block_table, batch.req_id, batch.q[..., :KV_LORA_RANK],
                batch.q[..., KV_LORA_RANK:], cache[..., :KV_LORA_RANK], cache[..., KV_LORA_RANK:], out, lse)
     sync()
+    regime_log.kernel_ran()
     return out, lse
 
 
@@ -70,7 +71,7 @@ def table(found: dict) -> str:
 
 
 @pytest.mark.parametrize(("target_name", "config"), params())
-def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_property, target_name, config):
+def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_property, regime_log, target_name, config):
     target = TARGETS[target_name]
     max_rows = FILLERS + 1
     batches = {p: build_batch(*placement_rows(target, p), config, SEED, max_rows, DEVICE) for p in PLACEMENTS}
@@ -81,7 +82,7 @@ def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_pr
         k_scale=config.k_scale), DEVICE)
     rows, problems = {}, []
     for placement, batch in batches.items():
-        out, lse = run_batch(state, batch, cache, config, max_rows)
+        out, lse = run_batch(state, batch, cache, config, max_rows, regime_log)
         report = judge_batch(batch, out, lse, cache, config)
         t = batch.target
         rows[placement] = (out[t].clone(), lse[t].clone(), float(report.out.max_budget[t]), float(report.lse.max_budget[t]))

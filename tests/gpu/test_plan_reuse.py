@@ -42,7 +42,7 @@ def scenarios_for(config):
     return [build_scenario(config.apply(batch(*requests, topk=TOPK, kpool=1)), seed) for requests, seed in SEQUENCE]
 
 
-def run_planned(state, static, step):
+def run_planned(state, static, step, regime_log):
     """Plan and run one eager step of ``state`` on the static buffers; the output rows."""
     n = step.num_planned
     static.out.fill_(float("nan"))
@@ -50,6 +50,7 @@ def run_planned(state, static, step):
     state.plan(n, step.planned_lens)
     state.step(*static.args())
     sync()
+    regime_log.kernel_ran()
     return static.out[:n].clone(), static.lse[:n].clone()
 
 
@@ -90,18 +91,19 @@ def test_kept_plan_equals_a_fresh_plan(impl, features, request, regime_log, mode
         static.load(scenario, inputs[index])
         reused_before = kept.reused_plans
         if graph is None:
-            out, lse = run_planned(kept, static, step)
+            out, lse = run_planned(kept, static, step, regime_log)
         else:
             kept.plan(n, step.planned_lens)
             graph.replay()
             sync()
+            regime_log.kernel_ran()
             out, lse = static.out[:n].clone(), static.lse[:n].clone()
         assert (kept.reused_plans > reused_before) == KEPT[index], (
             f"plan kept: {kept.reused_plans > reused_before}, expected {KEPT[index]}; {ctx}"
         )
         problems = state_matches_step(kept, step)
         assert not problems, f"buffers after a kept plan; {ctx}\n" + "\n".join(problems)
-        expected_out, expected_lse = run_planned(fresh, static, step)
+        expected_out, expected_lse = run_planned(fresh, static, step, regime_log)
         assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse), (
             f"a kept plan gives other results than a fresh plan; {ctx}"
         )

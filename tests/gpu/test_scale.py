@@ -67,6 +67,8 @@ def test_every_row_within_its_budget_at_scale(impl, features, request, regime_lo
     else:
         result = check_scale_case(impl, case, DEVICE)
     record_regimes(regime_log, result.get("regimes", {}))
+    if result["outcome"] in ("right", "wrong"):
+        regime_log.kernel_ran()
     regime_log.blame(result.get("bad_row_regimes", []))
     record_property("scale", {k: v for k, v in result.items() if k not in ("detail", "problems")})
     print(f"{case.id}: {result['outcome']}; {result.get('summary')}; stage times {result.get('seconds')}")
