@@ -289,6 +289,14 @@ class Launched:
     def rows(self) -> int:
         return self.step.num_planned
 
+    def rerun(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same step once more on the same state (no new plan), into fresh NaN-filled
+        outputs, synchronised: ``(out, lse)``."""
+        out, lse = nan_buffers(self.out.shape[0], self.out.shape[1], self.out.device)
+        self.state.step(*self.launch.step_args(out, lse))
+        sync()
+        return out, lse
+
     def context(self, what: str = "") -> str:
         """The failure context: ``what``, the FlashInfer version and the step."""
         return f"{what}; {failure_context(self.step, self.version)}" if what else failure_context(self.step, self.version)
