@@ -100,14 +100,24 @@ def checked_impl(spec: str):
 
 
 def dump_folder_problem(path: str) -> str | None:
-    """Why ``--dump-failures`` cannot write into ``path`` (made here if missing), or None."""
+    """Why ``--dump-failures`` cannot write into ``path``, or None. A missing folder is made
+    and removed again (a run without failures leaves nothing behind)."""
     if os.path.exists(path) and not os.path.isdir(path):
         return f"--dump-failures={path}: exists and is not a folder"
+    missing = []
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         return f"--dump-failures={path}: cannot make the folder: {exc.strerror or exc}"
-    if not os.access(path, os.W_OK | os.X_OK):
+    finally:
+        for made in missing:  # deepest first
+            if os.path.isdir(made):
+                os.rmdir(made)
+    if not missing and not os.access(path, os.W_OK | os.X_OK):
         return f"--dump-failures={path}: the folder is not writable"
     return None
 

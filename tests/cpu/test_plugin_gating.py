@@ -199,5 +199,7 @@ def test_dump_failures_into_what_cannot_be_a_folder_is_a_usage_error(pytester, t
     existing.write_text("")
     result, out = usage_run(pytester, f"--dump-failures={existing}")
     assert_one_usage_error(result, out, f"--dump-failures={existing}: exists and is not a folder")
+    result, out = usage_run(pytester, f"--dump-failures={tmp_path / 'dumps' / 'case'}")
+    assert result.ret == 0 and not (tmp_path / "dumps").exists(), out[-3000:]  # checked, and nothing left behind
     result, out = usage_run(pytester, "--dump-failures=/proc/sparse-mla-dump")
     assert_one_usage_error(result, out, "--dump-failures=/proc/sparse-mla-dump: cannot make the folder: ", exact=False)
