@@ -17,10 +17,10 @@ import torch
 
 from fast.sm90 import AttentionConfig
 from mla_constants import KV_LORA_RANK
-from recording.case_log import note_step
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
 
+from .case_log import note_step
 from .pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
 from .scenario import AttentionInputs, Scenario
 

@@ -18,7 +18,8 @@ from fast.layouts import LAYOUTS
 from harness import BatchSpec, Request, build_attention_inputs, build_scenario
 from harness.cases import all_regime_cases, has_regime_c, situation_cases
 from harness.findings import REGIME_C_FINDING, RegimeCPlannedAsPrefix, regime_c_finding
-from harness.pipeline import describe_rows, fixture_from_step, prepare_step, selection_mismatches
+from harness.pipeline import describe_rows, prepare_step, selection_mismatches
+from recording.case_log import fixture_from_step
 from reference import kv_len_rule, valid_counts
 
 CASES = all_regime_cases() + situation_cases(1) + situation_cases(4)
