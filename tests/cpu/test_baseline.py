@@ -6,6 +6,7 @@ cases not run or deselected, and the timing pass's plumbing (GPU count faked).""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 import pytest_sparse_mla.baselines as plugin
 from recording.fixture import load_fixture
+from recording.baseline import summary as summary_of
 from recording.baseline import (
     RECORDED_ONLY,
     SCHEMA,
@@ -26,6 +28,7 @@ from recording.baseline import (
     judge_time,
     merge_timings,
     missing_case_status,
+    passed,
     repeated_medians,
     safe_name,
     spread,
@@ -232,6 +235,21 @@ def test_summary_has_one_line_per_class_of_change():
     assert all(len(line) < 200 for line in lines.values()), "each line fits a terminal's glance"
 
 
+def test_the_verdict_is_read_from_the_lines_status_data():
+    out = bf16_values(6, 2, 8)
+    moved = out.clone()
+    moved[1] += 0.5
+    drifting = [compared(rec(), rec(), {"out": out}, {"out": moved})]
+    refused = [compared(rec(), rec(error="ValueError at plan: CSR"))]
+    for comparisons, verdict in ((drifting, "PASS"), (refused, "FAIL")):
+        lines = summary_of(comparisons, RunFacts(), "0.7.2", "0.7.4")
+        below = {line.name: line.status for line in lines[1:]}
+        assert lines[0].status == verdict and passed(lines) == (verdict == "PASS")
+        assert ("FAIL" in below.values()) == (verdict == "FAIL"), below
+        assert [line.render() for line in lines] == summary_lines(comparisons, RunFacts(), "0.7.2", "0.7.4")
+    assert below["refusals"] == "FAIL" and summary_of(drifting, RunFacts(), "a", "b")[3].status == "note"
+
+
 def test_times_not_taken_are_said_and_a_failed_timing_pass_fails():
     r = rec(plan_us_repeats=[150.0] * 3)
     off = RunFacts(timing="--baseline-timing=off")
@@ -320,7 +338,13 @@ def test_cpu_only():
 
 
 @pytest.fixture
-def suite(pytester):
+def gpu_tier_may_run(monkeypatch):
+    """The controller's start-up check sees a machine where the GPU tier may run."""
+    monkeypatch.setattr(plugin, "gpu_tier_unavailable_reason", lambda: None)
+
+
+@pytest.fixture
+def suite(pytester, gpu_tier_may_run):
     pytester.makeconftest('pytest_plugins = ("pytest_sparse_mla",)')
     pytester.makepyfile(test_cases=CASES)
     return pytester
@@ -341,6 +365,31 @@ def test_a_missing_baseline_is_a_usage_error_before_any_test_runs(suite):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--compare-baseline: baseline nowhere does not exist*"])
     assert "passed" not in result.stdout.str() and not (suite.path / "baseline-compare").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "orphan"])
+def test_every_outputs_file_of_a_baseline_is_checked_at_start_up(suite, damage):
+    base = record(suite)
+    outputs = base / "test_case_2_.safetensors"
+    if damage == "truncated":
+        outputs.write_bytes(outputs.read_bytes()[:-7])
+    elif damage == "garbage":
+        outputs.write_bytes(b"not a safetensors file")
+    else:
+        (base / "test_case_2_.json").unlink()
+    result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    message = "outputs with no record beside them" if damage == "orphan" else "not a readable safetensors file of outputs"
+    result.stderr.fnmatch_lines([f"*--compare-baseline: {outputs}: {message}*"])
+    assert "passed" not in result.stdout.str() and not (suite.path / "baseline-compare").exists()
+
+
+def test_an_outputs_file_unreadable_after_start_up_fails_the_check_in_one_line(tmp_path):
+    write_record(tmp_path / "a", rec(case="t::x"), {"out": bf16_values(4, 2)})
+    write_record(tmp_path / "b", rec(case="t::x"), {"out": bf16_values(4, 2)})
+    (tmp_path / "b" / "x.safetensors").write_bytes(b"\0" * 12)
+    with pytest.raises(BaselineError, match="x.safetensors: not a readable safetensors file of outputs"):
+        compare_directories(tmp_path / "a", tmp_path / "b")
 
 
 def test_a_corrupt_baseline_is_a_usage_error_naming_the_file(suite):
@@ -571,7 +620,7 @@ TWO = ("c-compacted-fp8", "h-kpool1-decode-bf16")
 
 
 @pytest.fixture
-def replaying(stand_in, device, monkeypatch, pytester):
+def replaying(stand_in, device, monkeypatch, pytester, gpu_tier_may_run):
     """The replay tests re-run fixtures on the stand-in as if on an SM90 GPU; ``version(v)``
     sets the FlashInfer version the run reports."""
     import harness.availability
@@ -643,7 +692,28 @@ def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_fi
     assert "## Fixtures" in md and "`c-compacted-fp8` (" in md and "against the fixture file's 0.7.4 record; lse max abs" in md
 
 
-def test_on_a_machine_without_a_gpu_fixtures_record_nothing_and_the_report_says_so(pytester, monkeypatch):
+@pytest.mark.parametrize("option", ["--record-baseline=base", "--compare-baseline=base"])
+def test_the_upgrade_check_where_the_gpu_tier_cannot_run_is_a_usage_error_at_start_up(suite, monkeypatch, option):
+    base = record(suite)  # on a GPU runner
+    monkeypatch.setattr(plugin, "gpu_tier_unavailable_reason", lambda: "no NVIDIA GPU found")
+    if option.startswith("--record"):
+        shutil.rmtree(base)
+    result = run(suite, option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{option.split('=')[0]}: the GPU tier cannot run here (no NVIDIA GPU found)*"])
+    assert "passed" not in result.stdout.str() and not (suite.path / "baseline-compare").exists()
+
+
+def test_the_start_up_check_asks_the_machine_without_cuda(monkeypatch):
+    import harness.availability
+    import harness.gpu_env
+
+    monkeypatch.setattr(harness.gpu_env, "gpus_without_cuda", lambda: [])
+    assert plugin.gpu_tier_unavailable_reason() == "no NVIDIA GPU found"
+
+
+def test_where_flashinfer_fails_only_at_run_time_fixtures_record_nothing_and_the_report_says_so(
+        pytester, monkeypatch, gpu_tier_may_run):
     import harness.availability
 
     monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: "no SM90 GPU (simulated)")
