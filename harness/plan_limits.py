@@ -37,10 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from fast.flashinfer_compat import FA3_WORK_CAPACITY
 from mla_constants import DEEPSEEK_V32_SM_SCALE, TOPK
 
-#: Work items FlashInfer's fa3 MLA scheduler sizes its arrays for (MLAPlan's max_total_num_works).
-FA3_WORK_CAPACITY = 16384
 #: Slots each row of a limit plan reads: one full top-k row.
 PLAN_WIDTH = TOPK
 #: The largest N whose kv_indptr (N * width) still fits int32.
