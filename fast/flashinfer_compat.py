@@ -128,7 +128,7 @@ class Behaviour:
         return cls(tuple(release in b.releases_checking for b in PROBED_BEHAVIOURS))
 
     def items(self) -> list[tuple[str, bool]]:
-        return list(zip(PROBED_NAMES, self.checks))
+        return list(zip(PROBED_NAMES, self.checks, strict=True))
 
     def __getattr__(self, name: str) -> bool:
         if name in PROBED_NAMES:
@@ -202,8 +202,8 @@ def signature_features() -> Features:
     probed (host only; raises ImportError without FlashInfer)."""
     with recording():
         import flashinfer
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper
         import flashinfer.mla as mla
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
     return features_from(
         flashinfer.__version__,
         inspect.signature(BatchMLAPagedAttentionWrapper.plan).parameters,
@@ -221,7 +221,7 @@ def detect_features(device=None) -> Features:
     return dataclasses.replace(features, behaviour=_probed_once(str(torch.device(device))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probed_once(device: str) -> Behaviour:
     return probe_behaviour(device, features=signature_features())
 

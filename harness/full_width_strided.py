@@ -15,7 +15,6 @@ import torch
 
 from mla_constants import TOPK
 
-
 COVERAGE_REFUSAL = "ValueError: KV cache does not cover"
 
 

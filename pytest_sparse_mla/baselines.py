@@ -374,7 +374,7 @@ def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, b
                             f"(logs: {out})")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
     procs = []
-    for gpu, part in zip(gpus, shard(cases, len(gpus))):
+    for gpu, part in zip(gpus, shard(cases, len(gpus)), strict=False):  # fewer parts than GPUs: some idle
         log = open(out / f"gpu{gpu}.log", "w")
         procs.append((gpu, log, subprocess.Popen(timing_command(config, part, out), cwd=config.invocation_params.dir,
                                                  env=dict(env, CUDA_VISIBLE_DEVICES=gpu), stdout=log,
@@ -404,7 +404,9 @@ class BaselineRun:
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
-            self.not_rerun.update({report.nodeid: v for k, v in report.user_properties if k == NOT_RERUN_KEY})
+            for key, why in report.user_properties:
+                if key == NOT_RERUN_KEY:
+                    self.not_rerun[report.nodeid] = why
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
             if report.skipped and not hasattr(report, "wasxfail"):
@@ -440,13 +442,15 @@ class BaselineRun:
                        not_rerun=self.not_rerun)
         return self.compare(config, directory, run)
 
-    def record_summary(self, directory: Path, records: dict, timing: str, timing_failed: bool) -> tuple[bool, list[str]]:
+    def record_summary(self, directory: Path, records: dict, timing: str,
+                       timing_failed: bool) -> tuple[bool, list[str]]:
         reasons = sorted(set(self.not_rerun.values()))
-        not_rerun = ([f"note  fixtures: {len(self.not_rerun)} not re-run ({'; '.join(reasons)}): nothing recorded of them"]
-                     if self.not_rerun else [])
+        not_rerun = [f"note  fixtures: {len(self.not_rerun)} not re-run ({'; '.join(reasons)}): nothing recorded "
+                     "of them"] if self.not_rerun else []
         if not records:
             reason = self.gpu_skip_reason or "no GPU-tier case recorded anything"
-            return False, [f"FAIL  baseline {directory}: nothing recorded: the GPU tier did not run ({reason})", *not_rerun]
+            return False, [f"FAIL  baseline {directory}: nothing recorded: the GPU tier did not run ({reason})",
+                           *not_rerun]
         timed = sum(1 for r in records.values() if r.kernel_us_repeats or r.plan_us_repeats)
         fixtures = sum(1 for r in records.values() if r.fixture)
         times = f"{timed} timed by the timing pass" if not timing else f"times not taken: {timing}"

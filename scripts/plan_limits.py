@@ -52,7 +52,8 @@ def release_environment(work: Path | None, release: str | None):
     site, cache = work / "site" / release, work / "jit" / release
     if not site.is_dir():
         raise SystemExit(f"{site} does not exist: install the release with scripts/gpu_runner.py --work {work} first")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), REPO_ROOT] + ([saved["PYTHONPATH"]] if saved.get("PYTHONPATH") else []))
+    before = [saved["PYTHONPATH"]] if saved.get("PYTHONPATH") else []
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), REPO_ROOT, *before])
     os.environ["FLASHINFER_WORKSPACE_BASE"] = str(cache)
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     try:

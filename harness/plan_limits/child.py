@@ -67,7 +67,7 @@ def plan_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
         if on_cuda:
             torch.cuda.synchronize()
         del wrapper, plan
-    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+    except Exception as exc:
         result.update(_refusal(exc))
     if on_cuda:
         torch.cuda.empty_cache()
@@ -120,7 +120,7 @@ def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
     try:
         reached("plan")
         wrapper.plan(**plan)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         result.update(_refusal(exc))
         return result
     try:
@@ -128,7 +128,7 @@ def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
         wrapper.run(q[..., :512], q[..., 512:], ckv, kpe, out=out, lse=lse)
         if on_cuda:
             torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         result.update(outcome="run-error", detail=_exception_text(exc))
         return result
     reached("judge")

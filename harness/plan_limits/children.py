@@ -15,7 +15,6 @@ import tempfile
 import threading
 import time
 
-from .child import HEALTHY_REFUSALS
 from .search import PLAN_WIDTH, Attempt
 
 PLAN_TIMEOUT_S = 240.0  # the first plan of a fresh JIT cache builds the kernel module

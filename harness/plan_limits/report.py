@@ -28,7 +28,8 @@ def entry_finding(entry: dict) -> str:
     plans = entry["plan_search"]
     if bad:
         text = "FINDING: plan() accepted " + ", ".join(
-            f"N={c['rows']} and then " + ("gave wrong rows without an error" if c["outcome"] == "wrong" else c["outcome"])
+            f"N={c['rows']} and then "
+            + ("gave wrong rows without an error" if c["outcome"] == "wrong" else c["outcome"])
             for c in bad)
         searched = entry.get("rows_search")
         if searched:
@@ -51,7 +52,8 @@ def report_markdown(report: dict) -> str:
         f"Each row its own request (page size 1), {report['width']} slots per row, bf16, rope 64; search bound "
         f"{report['bound']} rows; the scheduler's work capacity is {report['work_capacity']}.",
         "",
-        "| H | largest accepted plan | first refused | rows at limit-1, limit, limit+1 | largest plan with every row right | what it shows |",
+        "| H | largest accepted plan | first refused | rows at limit-1, limit, limit+1 | "
+        "largest plan with every row right | what it shows |",
         "|---:|---:|---|---|---|---|",
     ]
     for entry in report["results"]:

@@ -33,9 +33,9 @@ def fa3_work_items(q_lens, kv_lens, num_heads: int, num_sm: int) -> int:
     clusters = num_sm // cluster
     tile = 64 * cluster
     tiles = [-(-q * num_heads // tile) for q in q_lens]
-    total = sum(t * kv for t, kv in zip(tiles, kv_lens))
+    total = sum(t * kv for t, kv in zip(tiles, kv_lens, strict=True))
     chunk = _scheduler_chunk(max(-(-total // clusters), 1))
-    return sum(t * max(1, -(-kv // chunk)) for t, kv in zip(tiles, kv_lens))
+    return sum(t * max(1, -(-kv // chunk)) for t, kv in zip(tiles, kv_lens, strict=True))
 
 
 def exceeds_work_capacity(rows: int) -> bool:

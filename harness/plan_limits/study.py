@@ -38,7 +38,7 @@ def study_heads(heads: int, *, bound: int, plan_attempt_fn, rows_attempt_fn, row
     sizes = checked_sizes(plans)
     to_run = [n for n in sizes if failed is None or n != failed.rows]
     with ThreadPoolExecutor(max_workers=max(1, rows_workers)) as pool:
-        ran = dict(zip(to_run, pool.map(lambda n: rows_attempt_fn(n, heads), to_run)))
+        ran = dict(zip(to_run, pool.map(lambda n: rows_attempt_fn(n, heads), to_run), strict=True))
     checks = [ran[n] if n in ran else failed for n in sizes]
     entry = {"heads": heads, "plan_search": plans.to_dict(), "row_checks": [asdict(c) for c in checks]}
     wrong = [c for c in checks if c.kind == "rows" and not c.ok and c.outcome != "not-run"]

@@ -155,7 +155,10 @@ def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None,
         cmp.status = "new"
         return cmp
     if after is None or (after.outcome == "skipped" and before.outcome != "skipped"):
-        cmp.status, cmp.why = missing_case_status(case, run or RunFacts(), before) if after is None else ("not run", "skipped")
+        if after is None:
+            cmp.status, cmp.why = missing_case_status(case, run or RunFacts(), before)
+        else:
+            cmp.status, cmp.why = "not run", "skipped"
         if after is not None and run is not None:
             cmp.why = run.outcomes.get(case, cmp.why)
         if cmp.status == "not run":
@@ -175,8 +178,9 @@ def compare_case(case: str, before: CaseRecord | None, after: CaseRecord | None,
         cmp.changes.append(f"newly raising: {after.error}")
         cmp.regressions.append(f"newly raising: {after.error}")
     elif ok_outcome(before) and not ok_outcome(after):
-        cmp.regressions.append(f"was {before.outcome}, now {after.outcome}" + (f" ({after.error})" if after.error else ""))
-    if not (before.error or after.error or cmp.is_fixture):  # a refused plan() has nothing to time; fixtures are not timed
+        refused = f" ({after.error})" if after.error else ""
+        cmp.regressions.append(f"was {before.outcome}, now {after.outcome}{refused}")
+    if not (before.error or after.error or cmp.is_fixture):  # a refused plan() has nothing to time; nor a fixture
         cmp.kernel_time = judge_kernel_time(before.kernel_us_repeats, after.kernel_us_repeats)
         cmp.plan_time = judge_plan_time(before.plan_us_repeats, after.plan_us_repeats)
         cmp.regressions += [t.why for t in (cmp.kernel_time, cmp.plan_time) if t.regressed]

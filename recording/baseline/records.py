@@ -64,7 +64,8 @@ def write_record(directory: Path, record: CaseRecord, outputs: dict[str, torch.T
     name = safe_name(record.case)
     (directory / f"{name}.json").write_text(record_json(record))
     if outputs:
-        save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()}, str(directory / f"{name}.safetensors"))
+        save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
+                  str(directory / f"{name}.safetensors"))
 
 
 def read_record(path: Path) -> CaseRecord:

@@ -28,8 +28,9 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, head: list
     lines += ["```", "",
               f"FAIL fails the check, note is a change that does not. Rules: passed/xfailed -> failed, or newly "
               f"raising; a baseline case not run (unless the run's own -k/-m/paths left it out); kernel time > "
-              f"x{KERNEL_TIME_LIMIT} and > {KERNEL_TIME_FLOOR_US} us slower; plan() time > x{PLAN_TIME_LIMIT}. Times come "
-              f"from a pass with one process per GPU, {TIME_REPEATS} medians of {TIME_REPS} calls; a time whose medians "
+              f"x{KERNEL_TIME_LIMIT} and > {KERNEL_TIME_FLOOR_US} us slower; plan() time > x{PLAN_TIME_LIMIT}. "
+              f"Times come from a pass with one process per GPU, {TIME_REPEATS} medians of {TIME_REPS} calls; a "
+              f"time whose medians "
               f"spread more than {KERNEL_SPREAD_LIMIT:.0%} (kernel) or {PLAN_SPREAD_LIMIT:.0%} (plan()) is not judged. "
               f"Fixtures re-run on the new release are compared with the old release's record of them, or, where the "
               f"baseline has none, with the output the fixture file holds for the old release; a new refusal fails.",
@@ -41,7 +42,8 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, head: list
     lines += ["", "## Outputs no longer bitwise equal", ""]
     lines += [f"- `{c.case}`: " + "; ".join(
         f"{k} max abs {d['max_abs']:.3g}, rel L2 {d['rel_l2']:.3g}, {d['bitwise_equal']:.1%} bitwise equal, "
-        f"{d['rows_differing']}/{d['rows']} rows differ (worst: " + ", ".join(f"row {r} {m:.3g}" for r, m in d["worst_rows"]) + ")"
+        f"{d['rows_differing']}/{d['rows']} rows differ (worst: "
+        + ", ".join(f"row {r} {m:.3g}" for r, m in d["worst_rows"]) + ")"
         for k, d in c.drift.items() if d["bitwise_equal"] < 1.0) for c in drifted] or ["none"]
     lines += ["", "## Fixtures", ""]
     lines += fixture_lines([c for c in comparisons if c.is_fixture], run, before_version)
@@ -58,7 +60,8 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, head: list
         unjudged = "; ".join(t.why for t in (c.kernel_time, c.plan_time) if not t.judged and t.why)
         lines.append(
             f"| `{c.case}` | {b.outcome if b else '–'} | {a.outcome if a else c.status} | "
-            f"{fmt(b.ratios.get('out_max_ratio') if b else None)}/{fmt(a.ratios.get('out_max_ratio') if a else None)} | "
+            f"{fmt(b.ratios.get('out_max_ratio') if b else None)}/"
+            f"{fmt(a.ratios.get('out_max_ratio') if a else None)} | "
             f"{fmt(d.get('bitwise_equal'), '.1%')} | {d.get('rows_differing', '–')} | "
             f"{fmt(b.kernel_us if b else None, '.1f')}/{fmt(a.kernel_us if a else None, '.1f')} | "
             f"{fmt(b.plan_us if b else None, '.0f')}/{fmt(a.plan_us if a else None, '.0f')} | {unjudged} |"
@@ -93,7 +96,8 @@ def fixture_lines(fixtures: list[CaseComparison], run: RunFacts, before_version:
             parts += c.regressions
             what = "; ".join(parts)
         lines.append(f"- `{display_name(c)}` ({record.fixture}): {what}")
-    lines += [f"- `{case}`: not re-run ({why}); judged on its recorded outputs only" for case, why in sorted(run.not_rerun.items())]
+    lines += [f"- `{case}`: not re-run ({why}); judged on its recorded outputs only"
+              for case, why in sorted(run.not_rerun.items())]
     return lines or ["none replayed"]
 
 

@@ -153,7 +153,8 @@ def fixtures_line(fixtures: list[CaseComparison], run: RunFacts, before_version:
     not_rerun_text = f"{len(not_rerun)} not re-run ({clip(first(reasons), 80)}): judged on their recorded outputs only"
     rerun = [c for c in fixtures if c.after is not None]
     if not rerun:
-        return SummaryLine(NOTE, "fixtures", not_rerun_text + ", nothing compared" if not_rerun else "no fixture replay re-ran")
+        return SummaryLine(NOTE, "fixtures",
+                           not_rerun_text + ", nothing compared" if not_rerun else "no fixture replay re-ran")
     compared = [c for c in rerun if c.status == "compared"]
     with_outputs = [c for c in compared if c.drift]
     drifted = [c for c in with_outputs if not c.bitwise_equal]
@@ -202,7 +203,8 @@ def nothing_ran_summary(comparisons: list[CaseComparison], run: RunFacts, before
     return lines + [SummaryLine(FAIL, "not run", f"all {plural(len(comparisons), 'case')} of the baseline")]
 
 
-def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: str, after_version: str) -> list[SummaryLine]:
+def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: str,
+            after_version: str) -> list[SummaryLine]:
     """One line per class of change, the verdict first: FAIL where any line below is FAIL, and
     counting the cases and fixtures with a regression."""
     if not any(ran(c) for c in comparisons):
@@ -221,7 +223,8 @@ def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: st
     return [SummaryLine(verdict, "verdict", head), *lines]
 
 
-def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_version: str, after_version: str) -> list[str]:
+def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_version: str,
+                  after_version: str) -> list[str]:
     return [line.render() for line in summary(comparisons, run, before_version, after_version)]
 
 

@@ -73,6 +73,7 @@ def judge_plan_time(before: list[float], after: list[float]) -> TimeJudgement:
 
 def thresholds() -> dict:
     """The limits times are judged by, as the report's JSON states them."""
-    return {"kernel_time": KERNEL_TIME_LIMIT, "kernel_time_floor_us": KERNEL_TIME_FLOOR_US, "plan_time": PLAN_TIME_LIMIT,
+    return {"kernel_time": KERNEL_TIME_LIMIT, "kernel_time_floor_us": KERNEL_TIME_FLOOR_US,
+            "plan_time": PLAN_TIME_LIMIT,
             "kernel_spread": KERNEL_SPREAD_LIMIT, "plan_spread": PLAN_SPREAD_LIMIT, "time_repeats": TIME_REPEATS,
             "time_reps": TIME_REPS}

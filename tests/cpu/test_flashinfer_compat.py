@@ -101,7 +101,8 @@ def test_fp8_caches_are_planned_as_e4m3_never_their_storage_dtype():
 
 
 @pytest.mark.parametrize(("rows", "heads", "reserved", "cluster"), [
-    (132, 128, 132, 2), (3, 128, 132, 1), (66, 128, 132, 1), (67, 128, 132, 1), (68, 128, 132, 2), (132, 64, 132, 1), (0, 128, 8, 1),
+    (132, 128, 132, 2), (3, 128, 132, 1), (66, 128, 132, 1), (67, 128, 132, 1), (68, 128, 132, 2),
+    (132, 64, 132, 1), (0, 128, 8, 1),
 ])
 def test_cluster_size_rule(rows, heads, reserved, cluster):
     assert fa3_mla_cluster_size(rows, heads, reserved) == cluster
@@ -190,11 +191,11 @@ def test_a_behaviour_is_read_by_the_declared_names_only():
     assert b.items() == [("plan_checks_page_counts", True), ("run_checks_cache_coverage", False),
                          ("run_checks_query_shape", False)]
     with pytest.raises(AttributeError, match="plan_checks_pages"):
-        b.plan_checks_pages
+        _ = b.plan_checks_pages
     with pytest.raises(ValueError, match="exactly"):
         Behaviour.of(plan_checks_page_counts=True)
     with pytest.raises(AttributeError):
-        features_from("0.7.4", FLAT_PLAN, FLAT_RUN, True).run_checks_cache
+        _ = features_from("0.7.4", FLAT_PLAN, FLAT_RUN, True).run_checks_cache
 
 
 def test_the_findings_doc_tables_are_the_declared_behaviours():
@@ -203,8 +204,9 @@ def test_the_findings_doc_tables_are_the_declared_behaviours():
     doc = (ROOT / "docs" / "findings.md").read_text()
     rows = [f"| `{b.name}` | {b.how} |" for b in PROBED_BEHAVIOURS]
     rows += ["| | " + " | ".join(RELEASES_READ) + " |"]
-    rows += [f"| `{b.name}` ({b.source}) | " + " | ".join("yes" if r in b.releases_checking else "no" for r in RELEASES_READ)
-             + " |" for b in PROBED_BEHAVIOURS]
+    rows += [f"| `{b.name}` ({b.source}) | "
+             + " | ".join("yes" if r in b.releases_checking else "no" for r in RELEASES_READ) + " |"
+             for b in PROBED_BEHAVIOURS]
     missing = [row for row in rows if row not in doc.splitlines()]
     assert not missing, "docs/findings.md#probed-checks-before-launch lacks the rows:\n" + "\n".join(missing)
 

@@ -94,11 +94,13 @@ def test_every_top_level_package_is_scanned():
 @pytest.mark.parametrize(
     "rel, source, expected",
     [
-        ("harness/x.py", "def f():\n    from recording.case_log import note_step\n", ["'harness' imports 'recording.case_log'"]),
+        ("harness/x.py", "def f():\n    from recording.case_log import note_step\n",
+         ["'harness' imports 'recording.case_log'"]),
         ("reference/x.py", "import fast.layouts\n", ["'reference' imports 'fast.layouts' from a peer"]),
         ("harness/x.py", "from .scenario import build_scenario\nimport torch\n", []),
         ("recording/sub/x.py", "from ...tests import bugs\n", ["'recording' imports 'tests' from a higher layer"]),
-        ("fast/x.py", "import importlib\nm = importlib.import_module('harness.scale')\n", ["'fast' imports 'harness.scale'"]),
+        ("fast/x.py", "import importlib\nm = importlib.import_module('harness.scale')\n",
+         ["'fast' imports 'harness.scale'"]),
         ("tests/x.py", "from recording.case_log import note_step\n", []),
     ],
 )

@@ -282,7 +282,8 @@ def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):  # noqa: F811
         refused = plan_attempt(5, 16, width=64, device="cpu")
     finally:
         ReferenceWrapper.refuse = None
-    assert refused["outcome"] == "refused" and refused["healthy"] and refused["exception_types"] == ["ValueError", "Exception"]
+    assert refused["outcome"] == "refused" and refused["healthy"]
+    assert refused["exception_types"] == ["ValueError", "Exception"]
     assert refused["detail"] == "ValueError: FA MLA needs 5 work items including KV splits; native capacity is 4."
 
 

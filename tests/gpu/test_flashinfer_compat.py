@@ -32,7 +32,6 @@ from harness.cases import covering_config
 from harness.full_width_strided import outcome_problem
 from harness.launch import (
     DEVICE,
-    sync,
     assert_launchable,
     attention_config,
     compare_with_references,
@@ -42,6 +41,7 @@ from harness.launch import (
     nan_buffers,
     prepared,
     references,
+    sync,
 )
 from reference import compare_to_budget, lse_to_base2
 from reference.budget import LSE_ULPS
