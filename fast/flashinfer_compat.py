@@ -45,6 +45,7 @@ CANONICAL_MIN_VERSION = (0, 7, 0)
 SUPPORTED_RANGE = ((0, 5, 3), (0, 8, 0))  # [low, high)
 LN_2 = math.log(2.0)
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+WORKSPACE_BYTES = 128 * 1024 * 1024  # the float workspace each wrapper gets (the SM90 state's and the probe's)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -59,12 +60,80 @@ def parse_version(text: str) -> tuple[int, int, int]:
 #: (``plan_checks_page_counts``) refuses a row whose kv_indptr span is not ceil(kv_len / page_size).
 PAGE_COUNT_REFUSAL = "CSR metadata page counts in kv_indptr must equal ceil"
 
-#: The behaviours :func:`probe_behaviour` finds out, with what each one means.
-PROBED_BEHAVIOURS = {
-    "plan_checks_page_counts": "plan() refuses kv_indptr page counts other than ceil(kv_len / page_size)",
-    "run_checks_cache_coverage": "run() refuses a KV cache that does not cover the planned page indices",
-    "run_checks_query_shape": "run() refuses q rows other than the planned rows",
-}
+@dataclass(frozen=True)
+class ProbedBehaviour:
+    """One check a release may make before launching, found out by :func:`probe_behaviour`: the
+    one declaration that ``Features``, its report (``describe()``), the tests and the docs'
+    table read."""
+
+    name: str  # the Features attribute: True when the installed release makes the check
+    meaning: str  # what True means
+    how: str  # how the probe finds out
+    source: str  # where a release's source makes the check
+    releases_checking: frozenset[str]  # of RELEASES_READ, those whose source makes it
+
+
+#: The releases whose wheel sources were read for each ProbedBehaviour (only to check the probe
+#: on them: the suite keys on what the probe finds).
+RELEASES_READ = ("0.6.18.post1", "0.7.0.post1", "0.7.2.post1", "0.7.4")
+
+PROBED_BEHAVIOURS = (
+    ProbedBehaviour(
+        "plan_checks_page_counts",
+        "plan() refuses kv_indptr page counts other than ceil(kv_len / page_size)",
+        "plan with `kv_indptr` counting 2 pages for `kv_len` 1 (host only: nothing launched)",
+        "`_batch_mla/_planning.py`",
+        frozenset({"0.7.0.post1", "0.7.2.post1", "0.7.4"}),
+    ),
+    ProbedBehaviour(
+        "run_checks_cache_coverage",
+        "run() refuses a KV cache that does not cover the planned page indices",
+        "run on a view of the cache's first slot only, after a control run on both slots; the view's storage holds "
+        "slot 1, so a release without the check reads allocated memory",
+        "`_check_planned_geometry`",
+        frozenset({"0.7.4"}),
+    ),
+    ProbedBehaviour(
+        "run_checks_query_shape",
+        "run() refuses q rows other than the planned rows",
+        "run with 2 q rows for the 1 planned row (the kernel reads the planned row only)",
+        "`_check_planned_geometry`",
+        frozenset({"0.7.4"}),
+    ),
+)
+PROBED_NAMES = tuple(b.name for b in PROBED_BEHAVIOURS)
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """What the installed FlashInfer checks before it launches: one bool per
+    :data:`PROBED_BEHAVIOURS` entry, read by name (``behaviour.plan_checks_page_counts``)."""
+
+    checks: tuple[bool, ...]  # in PROBED_BEHAVIOURS order
+
+    def __post_init__(self):
+        if len(self.checks) != len(PROBED_NAMES):
+            raise ValueError(f"Behaviour needs one bool per probed behaviour {PROBED_NAMES}, got {self.checks}")
+
+    @classmethod
+    def of(cls, **found: bool) -> Behaviour:
+        """From ``name=bool`` for every probed behaviour."""
+        if set(found) != set(PROBED_NAMES):
+            raise ValueError(f"Behaviour.of needs exactly {PROBED_NAMES}, got {sorted(found)}")
+        return cls(tuple(bool(found[name]) for name in PROBED_NAMES))
+
+    @classmethod
+    def in_source(cls, release: str) -> Behaviour:
+        """What the source of a release of :data:`RELEASES_READ` checks."""
+        return cls(tuple(release in b.releases_checking for b in PROBED_BEHAVIOURS))
+
+    def items(self) -> list[tuple[str, bool]]:
+        return list(zip(PROBED_NAMES, self.checks, strict=True))
+
+    def __getattr__(self, name: str) -> bool:
+        if name in PROBED_NAMES:
+            return self.checks[PROBED_NAMES.index(name)]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -81,9 +150,14 @@ class Features:
     run_kv_scales: bool  # run(ckv_scale=, kpe_scale=)
     nope: bool
     fp8_kv: bool
-    plan_checks_page_counts: bool | None = None  # see PROBED_BEHAVIOURS
-    run_checks_cache_coverage: bool | None = None
-    run_checks_query_shape: bool | None = None
+    behaviour: Behaviour | None = None  # probed on a GPU; its checks read as attributes (None: not probed)
+
+    def __getattr__(self, name: str) -> bool | None:
+        """A probed behaviour by name (``features.run_checks_cache_coverage``); None when not probed."""
+        if name in PROBED_NAMES:
+            behaviour = self.__dict__.get("behaviour")
+            return None if behaviour is None else getattr(behaviour, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def version_tuple(self) -> tuple[int, int, int]:
@@ -91,7 +165,7 @@ class Features:
 
     @property
     def probed(self) -> bool:
-        return all(getattr(self, name) is not None for name in PROBED_BEHAVIOURS)
+        return self.behaviour is not None
 
     def describe(self) -> str:
         """``flashinfer V: <call forms and gates>; probed: <each behaviour: yes / no>`` (or
@@ -99,7 +173,7 @@ class Features:
         on = [name for name in ("canonical_plan", "structural_run", "plan_lse_mode", "run_lse_base_e",
                                 "run_kv_scales", "nope", "fp8_kv") if getattr(self, name)]
         if self.probed:
-            found = ", ".join(f"{name} {'yes' if getattr(self, name) else 'no'}" for name in PROBED_BEHAVIOURS)
+            found = ", ".join(f"{name} {'yes' if checks else 'no'}" for name, checks in self.behaviour.items())
         else:
             found = "not probed"
         return f"flashinfer {self.version}: " + ", ".join(on) + f"; probed: {found}"
@@ -128,8 +202,8 @@ def signature_features() -> Features:
     probed (host only; raises ImportError without FlashInfer)."""
     with recording():
         import flashinfer
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper
         import flashinfer.mla as mla
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
     return features_from(
         flashinfer.__version__,
         inspect.signature(BatchMLAPagedAttentionWrapper.plan).parameters,
@@ -144,10 +218,10 @@ def detect_features(device=None) -> Features:
     features = signature_features()
     if device is None:
         return features
-    return dataclasses.replace(features, **dataclasses.asdict(_probed_once(str(torch.device(device)))))
+    return dataclasses.replace(features, behaviour=_probed_once(str(torch.device(device))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probed_once(device: str) -> Behaviour:
     return probe_behaviour(device, features=signature_features())
 
@@ -177,6 +251,12 @@ def planning_kv_dtype(kv_dtype: torch.dtype) -> torch.dtype:
 def kernel_kv_view(cache_part: torch.Tensor) -> torch.Tensor:
     """The cache as the kernel must see it: raw uint8 fp8 storage reinterpreted as e4m3."""
     return cache_part.view(torch.float8_e4m3fn) if cache_part.dtype == torch.uint8 else cache_part
+
+
+#: Work items FlashInfer's fa3 MLA scheduler sizes its arrays for (``MLAPlan``'s
+#: ``max_total_num_works`` in ``scheduler.cuh``): a plan of more goes past their end unless
+#: plan() refuses it (docs/findings.md#plans-beyond-the-schedulers-work-capacity).
+FA3_WORK_CAPACITY = 16384
 
 
 def fa3_mla_cluster_size(total_q: int, num_heads: int, batch_size: int) -> int:
@@ -328,16 +408,6 @@ class MLAWrapper:
 #: compiles nothing of its own.
 PROBE_HEADS = 16
 PROBE_SLOT = 1
-PROBE_WORKSPACE_BYTES = 128 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Behaviour:
-    """What the installed FlashInfer checks before it launches (see PROBED_BEHAVIOURS)."""
-
-    plan_checks_page_counts: bool
-    run_checks_cache_coverage: bool
-    run_checks_query_shape: bool
 
 
 class ProbeError(RuntimeError):
@@ -386,7 +456,7 @@ def probe_behaviour(device, *, features: Features | None = None, make_wrapper=No
     i32 = dict(dtype=torch.int32)
     kv_indices = torch.full((2,), PROBE_SLOT, device=dev, **i32)  # room for the 2-page plan
     wrapper = make_wrapper(
-        torch.empty(PROBE_WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
+        torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
         qo_indptr=torch.zeros(2, device=dev, **i32), kv_indptr=torch.zeros(2, device=dev, **i32),
         kv_indices=kv_indices, kv_len_arr=torch.zeros(1, device=dev, **i32), features=features,
     )
@@ -420,7 +490,7 @@ def probe_behaviour(device, *, features: Features | None = None, make_wrapper=No
     if refused is not None:
         raise ProbeError(f"the control run (a cache that covers the planned slot) was refused: {refused}")
     classify_run("the control run", refused, wrote)
-    return Behaviour(
+    return Behaviour.of(
         plan_checks_page_counts=plan_checks,
         run_checks_cache_coverage=classify_run("the run on a cache short of the planned slot", *run(1, PROBE_SLOT)),
         run_checks_query_shape=classify_run("the run with more q rows than planned", *run(2, PROBE_SLOT + 1)),

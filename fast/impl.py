@@ -114,7 +114,7 @@ def load_impl(spec: str) -> SparseMLAImpl:
         raise ValueError(f"--impl {spec!r}: cannot load the factory: {exc}") from exc
     try:
         impl = factory()
-    except Exception as exc:  # noqa: BLE001 - whatever the user's factory raises is named
+    except Exception as exc:  # whatever the user's factory raises is named
         raise ValueError(f"--impl {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
     missing = [m for m in ("kv_lens", "planned_lens", "request_ids", "convert", "kv_indptr", "write_kv_indices") if not callable(getattr(impl, m, None))]
     if missing:

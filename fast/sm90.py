@@ -27,10 +27,9 @@ import torch
 
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
+from .flashinfer_compat import WORKSPACE_BYTES as WORKSPACE_BYTES  # re-exported: the state allocates it
 from .flashinfer_compat import Features, MLAWrapper, planning_kv_dtype
 from .layouts import check_layout, indices_capacity
-
-WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)

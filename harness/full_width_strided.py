@@ -15,6 +15,27 @@ import torch
 
 from mla_constants import TOPK
 
+COVERAGE_REFUSAL = "ValueError: KV cache does not cover"
+
+
+def outcome_problem(outcome: dict, *, run_checks_cache_coverage: bool) -> str:
+    """Why the process's outcome (its last stage line, with ``died`` and ``returncode`` when it
+    did not exit cleanly) is not one the release may give ("" when it is). A release that
+    checks cache coverage at run refuses the launch and the process exits cleanly; one that
+    does not launches it (run() returns) and then finishes, faults at the sync with a CUDA
+    error, or dies at the sync. Anything else (dying or failing before run() returned, another
+    error, dying after finishing) is not this launch's outcome."""
+    stage, error, died = outcome.get("stage"), outcome.get("error", ""), bool(outcome.get("died"))
+    if run_checks_cache_coverage:
+        if stage == "run" and error.startswith(COVERAGE_REFUSAL) and not died:
+            return ""
+        return f"expected run() to refuse ({COVERAGE_REFUSAL} ...) in a process that exits cleanly"
+    if stage == "done" and not error and not died:
+        return ""
+    if stage == "sync" and ("CUDA error" in error or (died and not error)):
+        return ""
+    return "expected a launch (run() returned) that finishes, faults at the sync with a CUDA error or dies there"
+
 
 def main(seed: int) -> dict:
     from fast.impl import default_impl

@@ -52,7 +52,7 @@ def ask_nvml(query):
             pynvml.nvmlShutdown()
     except pynvml.NVMLError:
         return None
-    except Exception as exc:  # noqa: BLE001 - reported, then nvidia-smi answers instead
+    except Exception as exc:  # reported, then nvidia-smi answers instead
         warnings.warn(f"NVML query failed unexpectedly ({type(exc).__name__}: {exc}); asking nvidia-smi instead",
                       RuntimeWarning, stacklevel=2)
         return None

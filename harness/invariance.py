@@ -22,11 +22,10 @@ import numpy as np
 import torch
 
 from mla_constants import INVALID, TOPK
-
-from .cases import KernelConfig
-from recording.fixture import same_bits
 from reference.budget import finite_mismatch
 
+from .bits import same_bits
+from .cases import KernelConfig
 from .scenario import component_seed, nan_kv_buffer, query_rows, slot_values_on
 
 POOL_SLOTS = 1 << 16

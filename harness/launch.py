@@ -28,10 +28,10 @@ import torch
 from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from fast.sm90 import AttentionConfig
 from mla_constants import KV_LORA_RANK
-from recording.case_log import note_step
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
 
+from .case_log import note_step
 from .pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
 from .scenario import AttentionInputs, Scenario, build_attention_inputs
 
@@ -299,7 +299,8 @@ class Launched:
 
     def context(self, what: str = "") -> str:
         """The failure context: ``what``, the FlashInfer version and the step."""
-        return f"{what}; {failure_context(self.step, self.version)}" if what else failure_context(self.step, self.version)
+        context = failure_context(self.step, self.version)
+        return f"{what}; {context}" if what else context
 
 
 def launch_step(impl, features, step: Step, *, log: LaunchLog, inputs: AttentionInputs | None = None,

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fast.layouts import indices_capacity
-from recording.case_log import note_step
 from reference import Violation, check_plan_invariants, intended_selection, planned_selection
 from reference.invariants import same_multisets
 from reference.rules import valid_first
 
+from .case_log import note_step
 from .scenario import Scenario
 
 
@@ -127,38 +127,3 @@ def describe_rows(step: Step, rows: list[int], limit: int = 6) -> str:
     if len(rows) > limit:
         lines.append(f"  ... and {len(rows) - limit} more rows")
     return "\n".join(lines)
-
-
-def fixture_from_step(step: Step, inputs, outputs=None, **meta):
-    """A replayable fixture of the step's planned rows (only the referenced KV slots kept)."""
-    from recording.fixture import build_fixture
-
-    sc, spec = step.scenario, step.scenario.spec
-    n = step.num_planned
-    base = dict(
-        name=meta.pop("name", None),
-        spec=dataclasses.asdict(spec),
-        seed=sc.seed,
-        layout=step.layout,
-        sm_scale=spec.sm_scale,
-        k_scale=spec.k_scale,
-        kv_dtype=spec.kv_dtype,
-        page_size=1,
-        causal=False,
-        regimes=sc.row_regime[:n],
-        row_ctx=sc.row_ctx[:n].tolist(),
-        max_rows=step.max_rows,
-    )
-    base.update(meta)
-    return build_fixture(
-        meta=base,
-        q_nope=inputs.q_nope[:n],
-        q_pe=inputs.q_pe[:n],
-        ckv=inputs.ckv,
-        kpe=inputs.kpe,
-        kv_indptr=step.kv_indptr[: n + 1],
-        kv_indices=step.kv_indices,
-        kv_len=step.planned_lens,
-        intended=sc.intended_slots()[:n],
-        outputs=outputs,
-    )

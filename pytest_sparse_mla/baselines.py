@@ -4,8 +4,9 @@ with DIR (the record format, the comparison and the report: ``recording.baseline
 
 The run, on the controlling process:
 
-1. configure: a baseline that is missing, empty, unreadable or of another schema, and an
-   output folder that is not empty, are usage errors before any test runs;
+1. configure: a baseline that is missing, empty, of another schema or with any file that
+   cannot be read, an output folder that is not empty, and a machine where the GPU tier cannot
+   run are usage errors before any test runs;
 2. the tests (any ``-n``): each GPU-tier case hands its outputs and ratios to the ``baseline``
    fixture; the record is written with the teardown report, which carries every property the
    test attached; the controller notes each test's outcome and the ids -k/-m deselected.
@@ -180,6 +181,14 @@ def check_fixture_options(config, checking: bool) -> None:
         raise pytest.UsageError("--baseline-fixtures: " + "; ".join(problems))
 
 
+def gpu_tier_unavailable_reason() -> str | None:
+    """Why the GPU tier cannot run on this machine, as far as the controller can tell without
+    CUDA (None: it may run; a FlashInfer that fails to import shows only when tests run)."""
+    from harness import availability, gpu_env
+
+    return availability.reason_without_cuda(gpu_env.gpus_without_cuda())
+
+
 def pytest_configure(config):
     if hasattr(config, "workerinput"):
         return
@@ -191,6 +200,7 @@ def pytest_configure(config):
         return
     from recording.baseline import BaselineError, check_baseline
 
+    option = "--record-baseline" if record else "--compare-baseline"
     if compare:
         try:
             check_baseline(Path(compare))
@@ -200,6 +210,10 @@ def pytest_configure(config):
     problem = not_empty_folder_problem(folder)
     if problem:
         raise pytest.UsageError(f"{'--record-baseline' if record else '--baseline-out'}: {problem}")
+    reason = gpu_tier_unavailable_reason()
+    if reason:
+        raise pytest.UsageError(f"{option}: the GPU tier cannot run here ({reason}); the upgrade check records and "
+                                f"compares GPU-tier cases: run it on an SM90 GPU with FlashInfer")
     baseline_directory(config).mkdir(parents=True, exist_ok=True)
     config.stash[RUN] = BaselineRun()
     config.pluginmanager.register(config.stash[RUN], "sparse_mla_baseline_run")
@@ -360,7 +374,7 @@ def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, b
                             f"(logs: {out})")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
     procs = []
-    for gpu, part in zip(gpus, shard(cases, len(gpus))):
+    for gpu, part in zip(gpus, shard(cases, len(gpus)), strict=False):  # fewer parts than GPUs: some idle
         log = open(out / f"gpu{gpu}.log", "w")
         procs.append((gpu, log, subprocess.Popen(timing_command(config, part, out), cwd=config.invocation_params.dir,
                                                  env=dict(env, CUDA_VISIBLE_DEVICES=gpu), stdout=log,
@@ -390,7 +404,9 @@ class BaselineRun:
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
-            self.not_rerun.update({report.nodeid: v for k, v in report.user_properties if k == NOT_RERUN_KEY})
+            for key, why in report.user_properties:
+                if key == NOT_RERUN_KEY:
+                    self.not_rerun[report.nodeid] = why
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
             if report.skipped and not hasattr(report, "wasxfail"):
@@ -404,6 +420,14 @@ class BaselineRun:
         self.deselected.update(getattr(node, "workeroutput", {}).get(DESELECTED_KEY, []))
 
     def finish(self, config) -> tuple[bool, list[str]]:
+        from recording.baseline import BaselineError
+
+        try:
+            return self.record_or_compare(config)
+        except BaselineError as e:  # a record or outputs file that changed under the run
+            return False, [f"FAIL  baseline   {e}"]
+
+    def record_or_compare(self, config) -> tuple[bool, list[str]]:
         from recording.baseline import RunFacts, read_records, timed_cases
 
         directory = baseline_directory(config)
@@ -418,13 +442,15 @@ class BaselineRun:
                        not_rerun=self.not_rerun)
         return self.compare(config, directory, run)
 
-    def record_summary(self, directory: Path, records: dict, timing: str, timing_failed: bool) -> tuple[bool, list[str]]:
+    def record_summary(self, directory: Path, records: dict, timing: str,
+                       timing_failed: bool) -> tuple[bool, list[str]]:
         reasons = sorted(set(self.not_rerun.values()))
-        not_rerun = ([f"note  fixtures: {len(self.not_rerun)} not re-run ({'; '.join(reasons)}): nothing recorded of them"]
-                     if self.not_rerun else [])
+        not_rerun = [f"note  fixtures: {len(self.not_rerun)} not re-run ({'; '.join(reasons)}): nothing recorded "
+                     "of them"] if self.not_rerun else []
         if not records:
             reason = self.gpu_skip_reason or "no GPU-tier case recorded anything"
-            return False, [f"FAIL  baseline {directory}: nothing recorded: the GPU tier did not run ({reason})", *not_rerun]
+            return False, [f"FAIL  baseline {directory}: nothing recorded: the GPU tier did not run ({reason})",
+                           *not_rerun]
         timed = sum(1 for r in records.values() if r.kernel_us_repeats or r.plan_us_repeats)
         fixtures = sum(1 for r in records.values() if r.fixture)
         times = f"{timed} timed by the timing pass" if not timing else f"times not taken: {timing}"

@@ -114,7 +114,7 @@ def case_regimes(case) -> tuple[str, ...]:
         return tuple(case.focus)
     try:
         return planned_row_regimes(case.spec)
-    except Exception:  # noqa: BLE001 - reported by the test, not by the report hook
+    except Exception:  # reported by the test, not by the report hook
         return ()
 
 
@@ -247,8 +247,8 @@ class RegimeTally:
         table = [(label, "-" if label == NO_REGIME else str(rows.get(label, 0)), outcomes.get(label, Counter()), meaning)
                  for label, meaning in meanings]
         width = max(len(label) for label, *_ in table) + 1
-        head = (f"{'regime':<{width}}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}{'skipped':>9}"
-                f"{'refused':>9}  meaning")
+        head = (f"{'regime':<{width}}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}"
+                f"{'skipped':>9}{'refused':>9}  meaning")
         out = [head]
         for label, checked, o, meaning in table:
             out.append(f"{label:<{width}}{checked:>13}  |       {o['passed']:>7}{o['failed']:>8}{o['xfailed']:>9}"

@@ -1,43 +1,27 @@
-"""The differential case a running test is checking, kept so that ``--dump-failures`` can write
-it as a fixture when the test fails, whatever the test and whatever ``--impl``.
+"""The fixture of the differential case a failing test was checking (``--dump-failures``).
 
-The shared helpers note what they are handed: :func:`harness.pipeline.prepare_step` every step
-it prepares, the compare helpers of :mod:`harness.launch` the step they judge and the kernel's
-outputs, :func:`recording.replay.replay` the fixture it judges. The case of a failing test is
-the last one noted. Nothing is kept unless the plugin opened a log for the running test
-(:func:`logging_cases`), so noting costs nothing otherwise.
+The shared helpers note the case under check in :mod:`harness.case_log`; this module opens the
+log for a running test (:func:`logging_cases`) and builds the fixture of the last noted case
+(:meth:`CaseLog.build`), or of any prepared step (:func:`fixture_from_step`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+import dataclasses
+from contextlib import AbstractContextManager
+
+from harness import case_log as notes
+from harness.case_log import note_fixture as note_fixture  # re-exported: the helpers' noting API
+from harness.case_log import note_step as note_step
+from harness.pipeline import Step
+from harness.scenario import build_attention_inputs
+
+from .environment import flashinfer_version
+from .fixture import Fixture, build_fixture
 
 
-@dataclass
-class CaseLog:
-    step: object | None = None  # harness.pipeline.Step
-    inputs: object | None = None  # harness.scenario.AttentionInputs of the step, when a compare saw them
-    outputs: dict = field(default_factory=dict)  # version -> (out, lse) of the step, rows as planned
-    fixture: object | None = None  # a recording.fixture.Fixture judged by replay()
-
-    def note_step(self, step, inputs=None, outputs: dict | None = None) -> None:
-        if step is not self.step:
-            self.step, self.inputs, self.outputs = step, None, {}
-        self.fixture = None
-        if inputs is not None:
-            self.inputs = inputs
-        if outputs:
-            self.outputs.update(outputs)
-
-    def note_fixture(self, fixture) -> None:
-        self.fixture = fixture
-
-    @property
-    def empty(self) -> bool:
-        return self.step is None and self.fixture is None
-
-    def build(self, **meta):
+class CaseLog(notes.CaseLog):
+    def build(self, **meta) -> Fixture | None:
         """The fixture of the last noted case (inputs rebuilt on the host when no compare saw
         them), with ``meta`` added; None when nothing was noted."""
         if self.fixture is not None:
@@ -46,13 +30,8 @@ class CaseLog:
             return fx
         if self.step is None:
             return None
-        from harness.pipeline import fixture_from_step
-        from harness.scenario import build_attention_inputs
-
         step = self.step
         inputs = self.inputs if self.inputs is not None else build_attention_inputs(step.scenario)
-        from .environment import flashinfer_version
-
         n = step.num_planned
         installed = flashinfer_version() or "kernel"
         outputs = {installed if v == "kernel" else v: (out[:n].detach().cpu(), lse[:n].detach().float().cpu())
@@ -60,28 +39,39 @@ class CaseLog:
         return fixture_from_step(step, inputs, outputs=outputs, **meta)
 
 
-_ACTIVE: list[CaseLog] = []
-
-
-@contextmanager
-def logging_cases():
+def logging_cases() -> AbstractContextManager[CaseLog]:
     """Keep the cases noted inside the block in the yielded :class:`CaseLog`."""
-    log = CaseLog()
-    _ACTIVE.append(log)
-    try:
-        yield log
-    finally:
-        _ACTIVE.remove(log)
+    return notes.logging_cases(CaseLog())
 
 
-def note_step(step, inputs=None, out=None, lse=None, version: str | None = None) -> None:
-    """Note the step under check (and the kernel's ``out``/``lse`` for it, under ``version``)."""
-    if _ACTIVE:
-        outputs = {version or "kernel": (out, lse)} if out is not None and lse is not None else None
-        _ACTIVE[-1].note_step(step, inputs, outputs)
-
-
-def note_fixture(fixture) -> None:
-    """Note a fixture under check (a failing replay dumps the fixture itself)."""
-    if _ACTIVE:
-        _ACTIVE[-1].note_fixture(fixture)
+def fixture_from_step(step: Step, inputs, outputs=None, **meta) -> Fixture:
+    """A replayable fixture of the step's planned rows (only the referenced KV slots kept)."""
+    sc, spec = step.scenario, step.scenario.spec
+    n = step.num_planned
+    base = dict(
+        name=meta.pop("name", None),
+        spec=dataclasses.asdict(spec),
+        seed=sc.seed,
+        layout=step.layout,
+        sm_scale=spec.sm_scale,
+        k_scale=spec.k_scale,
+        kv_dtype=spec.kv_dtype,
+        page_size=1,
+        causal=False,
+        regimes=sc.row_regime[:n],
+        row_ctx=sc.row_ctx[:n].tolist(),
+        max_rows=step.max_rows,
+    )
+    base.update(meta)
+    return build_fixture(
+        meta=base,
+        q_nope=inputs.q_nope[:n],
+        q_pe=inputs.q_pe[:n],
+        ckv=inputs.ckv,
+        kpe=inputs.kpe,
+        kv_indptr=step.kv_indptr[: n + 1],
+        kv_indices=step.kv_indices,
+        kv_len=step.planned_lens,
+        intended=sc.intended_slots()[:n],
+        outputs=outputs,
+    )

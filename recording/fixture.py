@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+from harness.bits import bitwise_equal as bitwise_equal  # re-exported: the fixture API compares bits
+from harness.bits import same_bits as same_bits
+
 SCHEMA_VERSION = 1
 METADATA_KEY = "sparse_mla_fixture"
 REQUIRED_TENSORS = ("q_nope", "q_pe", "ckv", "kpe", "slot_ids", "kv_indptr", "kv_indices", "kv_len", "intended")
@@ -50,30 +53,6 @@ class Fixture:
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (NaN-poisoned entries included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.is_floating_point:
-        bits = _BITS[a.element_size()]
-        return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
-    return torch.equal(a, b)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per element: the same bits (a NaN equals a NaN of the same bits); values compared where
-    the dtypes differ."""
-    if a.dtype != b.dtype:
-        return a.double() == b.double()
-    if a.dtype.is_floating_point:
-        bits = _BITS[a.element_size()]
-        return a.contiguous().view(bits) == b.contiguous().view(bits)
-    return a == b
 
 
 def remap_slots(*selections: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -15,7 +15,8 @@ Without --release the FlashInfer importable here runs. With --runner-work DIR --
 installed by scripts/gpu_runner.py --work DIR: DIR/site/V, JIT cache DIR/jit/V) each release
 runs in turn. Writes plan-limits-<version>.json and .md per release and plan-limits.md (all of
 them) into --out (default out/plan-limits), and prints the tables. Exit status 1 when a release
-shows a finding (an accepted plan with wrong rows, a crash or a hang), else 0.
+shows a finding (an accepted plan with wrong rows, a crash or a hang), 2 (one line on stderr,
+before any attempt) where the SM90 FlashInfer path cannot run, else 0.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from harness.plan_limits import (
     PLAN_TIMEOUT_S,
     REPO_ROOT,
     ROWS_TIMEOUT_S,
+    StudyUnavailable,
     entry_finding,
     report_markdown,
     study,
@@ -50,7 +52,8 @@ def release_environment(work: Path | None, release: str | None):
     site, cache = work / "site" / release, work / "jit" / release
     if not site.is_dir():
         raise SystemExit(f"{site} does not exist: install the release with scripts/gpu_runner.py --work {work} first")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), REPO_ROOT] + ([saved["PYTHONPATH"]] if saved.get("PYTHONPATH") else []))
+    before = [saved["PYTHONPATH"]] if saved.get("PYTHONPATH") else []
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), REPO_ROOT, *before])
     os.environ["FLASHINFER_WORKSPACE_BASE"] = str(cache)
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     try:
@@ -83,9 +86,13 @@ def main(argv=None) -> int:
     reports = []
     for release in args.release or [None]:
         with release_environment(args.runner_work.resolve() if args.runner_work else None, release):
-            report = study(args.heads, bound=args.bound, rows_search=not args.no_rows_search,
-                           plan_timeout=args.plan_timeout_s, rows_timeout=args.rows_timeout_s,
-                           rows_workers=args.rows_workers)
+            try:
+                report = study(args.heads, bound=args.bound, rows_search=not args.no_rows_search,
+                               plan_timeout=args.plan_timeout_s, rows_timeout=args.rows_timeout_s,
+                               rows_workers=args.rows_workers)
+            except StudyUnavailable as e:
+                print(f"scripts.plan_limits: {release or 'installed FlashInfer'}: {e}", file=sys.stderr)
+                return 2
         report["release"] = release or "installed"
         paths = write_report(report, str(args.out))
         print(f"{report['release']}: {paths[1]}", flush=True)

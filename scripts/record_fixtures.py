@@ -30,8 +30,8 @@ from harness.launch import (
     prepared,
     sync,
 )
-from harness.pipeline import fixture_from_step
 from mla_constants import GLM_NOPE_SM_SCALE
+from recording.case_log import fixture_from_step
 from recording.environment import runtime_environment
 from recording.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture
 

@@ -6,13 +6,13 @@ cases not run or deselected, and the timing pass's plumbing (GPU count faked).""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import pytest_sparse_mla.baselines as plugin
-from recording.fixture import load_fixture
 from recording.baseline import (
     RECORDED_ONLY,
     SCHEMA,
@@ -26,6 +26,7 @@ from recording.baseline import (
     judge_time,
     merge_timings,
     missing_case_status,
+    passed,
     repeated_medians,
     safe_name,
     spread,
@@ -35,6 +36,8 @@ from recording.baseline import (
     write_report,
     write_timing,
 )
+from recording.baseline import summary as summary_of
+from recording.fixture import load_fixture
 from tests.cpu.test_rerun import stand_in  # noqa: F401  (the stand-in FlashInfer wrapper fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +82,8 @@ def test_empty_outputs_count_as_equal():
 
 
 def test_newly_raising_is_a_regression_and_names_the_error():
-    c = compare_case("c", rec(outcome="passed"), rec(outcome="failed", error="ValueError: CSR metadata page counts"), {}, {})
+    c = compare_case("c", rec(outcome="passed"), rec(outcome="failed", error="ValueError: CSR metadata page counts"),
+                     {}, {})
     assert c.refusal == "new" and c.regressions and "ValueError: CSR metadata" in c.regressions[0]
 
 
@@ -135,7 +139,8 @@ def test_unstable_times_are_reported_not_judged():
 
 
 def test_a_refused_plan_has_no_time_to_judge_and_says_nothing_about_it():
-    c = compare_case("c", rec(kernel_us_repeats=STEADY, plan_us_repeats=STEADY), rec(error="ValueError at plan: CSR"), {}, {})
+    c = compare_case("c", rec(kernel_us_repeats=STEADY, plan_us_repeats=STEADY), rec(error="ValueError at plan: CSR"),
+                     {}, {})
     assert (c.kernel_time.judged, c.kernel_time.why, c.plan_time.why) == (False, "", "")
     timed = compared(rec(case="t::timed", kernel_us_repeats=STEADY, plan_us_repeats=STEADY),
                      rec(case="t::timed", kernel_us_repeats=STEADY, plan_us_repeats=STEADY))
@@ -201,8 +206,10 @@ def test_a_release_against_itself_passes_with_every_class_ok():
     lines = summary([compared(r, r, out, out), compared(f, f, out, out)])
     assert lines["verdict"].startswith("PASS") and "1 case and 1 fixture compared, no regression" in lines["verdict"]
     assert all(line.startswith("ok") for name, line in lines.items() if name != "verdict"), lines
-    assert "2 times judged (one process per GPU, 3 medians of 15)" in lines["time"] and "not judged" not in lines["time"]
-    assert lines["fixtures"] == "ok    fixtures   1 re-run: 1 of 1 with outputs bitwise equal to 0.7.2; refusals 0 new, 0 gone"
+    assert "2 times judged (one process per GPU, 3 medians of 15)" in lines["time"]
+    assert "not judged" not in lines["time"]
+    assert lines["fixtures"] == ("ok    fixtures   1 re-run: 1 of 1 with outputs bitwise equal to 0.7.2; refusals 0 "
+                                 "new, 0 gone")
 
 
 def test_summary_has_one_line_per_class_of_change():
@@ -211,7 +218,8 @@ def test_summary_has_one_line_per_class_of_change():
     moved[4] += 0.5
     comparisons = [
         compared(rec(case="t::strided"), rec(case="t::strided", error="ValueError at plan: CSR metadata")),
-        compared(rec(case="t::drift", ratios={"out_max_ratio": 0.4}), rec(case="t::drift", ratios={"out_max_ratio": 0.6}),
+        compared(rec(case="t::drift", ratios={"out_max_ratio": 0.4}), rec(case="t::drift",
+                                                                          ratios={"out_max_ratio": 0.6}),
                  {"out": out}, {"out": moved}),
         compared(rec(case="t::warn"), rec(case="t::warn", warnings=["DeprecationWarning: flat form"])),
         compared(rec(case="t::slow", plan_us_repeats=[150.0] * 3), rec(case="t::slow", plan_us_repeats=[1500.0] * 3)),
@@ -220,16 +228,34 @@ def test_summary_has_one_line_per_class_of_change():
     ]
     lines = summary(comparisons)
     assert lines["verdict"].startswith("FAIL") and "3 regressions" in lines["verdict"]
-    assert lines["refusals"].startswith("FAIL") and "1 new, 0 gone" in lines["refusals"] and "CSR metadata" in lines["refusals"]
-    assert lines["numerics"].startswith("note") and "`drift` out" in lines["numerics"] and "1/6 rows" in lines["numerics"]
+    assert lines["refusals"].startswith("FAIL") and "1 new, 0 gone" in lines["refusals"]
+    assert "CSR metadata" in lines["refusals"]
+    assert lines["numerics"].startswith("note") and "`drift` out" in lines["numerics"]
+    assert "1/6 rows" in lines["numerics"]
     assert "worst rows 4 (" in lines["numerics"]
     assert lines["errors"].startswith("note") and "out_max_ratio 0.4 -> 0.6" in lines["errors"]
     assert lines["time"].startswith("FAIL") and "plan() time x10.00" in lines["time"]
     assert lines["warnings"].startswith("note") and "1 new, 0 gone" in lines["warnings"]
     assert lines["not"].startswith("FAIL") and "1 case of the baseline did not run" in lines["not"]
     assert "1 new case not in the baseline, not judged" in lines["not"]
-    assert list(lines) == ["verdict", "refusals", "outcomes", "numerics", "errors", "time", "warnings", "fixtures", "not"]
+    assert list(lines) == ["verdict", "refusals", "outcomes", "numerics", "errors", "time", "warnings", "fixtures",
+                           "not"]
     assert all(len(line) < 200 for line in lines.values()), "each line fits a terminal's glance"
+
+
+def test_the_verdict_is_read_from_the_lines_status_data():
+    out = bf16_values(6, 2, 8)
+    moved = out.clone()
+    moved[1] += 0.5
+    drifting = [compared(rec(), rec(), {"out": out}, {"out": moved})]
+    refused = [compared(rec(), rec(error="ValueError at plan: CSR"))]
+    for comparisons, verdict in ((drifting, "PASS"), (refused, "FAIL")):
+        lines = summary_of(comparisons, RunFacts(), "0.7.2", "0.7.4")
+        below = {line.name: line.status for line in lines[1:]}
+        assert lines[0].status == verdict and passed(lines) == (verdict == "PASS")
+        assert ("FAIL" in below.values()) == (verdict == "FAIL"), below
+        assert [line.render() for line in lines] == summary_lines(comparisons, RunFacts(), "0.7.2", "0.7.4")
+    assert below["refusals"] == "FAIL" and summary_of(drifting, RunFacts(), "a", "b")[3].status == "note"
 
 
 def test_times_not_taken_are_said_and_a_failed_timing_pass_fails():
@@ -279,8 +305,10 @@ def test_directories_round_trip_into_markdown_and_json(tmp_path):
         (lambda d: d.mkdir(), "holds no case records"),
         (lambda d: (d.mkdir(), (d / "x.json").write_text("{not json")), "x.json: not a readable JSON record"),
         (lambda d: (d.mkdir(), (d / "x.json").write_text('{"case": "t::x"}')), "x.json: no schema field"),
-        (lambda d: (d.mkdir(), (d / "x.json").write_text('{"case": "t::x", "schema": 1}')), "x.json: schema 1, this tool reads"),
-        (lambda d: (d.mkdir(), (d / "x.json").write_text(json.dumps({"case": "t::x", "timing_workers": 16, "schema": SCHEMA}))),
+        (lambda d: (d.mkdir(), (d / "x.json").write_text('{"case": "t::x", "schema": 1}')),
+         "x.json: schema 1, this tool reads"),
+        (lambda d: (d.mkdir(), (d / "x.json").write_text(json.dumps({"case": "t::x", "timing_workers": 16,
+                                                                     "schema": SCHEMA}))),
          "fields ['timing_workers'] do not fit"),
     ],
     ids=["missing", "empty", "corrupt", "no-schema", "old-schema", "other-fields"],
@@ -320,14 +348,21 @@ def test_cpu_only():
 
 
 @pytest.fixture
-def suite(pytester):
+def gpu_tier_may_run(monkeypatch):
+    """The controller's start-up check sees a machine where the GPU tier may run."""
+    monkeypatch.setattr(plugin, "gpu_tier_unavailable_reason", lambda: None)
+
+
+@pytest.fixture
+def suite(pytester, gpu_tier_may_run):
     pytester.makeconftest('pytest_plugins = ("pytest_sparse_mla",)')
     pytester.makepyfile(test_cases=CASES)
     return pytester
 
 
 def run(pytester, *args):
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:benchmark", "--rootdir", str(pytester.path), *args)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:benchmark", "--rootdir",
+                                        str(pytester.path), *args)
 
 
 def record(pytester, *args):
@@ -341,6 +376,32 @@ def test_a_missing_baseline_is_a_usage_error_before_any_test_runs(suite):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--compare-baseline: baseline nowhere does not exist*"])
     assert "passed" not in result.stdout.str() and not (suite.path / "baseline-compare").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "orphan"])
+def test_every_outputs_file_of_a_baseline_is_checked_at_start_up(suite, damage):
+    base = record(suite)
+    outputs = base / "test_case_2_.safetensors"
+    if damage == "truncated":
+        outputs.write_bytes(outputs.read_bytes()[:-7])
+    elif damage == "garbage":
+        outputs.write_bytes(b"not a safetensors file")
+    else:
+        (base / "test_case_2_.json").unlink()
+    result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    message = ("outputs with no record beside them" if damage == "orphan"
+               else "not a readable safetensors file of outputs")
+    result.stderr.fnmatch_lines([f"*--compare-baseline: {outputs}: {message}*"])
+    assert "passed" not in result.stdout.str() and not (suite.path / "baseline-compare").exists()
+
+
+def test_an_outputs_file_unreadable_after_start_up_fails_the_check_in_one_line(tmp_path):
+    write_record(tmp_path / "a", rec(case="t::x"), {"out": bf16_values(4, 2)})
+    write_record(tmp_path / "b", rec(case="t::x"), {"out": bf16_values(4, 2)})
+    (tmp_path / "b" / "x.safetensors").write_bytes(b"\0" * 12)
+    with pytest.raises(BaselineError, match="x.safetensors: not a readable safetensors file of outputs"):
+        compare_directories(tmp_path / "a", tmp_path / "b")
 
 
 def test_a_corrupt_baseline_is_a_usage_error_naming_the_file(suite):
@@ -363,12 +424,15 @@ def test_a_non_empty_output_folder_is_refused(suite, option):
 
 def test_a_release_against_itself_passes_and_prints_the_summary(suite):
     base = record(suite)
-    assert sorted(p.name for p in base.glob("*.json")) == ["test_case_1_.json", "test_case_2_.json", "test_case_3_.json"]
+    assert sorted(p.name for p in base.glob("*.json")) == ["test_case_1_.json", "test_case_2_.json",
+                                                           "test_case_3_.json"]
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*FlashInfer upgrade check*", "PASS  verdict*3 cases compared, no regression",
-                                 "ok    refusals   0 new, 0 gone", "ok    numerics   all 3 cases with outputs bitwise equal",
-                                 "note  time       not judged: --baseline-timing=off", "report: baseline-compare/report.md"])
+                                 "ok    refusals   0 new, 0 gone",
+                                 "ok    numerics   all 3 cases with outputs bitwise equal",
+                                 "note  time       not judged: --baseline-timing=off",
+                                 "report: baseline-compare/report.md"])
 
 
 def test_a_run_that_ran_no_gpu_case_fails(suite):
@@ -383,7 +447,8 @@ def test_a_baseline_case_skipped_now_fails_and_one_deselected_by_k_does_not(suit
     monkeypatch.setenv("SKIP_CASE", "2")
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=skipped")
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["FAIL  not run    1 case of the baseline did not run (`test_case[2]`: skipped: GPU tier: no CUDA device)"])
+    result.stdout.fnmatch_lines(["FAIL  not run    1 case of the baseline did not run (`test_case[2]`: skipped: GPU "
+                                 "tier: no CUDA device)"])
     monkeypatch.delenv("SKIP_CASE")
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=narrow", "-k", "not 3")
     assert result.ret == 0, result.stdout.str()
@@ -393,7 +458,8 @@ def test_a_baseline_case_skipped_now_fails_and_one_deselected_by_k_does_not(suit
 
 def test_deselection_is_known_under_xdist_too(suite):
     base = record(suite)
-    result = suite.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(suite.path), "-n", "1",
+    result = suite.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(suite.path),
+                                       "-n", "1",
                                        f"--compare-baseline={base}", "--baseline-timing=off", "-k", "not 3")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*1 left out by this run's selection (deselected by -k/-m)*"])
@@ -404,15 +470,16 @@ def test_the_timing_pass_times_each_case_in_a_process_per_gpu_and_judges_only_th
     base = suite.path / "base"
     result = run(suite, f"--record-baseline={base}")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["PASS  baseline *base: 3 cases and 0 fixture re-runs recorded, 3 timed by the timing pass"])
+    result.stdout.fnmatch_lines(["PASS  baseline *base: 3 cases and 0 fixture re-runs recorded, 3 timed by the timing "
+                                 "pass"])
     assert sorted(p.name for p in (base / "timing").glob("*.log")) == ["gpu0.log", "gpu1.log"]
     assert check_baseline(base)["test_cases.py::test_case[2]"].kernel_us_repeats == [70.0, 70.5, 69.9]
     monkeypatch.setenv("SLOW_CASE", "3")
     monkeypatch.setattr(plugin, "visible_gpus", lambda: ["0"])
     result = run(suite, f"--compare-baseline={base}")
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["FAIL  time       6 times judged (one process per GPU, 3 medians of 15): 1 slower past "
-                                 "the limits, worst kernel time x3.00 (70.0 -> 210.0 us)"])
+    result.stdout.fnmatch_lines(["FAIL  time       6 times judged (one process per GPU, 3 medians of 15): 1 slower "
+                                 "past the limits, worst kernel time x3.00 (70.0 -> 210.0 us)"])
 
 
 def test_without_a_gpu_the_due_timing_pass_fails_the_check(suite, monkeypatch):
@@ -484,7 +551,8 @@ def test_fixtures_have_their_own_line_with_equal_outputs_the_worst_rows_and_refu
     comparisons = [
         compared(fixture_rec("a-identity-fill-bf16"), fixture_rec("a-identity-fill-bf16"), equal, equal),
         compared(fixture_rec("c-compacted-fp8"), fixture_rec("c-compacted-fp8"), old, new),
-        compared(fixture_rec("h-kpool1-decode-bf16"), fixture_rec("h-kpool1-decode-bf16", error="ValueError: CSR metadata")),
+        compared(fixture_rec("h-kpool1-decode-bf16"), fixture_rec("h-kpool1-decode-bf16",
+                                                                  error="ValueError: CSR metadata")),
         compared(rec(case="t::gpu"), rec(case="t::gpu")),
     ]
     lines = summary(comparisons)
@@ -493,13 +561,15 @@ def test_fixtures_have_their_own_line_with_equal_outputs_the_worst_rows_and_refu
     assert "worst `c-compacted-fp8` lse max abs" in line and "1/4 rows differ, worst rows 2 (" in line
     assert "refusals 1 new, 0 gone (now raising: ValueError: CSR metadata in `h-kpool1-decode-bf16`)" in line
     assert lines["verdict"].startswith("FAIL") and "1 case and 3 fixtures compared, 1 regression" in lines["verdict"]
-    assert lines["refusals"].startswith("ok") and lines["numerics"].startswith("ok"), "GPU-tier lines count GPU-tier cases"
+    assert lines["refusals"].startswith("ok") and lines["numerics"].startswith("ok"), \
+        "GPU-tier lines count GPU-tier cases"
 
 
 def test_a_fixture_that_passed_and_fails_now_fails_the_fixtures_line():
     c = compared(fixture_rec("c-compacted-fp8"), fixture_rec("c-compacted-fp8", outcome="failed"))
     assert c.regressions == ["was passed, now failed"]
-    assert summary([c])["fixtures"].startswith("FAIL") and "1 that passed fail now (`c-compacted-fp8`: failed)" in summary([c])["fixtures"]
+    assert summary([c])["fixtures"].startswith("FAIL")
+    assert "1 that passed fail now (`c-compacted-fp8`: failed)" in summary([c])["fixtures"]
 
 
 def after_only(tmp_path, version: str, record: CaseRecord, outputs=None) -> list:
@@ -512,15 +582,17 @@ def after_only(tmp_path, version: str, record: CaseRecord, outputs=None) -> list
 
 
 def test_a_fixture_the_baseline_did_not_record_is_compared_with_the_file_s_own_output(tmp_path):
-    [c] = after_only(tmp_path, "0.7.4", fixture_rec("c-compacted-fp8", flashinfer="0.8.0"), fixture_outputs("c-compacted-fp8"))
+    [c] = after_only(tmp_path, "0.7.4", fixture_rec("c-compacted-fp8", flashinfer="0.8.0"),
+                     fixture_outputs("c-compacted-fp8"))
     assert (c.status, c.against, c.bitwise_equal) == ("compared", "the fixture file's 0.7.4 record", True)
     assert set(c.drift) == {"out", "lse"} and not c.regressions
     line = summary([c], before="0.7.4")["fixtures"]
-    assert line == ("ok    fixtures   1 re-run: 1 of 1 with outputs bitwise equal to 0.7.4 (1 compared with the fixture file's "
-                    "record); refusals 0 new, 0 gone")
+    assert line == ("ok    fixtures   1 re-run: 1 of 1 with outputs bitwise equal to 0.7.4 (1 compared with the "
+                    "fixture file's record); refusals 0 new, 0 gone")
 
     moved = fixture_outputs("c-compacted-fp8", "0.6.18.post1")
-    [c] = after_only(tmp_path / "old", "0.6.18.post1", fixture_rec("c-compacted-fp8"), dict(moved, out=bumped(moved["out"], 3)))
+    bumped_out = dict(moved, out=bumped(moved["out"], 3))
+    [c] = after_only(tmp_path / "old", "0.6.18.post1", fixture_rec("c-compacted-fp8"), bumped_out)
     assert c.drift["out"]["worst_rows"][0][0] == 3 and c.drift["lse"]["bitwise_equal"] == 1.0
     assert summary([c])["fixtures"].startswith("note") and "worst `c-compacted-fp8` out" in summary([c])["fixtures"]
 
@@ -548,7 +620,8 @@ def test_a_baseline_fixture_not_re_run_now_fails_unless_the_user_asked_for_recor
     before = fixture_rec("c-compacted-fp8")
     case = before.case
     recorded_only = RunFacts(not_rerun={case: RECORDED_ONLY}, outcomes={case: "passed"})
-    assert missing_case_status(case, recorded_only, before) == ("deselected", f"{RECORDED_ONLY}: recorded outputs judged only")
+    assert missing_case_status(case, recorded_only, before) == ("deselected",
+                                                                f"{RECORDED_ONLY}: recorded outputs judged only")
     no_gpu = RunFacts(not_rerun={case: "no CUDA device"}, outcomes={case: "passed"})
     assert compare_case(case, before, None, {}, {}, no_gpu).regressions == ["not run: not re-run: no CUDA device"]
     status, why = missing_case_status(case, RunFacts(), before)
@@ -558,8 +631,8 @@ def test_a_baseline_fixture_not_re_run_now_fails_unless_the_user_asked_for_recor
 def test_fixtures_not_re_run_are_said_on_the_fixtures_line_and_do_not_fail_it():
     run = RunFacts(not_rerun={"tests/test_replay.py::test_replay_fixture[x]": "no CUDA device"})
     lines = summary([compared(rec(), rec())], run)
-    assert lines["fixtures"] == ("note  fixtures   1 not re-run (no CUDA device): judged on their recorded outputs only, "
-                                 "nothing compared")
+    assert lines["fixtures"] == ("note  fixtures   1 not re-run (no CUDA device): judged on their recorded outputs "
+                                 "only, nothing compared")
     assert lines["verdict"].startswith("PASS")
     nothing = summary_lines([compare_case("t::x", rec(case="t::x"), None, {}, {}, run)], run, "0.7.2", "0.7.4")
     assert nothing[0].startswith("FAIL  GPU tier") and nothing[1].startswith("note  fixtures   1 not re-run")
@@ -571,7 +644,7 @@ TWO = ("c-compacted-fp8", "h-kpool1-decode-bf16")
 
 
 @pytest.fixture
-def replaying(stand_in, device, monkeypatch, pytester):
+def replaying(stand_in, device, monkeypatch, pytester, gpu_tier_may_run):  # noqa: F811
     """The replay tests re-run fixtures on the stand-in as if on an SM90 GPU; ``version(v)``
     sets the FlashInfer version the run reports."""
     import harness.availability
@@ -595,11 +668,13 @@ def replay_run(pytester, *args):
                                         *(f"--baseline-fixtures={FIXTURES / n}.safetensors" for n in TWO), *args)
 
 
-def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_release(replaying, stand_in, pytester, monkeypatch):
+def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_release(
+        replaying, stand_in, pytester, monkeypatch):  # noqa: F811 (stand_in)
     replaying("0.7.2.post1")
     result = replay_run(pytester, "--record-baseline=base")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["PASS  baseline base: 0 cases and 2 fixture re-runs recorded, times not taken: --baseline-timing=off"])
+    result.stdout.fnmatch_lines(["PASS  baseline base: 0 cases and 2 fixture re-runs recorded, times not taken: "
+                                 "--baseline-timing=off"])
     records = check_baseline(pytester.path / "base")
     assert sorted(Path(r.fixture).stem for r in records.values()) == sorted(TWO)
     assert all(r.flashinfer == "0.7.2.post1" and r.ratios["out_max_ratio"] >= 0 for r in records.values())
@@ -607,8 +682,10 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
     replaying("0.7.4")
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=same")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> 0.7.4: 0 cases and 2 fixtures compared, no regression",
-                                 "ok    fixtures   2 re-run: 2 of 2 with outputs bitwise equal to 0.7.2.post1; refusals 0 new, 0 gone"])
+    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> 0.7.4: 0 cases and 2 fixtures compared, "
+                                 "no regression",
+                                 "ok    fixtures   2 re-run: 2 of 2 with outputs bitwise equal to 0.7.2.post1; "
+                                 "refusals 0 new, 0 gone"])
 
     original = stand_in.run
 
@@ -619,15 +696,15 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
     monkeypatch.setattr(stand_in, "run", one_ulp_off)
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=moved")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: 0 of 2 with outputs bitwise equal to 0.7.2.post1; worst `*` out max abs "
-                                 "*, 1/* rows differ, worst rows 1 (*); refusals 0 new, 0 gone"])
+    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: 0 of 2 with outputs bitwise equal to 0.7.2.post1; worst "
+                                 "`*` out max abs *, 1/* rows differ, worst rows 1 (*); refusals 0 new, 0 gone"])
 
     stand_in.refuse = "CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size)."
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=refused")
     assert result.ret == 1
     result.stdout.fnmatch_lines(["FAIL  verdict    *2 regressions",
-                                 "FAIL  fixtures   2 re-run: 0 of 0 with outputs bitwise equal to 0.7.2.post1; refusals 2 new, "
-                                 "0 gone (now raising: ValueError: CSR metadata page counts*"])
+                                 "FAIL  fixtures   2 re-run: 0 of 0 with outputs bitwise equal to 0.7.2.post1; "
+                                 "refusals 2 new, 0 gone (now raising: ValueError: CSR metadata page counts*"])
 
 
 def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_files(replaying, pytester):
@@ -635,20 +712,43 @@ def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_fi
     replaying("0.8.0")
     result = replay_run(pytester, "--compare-baseline=base")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: * of 2 with outputs bitwise equal to 0.7.4 (2 compared with the "
-                                 "fixture file's record); worst *",
-                                 "note  not run    0 cases of the baseline did not run; 1 left out by this run's selection (outside "
-                                 "the paths given), not judged"])
+    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: * of 2 with outputs bitwise equal to 0.7.4 (2 compared "
+                                 "with the fixture file's record); worst *",
+                                 "note  not run    0 cases of the baseline did not run; 1 left out by this run's "
+                                 "selection (outside the paths given), not judged"])
     md = (pytester.path / "baseline-compare" / "report.md").read_text()
-    assert "## Fixtures" in md and "`c-compacted-fp8` (" in md and "against the fixture file's 0.7.4 record; lse max abs" in md
+    assert "## Fixtures" in md and "`c-compacted-fp8` (" in md
+    assert "against the fixture file's 0.7.4 record; lse max abs" in md
 
 
-def test_on_a_machine_without_a_gpu_fixtures_record_nothing_and_the_report_says_so(pytester, monkeypatch):
+@pytest.mark.parametrize("option", ["--record-baseline=base", "--compare-baseline=base"])
+def test_the_upgrade_check_where_the_gpu_tier_cannot_run_is_a_usage_error_at_start_up(suite, monkeypatch, option):
+    base = record(suite)  # on a GPU runner
+    monkeypatch.setattr(plugin, "gpu_tier_unavailable_reason", lambda: "no NVIDIA GPU found")
+    if option.startswith("--record"):
+        shutil.rmtree(base)
+    result = run(suite, option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{option.split('=')[0]}: the GPU tier cannot run here (no NVIDIA GPU found)*"])
+    assert "passed" not in result.stdout.str() and not (suite.path / "baseline-compare").exists()
+
+
+def test_the_start_up_check_asks_the_machine_without_cuda(monkeypatch):
+    import harness.availability
+    import harness.gpu_env
+
+    monkeypatch.setattr(harness.gpu_env, "gpus_without_cuda", lambda: [])
+    assert plugin.gpu_tier_unavailable_reason() == "no NVIDIA GPU found"
+
+
+def test_where_flashinfer_fails_only_at_run_time_fixtures_record_nothing_and_the_report_says_so(
+        pytester, monkeypatch, gpu_tier_may_run):
     import harness.availability
 
     monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: "no SM90 GPU (simulated)")
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(ROOT),
-                                          str(ROOT / "tests/test_replay.py"), "--record-baseline=base", "--baseline-timing=off")
+                                          str(ROOT / "tests/test_replay.py"), "--record-baseline=base",
+                                          "--baseline-timing=off")
     assert result.ret == 1, "the GPU tier did not run: nothing was recorded"
     assert result.parseoutcomes().get("failed") is None, "the replay tests themselves pass on their recorded outputs"
     result.stdout.fnmatch_lines(["FAIL  baseline base: nothing recorded*",

@@ -80,7 +80,8 @@ def test_capture_records_replayable_fixtures_without_changing_results(impl, devi
         captured = seed_style_program(impl, device, steps, max_rows=4, width=256)
     assert len(plain) == len(captured) == len(steps), (
         f"{len(plain)} plain and {len(captured)} captured results of {len(steps)} steps")
-    assert all(torch.equal(a, b) for a, b in zip(plain, captured, strict=True)), "capturing changed the program's results"
+    changed = not all(torch.equal(a, b) for a, b in zip(plain, captured, strict=True))
+    assert not changed, "capturing changed the program's results"
     assert (StandInWrapper.plan, StandInWrapper.run) == originals, "capture did not restore the wrapper"
     assert len(log.written) == 3, log.skipped
     for path, (scenario, _) in zip(log.written, steps, strict=True):

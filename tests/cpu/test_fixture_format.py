@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from harness import batch, build_attention_inputs, build_scenario
-from harness.pipeline import as_planned, fixture_from_step, intended, prepare_step
+from harness.pipeline import as_planned, intended, prepare_step
+from recording.case_log import fixture_from_step
 from recording.fixture import METADATA_KEY, FixtureError, bitwise_equal, load_fixture, save_fixture
 from recording.replay import replay
 from reference import sparse_mla_reference

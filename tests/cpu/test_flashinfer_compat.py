@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import torch
 from fast.flashinfer_compat import (
     PROBE_SLOT,
     PROBED_BEHAVIOURS,
+    PROBED_NAMES,
+    RELEASES_READ,
     Behaviour,
     ProbeError,
     classify_run,
@@ -27,11 +30,13 @@ from fast.flashinfer_compat import (
     refusal,
     unsupported_reason,
 )
+from harness.full_width_strided import outcome_problem
 
 FLAT_PLAN = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads", "head_dim_ckv", "head_dim_kpe",
              "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type")
 FLAT_RUN = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "out", "lse", "return_lse")
 SCALES = ("ckv_scale", "kpe_scale")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -96,7 +101,8 @@ def test_fp8_caches_are_planned_as_e4m3_never_their_storage_dtype():
 
 
 @pytest.mark.parametrize(("rows", "heads", "reserved", "cluster"), [
-    (132, 128, 132, 2), (3, 128, 132, 1), (66, 128, 132, 1), (67, 128, 132, 1), (68, 128, 132, 2), (132, 64, 132, 1), (0, 128, 8, 1),
+    (132, 128, 132, 2), (3, 128, 132, 1), (66, 128, 132, 1), (67, 128, 132, 1), (68, 128, 132, 2),
+    (132, 64, 132, 1), (0, 128, 8, 1),
 ])
 def test_cluster_size_rule(rows, heads, reserved, cluster):
     assert fa3_mla_cluster_size(rows, heads, reserved) == cluster
@@ -104,14 +110,15 @@ def test_cluster_size_rule(rows, heads, reserved, cluster):
 
 def test_signatures_alone_probe_nothing():
     f = features_from("0.7.4", FLAT_PLAN + ("metadata", "query_layout", "kv_cache_layout"), FLAT_RUN, True)
-    assert (f.plan_checks_page_counts, f.run_checks_cache_coverage, f.run_checks_query_shape) == (None, None, None)
+    assert [getattr(f, name) for name in PROBED_NAMES] == [None] * len(PROBED_BEHAVIOURS)
     assert not f.probed and f.describe().endswith("; probed: not probed")
 
 
 def test_describe_names_each_probed_behaviour():
     f = features_from("0.7.2.post1", FLAT_PLAN, FLAT_RUN, has_plan_metadata=False)
-    f = dataclasses.replace(f, plan_checks_page_counts=True, run_checks_cache_coverage=False, run_checks_query_shape=False)
-    assert f.probed
+    f = dataclasses.replace(f, behaviour=Behaviour.of(plan_checks_page_counts=True, run_checks_cache_coverage=False,
+                                                      run_checks_query_shape=False))
+    assert f.probed and f.plan_checks_page_counts is True and f.run_checks_query_shape is False
     assert f.describe().endswith(
         "probed: plan_checks_page_counts yes, run_checks_cache_coverage no, run_checks_query_shape no"
     ), f.describe()
@@ -126,7 +133,7 @@ class FakeRelease:
     planned rows of ``out`` after reading the planned slots from the storage under the cache
     view (as the kernel would)."""
 
-    checks = Behaviour(False, False, False)
+    checks = Behaviour.in_source("0.6.18.post1")
     run_error: Exception | None = None
 
     def __init__(self, workspace, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr, features=None):
@@ -156,21 +163,22 @@ class FakeRelease:
         lse[: self.planned_rows] = 0
 
 
-def release(plan_pages: bool, run_cache: bool, run_q: bool, **attrs):
-    return type("Release", (FakeRelease,), {"checks": Behaviour(plan_pages, run_cache, run_q), **attrs})
+def release(checks: Behaviour, **attrs):
+    return type("Release", (FakeRelease,), {"checks": checks, **attrs})
+
+
+EVERY_CHECK = Behaviour.of(**{name: True for name in PROBED_NAMES})
 
 
 @pytest.mark.parametrize("checks", [
-    Behaviour(False, False, False),  # as 0.6.18.post1 reads
-    Behaviour(True, False, False),  # as 0.7.0.post1 and 0.7.2.post1 read
-    Behaviour(True, True, True),  # as 0.7.4 reads
-    Behaviour(False, True, False),
-])
+    *(Behaviour.in_source(r) for r in RELEASES_READ),  # as each release's source reads
+    Behaviour.of(plan_checks_page_counts=False, run_checks_cache_coverage=True, run_checks_query_shape=False),
+], ids=[*RELEASES_READ, "cache-coverage-only"])
 def test_probe_finds_what_the_release_checks(checks):
     made = []
 
     def make(*args, **kwargs):
-        made.append(release(*dataclasses.astuple(checks))(*args, **kwargs))
+        made.append(release(checks)(*args, **kwargs))
         return made[-1]
 
     assert probe_behaviour("cpu", make_wrapper=make) == checks
@@ -178,18 +186,39 @@ def test_probe_finds_what_the_release_checks(checks):
     assert made[0].launches == 1 + (not checks.run_checks_cache_coverage) + (not checks.run_checks_query_shape)
 
 
-def test_probe_behaviours_are_the_described_ones():
-    assert [f.name for f in dataclasses.fields(Behaviour)] == list(PROBED_BEHAVIOURS)
+def test_a_behaviour_is_read_by_the_declared_names_only():
+    b = Behaviour.in_source("0.7.2.post1")
+    assert b.items() == [("plan_checks_page_counts", True), ("run_checks_cache_coverage", False),
+                         ("run_checks_query_shape", False)]
+    with pytest.raises(AttributeError, match="plan_checks_pages"):
+        _ = b.plan_checks_pages
+    with pytest.raises(ValueError, match="exactly"):
+        Behaviour.of(plan_checks_page_counts=True)
+    with pytest.raises(AttributeError):
+        _ = features_from("0.7.4", FLAT_PLAN, FLAT_RUN, True).run_checks_cache
+
+
+def test_the_findings_doc_tables_are_the_declared_behaviours():
+    """docs/findings.md describes each probed behaviour and what each release's source checks,
+    as declared in PROBED_BEHAVIOURS (a new behaviour: add its declaration, then these rows)."""
+    doc = (ROOT / "docs" / "findings.md").read_text()
+    rows = [f"| `{b.name}` | {b.how} |" for b in PROBED_BEHAVIOURS]
+    rows += ["| | " + " | ".join(RELEASES_READ) + " |"]
+    rows += [f"| `{b.name}` ({b.source}) | "
+             + " | ".join("yes" if r in b.releases_checking else "no" for r in RELEASES_READ) + " |"
+             for b in PROBED_BEHAVIOURS]
+    missing = [row for row in rows if row not in doc.splitlines()]
+    assert not missing, "docs/findings.md#probed-checks-before-launch lacks the rows:\n" + "\n".join(missing)
 
 
 def test_probe_lets_other_exceptions_through():
     with pytest.raises(TypeError, match="unexpected keyword"):
-        probe_behaviour("cpu", make_wrapper=release(True, True, True, run_error=TypeError("unexpected keyword")))
+        probe_behaviour("cpu", make_wrapper=release(EVERY_CHECK, run_error=TypeError("unexpected keyword")))
 
 
 def test_probe_refused_control_run_is_an_error():
     with pytest.raises(ProbeError, match="control run .* refused: ValueError: no"):
-        probe_behaviour("cpu", make_wrapper=release(True, True, True, run_error=ValueError("no")))
+        probe_behaviour("cpu", make_wrapper=release(EVERY_CHECK, run_error=ValueError("no")))
 
 
 def test_refusal_is_a_value_error_message_or_none():
@@ -212,3 +241,29 @@ def test_classify_run(refused, wrote, expected):
 def test_classify_run_rejects_what_it_cannot_tell(refused, wrote, message):
     with pytest.raises(ProbeError, match=message):
         classify_run("run", refused, wrote)
+
+
+# --- what the full-width strided process may end with (tests/gpu/test_flashinfer_compat.py) --------
+
+REFUSED = {"stage": "run", "error": "ValueError: KV cache does not cover the planned CSR page indices."}
+FINISHED = {"stage": "done", "nan_rows": 3}
+FAULTED = {"stage": "sync", "error": "AcceleratorError: CUDA error: an illegal memory access was encountered"}
+KILLED = {"stage": "sync", "returncode": -11, "died": True}
+
+
+@pytest.mark.parametrize(("outcome", "checks", "ok"), [
+    (REFUSED, True, True),
+    ({**REFUSED, "returncode": -6, "died": True}, True, False),  # refused, then the process died
+    (FINISHED, True, False),  # launched where the probe found the check
+    (FINISHED, False, True),
+    (FAULTED, False, True),
+    (KILLED, False, True),
+    ({"stage": "plan", "returncode": -11, "died": True}, False, False),  # died before run() returned
+    ({"stage": None, "returncode": 1, "died": True}, False, False),  # died before any stage (an import error, say)
+    ({"stage": "run", "error": "TypeError: run() got an unexpected keyword"}, False, False),
+    ({"stage": "sync", "error": "RuntimeError: out of memory"}, False, False),  # not the launch's fault
+    ({**FINISHED, "returncode": -11, "died": True}, False, False),  # died after finishing
+    (REFUSED, False, False),  # refused where the probe found no check
+])
+def test_the_full_width_process_outcome_must_be_the_one_the_probe_predicts(outcome, checks, ok):
+    assert (outcome_problem(outcome, run_checks_cache_coverage=checks) == "") == ok

@@ -203,5 +203,5 @@ def test_prebuild_without_a_gpu_refuses_in_one_line():
     done = subprocess.run([sys.executable, "-m", "harness.prebuild"], capture_output=True, text=True, timeout=120,
                           cwd=root, env=env)
     lines = (done.stdout + done.stderr).splitlines()
-    assert done.returncode != 0 and lines == ["harness.prebuild: nothing to build here: no CUDA GPU visible to torch"], (
-        f"exit {done.returncode}:\n" + "\n".join(lines[-20:]))
+    expected = ["harness.prebuild: nothing to build here: no CUDA GPU visible to torch"]
+    assert done.returncode != 0 and lines == expected, f"exit {done.returncode}:\n" + "\n".join(lines[-20:])

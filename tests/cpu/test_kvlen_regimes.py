@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from fast.layouts import LAYOUTS
 from harness import BatchSpec, Request, build_attention_inputs, build_scenario
-from harness.pipeline import describe_rows, fixture_from_step, prepare_step, selection_mismatches
+from harness.pipeline import describe_rows, prepare_step, selection_mismatches
+from recording.case_log import fixture_from_step
 from reference import kv_len_rule, valid_counts
 from tests.regime_c import REGIME_CASES as CASES
 from tests.regime_c import raise_regime_c_finding, regime_c_marks

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_constants import DEEPSEEK_V32_SM_SCALE
-from recording.fixture import bitwise_equal
 import reference.oracle_fast as oracle_fast
+from harness.bits import bitwise_equal
+from mla_constants import DEEPSEEK_V32_SM_SCALE
 from reference.oracle import sparse_mla_reference
 from reference.oracle_fast import PROBABILITY_TERMS, bf16_terms
 
@@ -93,7 +93,7 @@ def test_bf16_products_chunked_equals_unchunked_bitwise(bf16_products):
     p = problem(4)
     whole = reference(p, "float32")
     chunked = reference(p, "float32", memory_budget_bytes=1)
-    assert len(whole) == len(chunked) and all(bitwise_equal(a, b) for a, b in zip(whole, chunked))
+    assert len(whole) == len(chunked) and all(bitwise_equal(a, b) for a, b in zip(whole, chunked, strict=True))
 
 
 def test_bf16_products_keep_poisoned_unselected_slots_out(bf16_products):
@@ -105,7 +105,7 @@ def test_bf16_products_keep_poisoned_unselected_slots_out(bf16_products):
     kv = torch.cat([ckv, kpe], dim=1).clone()
     kv[0] = float("nan")
     poisoned = reference((q_nope, q_pe, kv[:, :512], kv[:, 512:], slots, lens), "float32")
-    assert len(clean) == len(poisoned) and all(bitwise_equal(a, b) for a, b in zip(clean, poisoned))
+    assert len(clean) == len(poisoned) and all(bitwise_equal(a, b) for a, b in zip(clean, poisoned, strict=True))
     assert not bool(torch.isnan(poisoned[0]).any())
 
 

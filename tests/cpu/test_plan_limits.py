@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fast.flashinfer_compat import FA3_WORK_CAPACITY
 from harness.plan_limits import (
-    FA3_WORK_CAPACITY,
     INT32_ROWS_BOUND,
     PLAN_WIDTH,
     Attempt,
@@ -282,7 +282,8 @@ def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):  # noqa: F811
         refused = plan_attempt(5, 16, width=64, device="cpu")
     finally:
         ReferenceWrapper.refuse = None
-    assert refused["outcome"] == "refused" and refused["healthy"] and refused["exception_types"] == ["ValueError", "Exception"]
+    assert refused["outcome"] == "refused" and refused["healthy"]
+    assert refused["exception_types"] == ["ValueError", "Exception"]
     assert refused["detail"] == "ValueError: FA MLA needs 5 work items including KV splits; native capacity is 4."
 
 
@@ -302,3 +303,26 @@ def test_rows_attempt_judges_every_row(stand_in, monkeypatch):  # noqa: F811
     wrong = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append)
     assert wrong["outcome"] == "wrong" and wrong["summary"]["first_bad"] == [4]
     assert wrong["detail"].startswith("1 of 6 rows beyond the budget, no error")
+
+
+def test_the_study_refuses_in_one_line_where_the_gpu_path_cannot_run(tmp_path, capsys):
+    """Without an SM90 GPU and FlashInfer the study refuses before any attempt (exit status 2,
+    one line), instead of reporting a largest accepted plan of 0."""
+    import harness.availability
+
+    if harness.availability.sm90_flashinfer_unavailable_reason() is None:
+        pytest.skip("the SM90 FlashInfer path runs here: the study would run")
+    from scripts.plan_limits import main
+
+    assert main(["--out", str(tmp_path / "out"), "--heads", "16", "--bound", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("scripts.plan_limits: installed FlashInfer: the SM90 FlashInfer path "
+                                               "cannot run here: "), err
+    assert not (tmp_path / "out").exists(), "nothing is written"
+
+
+def test_a_failing_environment_child_is_one_line_too():
+    from harness.plan_limits import StudyUnavailable, environment_info
+
+    with pytest.raises(StudyUnavailable, match="the environment child failed: SystemExit: no torch here"):
+        environment_info([sys.executable, "-c", "raise SystemExit('SystemExit: no torch here')"])

@@ -178,7 +178,8 @@ def assert_one_usage_error(result, out: str, line: str, *, exact: bool = True) -
 
 @pytest.mark.parametrize(("spec", "line"), [
     ("fast.impl.default_impl", "--impl expects 'module:factory', got 'fast.impl.default_impl'"),
-    ("no_such_backend:make", "--impl 'no_such_backend:make': cannot load the factory: No module named 'no_such_backend'"),
+    ("no_such_backend:make",
+     "--impl 'no_such_backend:make': cannot load the factory: No module named 'no_such_backend'"),
     ("bad_impls:raises", "--impl 'bad_impls:raises': the factory raised RuntimeError: this backend needs its server"),
     ("bad_impls:lacking", "--impl 'bad_impls:lacking': the object lacks ['kv_lens', 'planned_lens', 'request_ids', "
                           "'convert', 'kv_indptr', 'write_kv_indices'] (see fast.impl.SparseMLAImpl)"),

@@ -69,7 +69,8 @@ def run_case(gpu, case, layout, config, seed: int, *, scenario=None, label="") -
     check_launched(launched)
     n, out, lse = launched.rows, launched.out, launched.lse
     out2, lse2 = launched.rerun()
-    assert torch.equal(out[:n], out2[:n]) and torch.equal(lse[:n], lse2[:n]), f"rerun not bitwise equal; {launched.context()}"
+    assert torch.equal(out[:n], out2[:n]) and torch.equal(lse[:n], lse2[:n]), (
+        f"rerun not bitwise equal; {launched.context()}")
 
     comparisons = compare_with_references(step, launched.inputs, out, lse)
     record_errors(gpu.request.node, step, comparisons, label)

@@ -51,7 +51,8 @@ def test_capture_of_the_production_state(impl, regime_log, tmp_path):
     with capture_mla(tmp_path, every=1, max_cases=8) as log:
         captured = program(impl, "compacted", regime_log)
     assert len(plain) == len(captured) == 3, f"{len(plain)} plain and {len(captured)} captured results of 3 steps"
-    changed = [i for i, (a, b) in enumerate(zip(plain, captured, strict=True)) if not bitwise_equal(a, b)]  # NaN bits count as equal
+    # NaN bits count as equal
+    changed = [i for i, (a, b) in enumerate(zip(plain, captured, strict=True)) if not bitwise_equal(a, b)]
     assert not changed, f"capturing changed the program's results at steps {changed}"
     assert len(log.written) == 3, f"written {log.written}, skipped {log.skipped}"
     for path in log.written:

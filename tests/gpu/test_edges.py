@@ -144,7 +144,8 @@ def test_kernel_holds_at_any_score_offset(gpu, case, layout, config):
     score-precision finding is expected, a strict xfail that only that finding satisfies."""
     impl, features, request, regime_log = gpu.impl, gpu.features, gpu.request, gpu.regime_log
     if expects_alignment_finding(case, features):
-        request.applymarker(pytest.mark.xfail(reason=SCORE_PRECISION_FINDING, raises=ScorePrecisionAt2To15, strict=True))
+        request.applymarker(pytest.mark.xfail(reason=SCORE_PRECISION_FINDING, raises=ScorePrecisionAt2To15,
+                                              strict=True))
     scenario = build_scenario(config.apply(case.spec), seed=41)
     step = prepared(impl, scenario, layout)
     regime_log.record(step.regimes(), focus=case.focus or None)

@@ -18,6 +18,8 @@ import torch
 
 from fast.flashinfer_compat import (
     CANONICAL_MIN_VERSION,
+    RELEASES_READ,
+    Behaviour,
     distinct_warnings,
     features_from,
     parse_version,
@@ -27,9 +29,9 @@ from fast.flashinfer_compat import (
 )
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import covering_config
+from harness.full_width_strided import outcome_problem
 from harness.launch import (
     DEVICE,
-    sync,
     assert_launchable,
     attention_config,
     compare_with_references,
@@ -39,6 +41,7 @@ from harness.launch import (
     nan_buffers,
     prepared,
     references,
+    sync,
 )
 from reference import compare_to_budget, lse_to_base2
 from reference.budget import LSE_ULPS
@@ -72,18 +75,6 @@ def launch_compacted(impl, scenario, regime_log=None, **state_kwargs):
     return step, inputs, state, launch, out, lse
 
 
-#: What each release's fa3 backend checks before launching, read from its wheel's source
-#: (plan: ``_batch_mla/_planning.py``; run: ``_check_planned_geometry`` in
-#: ``_batch_mla/_backends/_fa_common.py``), as (page counts at plan, cache coverage at run,
-#: q rows at run). Only to check the probe: the suite keys on what the probe finds.
-CHECKS_IN_SOURCE = {
-    "0.6.18.post1": (False, False, False),
-    "0.7.0.post1": (True, False, False),
-    "0.7.2.post1": (True, False, False),
-    "0.7.4": (True, True, True),
-}
-
-
 def test_features_match_the_installed_version(features):
     v = parse_version(features.version)
     assert features.canonical_plan == features.structural_run == (v >= CANONICAL_MIN_VERSION), features.describe()
@@ -101,10 +92,9 @@ def test_probe_finds_the_checks_in_the_release_source(features, record_property)
     """The probe against what the source of the installed release checks (where it was read)."""
     record_property("flashinfer_features", features.describe())
     print(features.describe())
-    if features.version not in CHECKS_IN_SOURCE:
+    if features.version not in RELEASES_READ:
         pytest.skip(f"no source reading for flashinfer {features.version}; probed: {features.describe()}")
-    found = (features.plan_checks_page_counts, features.run_checks_cache_coverage, features.run_checks_query_shape)
-    assert found == CHECKS_IN_SOURCE[features.version], features.describe()
+    assert features.behaviour == Behaviour.in_source(features.version), features.describe()
 
 
 @pytest.mark.parametrize("config_index", [0, 1], ids=["bf16", "fp8"])
@@ -187,20 +177,14 @@ def test_full_width_strided_lens_in_a_subprocess(features, record_property):
     """Full-width kv_len with -1 tails (docs/findings.md#full-width-lengths-strided), in its own
     process. A FlashInfer whose run() checks cache coverage (probed) refuses it before launching;
     one that does not launches it and reads slot -1: it may finish (the rows holding NaN are
-    recorded), fault at the sync, or kill the process. Either way this process's CUDA context
-    stays healthy."""
+    recorded), fault at the sync, or kill the process there (``outcome_problem`` says which
+    outcomes count). Either way this process's CUDA context stays healthy."""
     outcome, stderr = run_full_width_strided()
     record_property("full_width_strided", outcome)
     detail = f"{features.describe()}; outcome {outcome}; stderr tail: {stderr}"
     print(detail)
-    error = outcome.get("error", "")
-    if features.run_checks_cache_coverage:
-        assert outcome.get("stage") == "run" and error.startswith("ValueError: KV cache does not cover"), detail
-        assert not outcome.get("died"), detail
-    else:
-        assert outcome.get("stage") in ("sync", "done") and not error.startswith("ValueError"), (
-            "expected a launch (run() returned), as the probe found no cache-coverage check; " + detail
-        )
+    problem = outcome_problem(outcome, run_checks_cache_coverage=features.run_checks_cache_coverage)
+    assert not problem, f"{problem}, as the probe found; {detail}"
     sync()
     healthy = torch.arange(1 << 20, device=DEVICE, dtype=torch.float32)
     assert math.isclose(float(healthy.sum()), (1 << 20) * ((1 << 20) - 1) / 2, rel_tol=1e-6)

@@ -71,7 +71,8 @@ def table(found: dict) -> str:
 
 
 @pytest.mark.parametrize(("target_name", "config"), params())
-def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_property, regime_log, target_name, config):
+def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_property, regime_log, target_name,
+                                                        config):
     target = TARGETS[target_name]
     max_rows = FILLERS + 1
     batches = {p: build_batch(*placement_rows(target, p), config, SEED, max_rows, DEVICE) for p in PLACEMENTS}

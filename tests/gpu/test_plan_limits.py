@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 
+from fast.flashinfer_compat import FA3_WORK_CAPACITY
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
 from harness.plan_limits import (
     BAD_ROWS_OUTCOMES,
     DEFAULT_HEADS,
-    FA3_WORK_CAPACITY,
     PlanWorker,
     entry_finding,
     run_rows_attempt,

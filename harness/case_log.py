@@ -1,0 +1,69 @@
+"""The differential case a running test is checking, noted by the shared helpers so that
+``--dump-failures`` can write it as a fixture when the test fails, whatever the test and
+whatever ``--impl``.
+
+The shared helpers note what they are handed: :func:`harness.pipeline.prepare_step` every step
+it prepares, the compare helpers of :mod:`harness.launch` the step they judge and the kernel's
+outputs, :func:`recording.replay.replay` the fixture it judges. The case of a failing test is
+the last one noted. Nothing is kept unless a log is open for the running test
+(:func:`logging_cases`; :mod:`recording.case_log` opens one that can build the fixture), so
+noting costs nothing otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CaseLog:
+    step: object | None = None  # harness.pipeline.Step
+    inputs: object | None = None  # harness.scenario.AttentionInputs of the step, when a compare saw them
+    outputs: dict = field(default_factory=dict)  # version -> (out, lse) of the step, rows as planned
+    fixture: object | None = None  # a recording.fixture.Fixture judged by replay()
+
+    def note_step(self, step, inputs=None, outputs: dict | None = None) -> None:
+        if step is not self.step:
+            self.step, self.inputs, self.outputs = step, None, {}
+        self.fixture = None
+        if inputs is not None:
+            self.inputs = inputs
+        if outputs:
+            self.outputs.update(outputs)
+
+    def note_fixture(self, fixture) -> None:
+        self.fixture = fixture
+
+    @property
+    def empty(self) -> bool:
+        return self.step is None and self.fixture is None
+
+
+_ACTIVE: list[CaseLog] = []
+
+
+@contextmanager
+def logging_cases(log: CaseLog | None = None) -> Iterator[CaseLog]:
+    """Keep the cases noted inside the block in ``log`` (a new :class:`CaseLog` by default),
+    which is yielded."""
+    log = CaseLog() if log is None else log
+    _ACTIVE.append(log)
+    try:
+        yield log
+    finally:
+        _ACTIVE.remove(log)
+
+
+def note_step(step, inputs=None, out=None, lse=None, version: str | None = None) -> None:
+    """Note the step under check (and the kernel's ``out``/``lse`` for it, under ``version``)."""
+    if _ACTIVE:
+        outputs = {version or "kernel": (out, lse)} if out is not None and lse is not None else None
+        _ACTIVE[-1].note_step(step, inputs, outputs)
+
+
+def note_fixture(fixture) -> None:
+    """Note a fixture under check (a failing replay dumps the fixture itself)."""
+    if _ACTIVE:
+        _ACTIVE[-1].note_fixture(fixture)

@@ -1,0 +1,167 @@
+"""The upgrade check's records: one JSON record and one safetensors file of outputs per case,
+the timing pass's medians beside them, and the start-up check of a baseline folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+SCHEMA = 2
+TIMING_DIR = "timing"  # inside a records folder: the timing pass's per-case times and logs
+RERECORD = "record it again with --record-baseline on the old FlashInfer"
+NAME_LIMIT = 180
+
+
+@dataclass
+class CaseRecord:
+    case: str
+    outcome: str = "passed"  # pytest outcome: passed / failed / xfailed / skipped / error
+    flashinfer: str | None = None
+    error: str | None = None  # what FlashInfer raised, if it did
+    warnings: list[str] = field(default_factory=list)
+    ratios: dict[str, float] = field(default_factory=dict)  # e.g. out_max_ratio, lse_mean_ratio
+    kernel_us_repeats: list[float] = field(default_factory=list)  # the timing pass's medians (us)
+    plan_us_repeats: list[float] = field(default_factory=list)
+    fixture: str | None = None  # a fixture replay's re-run: the fixture file (absolute path)
+
+    @property
+    def kernel_us(self) -> float | None:
+        return statistics.median(self.kernel_us_repeats) if self.kernel_us_repeats else None
+
+    @property
+    def plan_us(self) -> float | None:
+        return statistics.median(self.plan_us_repeats) if self.plan_us_repeats else None
+
+
+class BaselineError(ValueError):
+    """A baseline folder that cannot be compared against; the message names the path."""
+
+
+def safe_name(case: str) -> str:
+    """The file name of a case's record: its test id (after the file) with other characters
+    than letters, digits, ``_.-`` replaced; a longer one (a fixture under a deep absolute path)
+    is cut and ends with a hash of the whole id, so two long ids never share a file."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.split("::", 1)[-1])
+    if len(name) <= NAME_LIMIT:
+        return name
+    return name[: NAME_LIMIT - 17] + "-" + hashlib.sha256(case.encode()).hexdigest()[:16]
+
+
+def record_json(record: CaseRecord) -> str:
+    return json.dumps(dict(asdict(record), schema=SCHEMA), indent=1, sort_keys=True)
+
+
+def write_record(directory: Path, record: CaseRecord, outputs: dict[str, torch.Tensor] | None) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    name = safe_name(record.case)
+    (directory / f"{name}.json").write_text(record_json(record))
+    if outputs:
+        save_file({k: v.detach().contiguous().cpu() for k, v in outputs.items()},
+                  str(directory / f"{name}.safetensors"))
+
+
+def read_record(path: Path) -> CaseRecord:
+    """One record; BaselineError naming the file when it is not a record of this schema."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BaselineError(f"{path}: not a readable JSON record ({e}); {RERECORD}") from None
+    if not isinstance(data, dict):
+        raise BaselineError(f"{path}: not a case record (a JSON {type(data).__name__}); {RERECORD}")
+    schema = data.pop("schema", None)
+    if schema != SCHEMA:
+        found = "no schema field" if schema is None else f"schema {schema!r}"
+        raise BaselineError(f"{path}: {found}, this tool reads schema {SCHEMA}; {RERECORD}")
+    unknown = sorted(set(data) - {f.name for f in fields(CaseRecord)})
+    if unknown or "case" not in data:
+        raise BaselineError(f"{path}: fields {unknown or ['case' + ' missing']} do not fit schema {SCHEMA}; {RERECORD}")
+    return CaseRecord(**data)
+
+
+def read_records(directory: Path) -> dict[str, CaseRecord]:
+    return {r.case: r for r in (read_record(p) for p in sorted(Path(directory).glob("*.json")))}
+
+
+def outputs_problem(path: Path) -> str:
+    """Why a record's outputs file cannot be read back ("" when it can): its header, tensor
+    names, dtypes and shapes are read and its size checked against them, without loading the
+    tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key).get_shape()
+    except Exception as e:  # safetensors raises its own error types, and OSError
+        return f"{path}: not a readable safetensors file of outputs ({type(e).__name__}: {e})"
+    return ""
+
+
+def check_baseline(directory: Path) -> dict[str, CaseRecord]:
+    """The records of a baseline folder, every file of it checked; BaselineError naming the
+    folder or the first file that is wrong with it."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise BaselineError(f"baseline {directory} does not exist; {RERECORD}")
+    if not directory.is_dir():
+        raise BaselineError(f"baseline {directory} is not a folder; {RERECORD}")
+    records = read_records(directory)
+    if not records:
+        raise BaselineError(f"baseline {directory} holds no case records (*.json); {RERECORD}")
+    for path in sorted(directory.glob("*.safetensors")):
+        if not path.with_suffix(".json").exists():
+            raise BaselineError(f"{path}: outputs with no record beside them ({path.stem}.json); {RERECORD}")
+        problem = outputs_problem(path)
+        if problem:
+            raise BaselineError(f"{problem}; {RERECORD}")
+    return records
+
+
+def read_outputs(directory: Path, case: str) -> dict[str, torch.Tensor]:
+    """A case's recorded outputs ({} when it has none); BaselineError naming an unreadable file."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / f"{safe_name(case)}.safetensors"
+    if not path.exists():
+        return {}
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types, and OSError
+        raise BaselineError(f"{path}: not a readable safetensors file of outputs ({type(e).__name__}: {e})") from None
+
+
+def write_timing(directory: Path, case: str, kernel_us_repeats: list[float], plan_us_repeats: list[float]) -> None:
+    """The timing pass's medians of one case, kept beside the records until merged."""
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {"case": case, "kernel_us_repeats": kernel_us_repeats, "plan_us_repeats": plan_us_repeats}
+    (directory / f"{safe_name(case)}.json").write_text(json.dumps(payload, indent=1))
+
+
+def merge_timings(records_dir: Path, timing_dir: Path) -> int:
+    """Write the timing pass's medians into the matching records; the number of records timed."""
+    timed = 0
+    for path in sorted(Path(timing_dir).glob("*.json")):
+        times = json.loads(path.read_text())
+        record_path = Path(records_dir) / path.name
+        if not record_path.exists():
+            continue
+        record = read_record(record_path)
+        record.kernel_us_repeats = times.get("kernel_us_repeats") or []
+        record.plan_us_repeats = times.get("plan_us_repeats") or []
+        record_path.write_text(record_json(record))
+        timed += 1
+    return timed
+
+
+def timed_cases(records: dict[str, CaseRecord]) -> list[str]:
+    """The cases the timing pass re-runs: GPU-tier cases that ran to a launch (not skipped, no
+    refusal); fixture re-runs are compared, never timed."""
+    return sorted(case for case, r in records.items() if r.outcome != "skipped" and not r.error and not r.fixture)

@@ -1,0 +1,233 @@
+"""The upgrade check's summary: one line per class of change, each with its status computed
+once, as data (:class:`SummaryLine`), and rendered from it. FAIL fails the check, note is a
+change that does not, ok is no change; the verdict line heads them and is FAIL exactly when
+another line is, and :func:`passed` reads the verdict.
+
+Refusals, outcomes, numerics, errors and time are about the GPU-tier cases; the fixtures line
+about the fixture replays re-run on the installed FlashInfer; warnings and not run about both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .comparison import CaseComparison, RunFacts, ok_outcome
+from .timing import TIME_REPEATS, TIME_REPS
+
+FAIL, PASS, NOTE, OK = "FAIL", "PASS", "note", "ok"
+
+
+@dataclass(frozen=True)
+class SummaryLine:
+    status: str  # FAIL / note / ok; the verdict line PASS or FAIL
+    name: str  # the class of change: refusals, outcomes, numerics, ...
+    text: str
+
+    def render(self) -> str:
+        return f"{self.status:<5} {self.name:<10} {self.text}"
+
+
+def status_of(fail: bool, note: bool = False) -> str:
+    return FAIL if fail else (NOTE if note else OK)
+
+
+def fmt(x, spec=".2f", none="–") -> str:
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def short_id(case: str) -> str:
+    return case.split("::", 1)[-1]
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def first(items: list[str], n: int = 1) -> str:
+    return "; ".join(items[:n]) + (f"; and {len(items) - n} more" if len(items) > n else "")
+
+
+def clip(text: str, width: int = 100) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def display_name(c: CaseComparison) -> str:
+    """A fixture by its file's stem, a case by its test id."""
+    record = c.after or c.before
+    return Path(record.fixture).stem if record and record.fixture else short_id(c.case)
+
+
+def ran(c: CaseComparison) -> bool:
+    return c.after is not None and c.after.outcome != "skipped"
+
+
+def newly_failing(compared: list[CaseComparison]) -> list[CaseComparison]:
+    """Cases that passed (or failed as expected) before and fail now, refusals apart."""
+    return [c for c in compared if ok_outcome(c.before) and not ok_outcome(c.after) and c.refusal != "new"]
+
+
+def worst_drift(drifted: list[CaseComparison]) -> str:
+    """The output that moved most: which case or fixture, which output, its rows."""
+    worst = max(drifted, key=lambda c: max(d["max_abs"] for d in c.drift.values()))
+    key, d = max(((k, d) for k, d in worst.drift.items() if d["bitwise_equal"] < 1.0), key=lambda kv: kv[1]["max_abs"])
+    rows = ", ".join(f"{r} ({m:.3g})" for r, m in d["worst_rows"])
+    return (f"worst `{display_name(worst)}` {key} max abs {d['max_abs']:.3g}, {d['rows_differing']}/{d['rows']} rows "
+            f"differ, worst rows {rows}")
+
+
+def refusals_text(compared: list[CaseComparison]) -> tuple[str, list, list]:
+    """"N new, M gone" with the first new refusal; the new and the gone."""
+    new = [c for c in compared if c.refusal == "new"]
+    gone = [c for c in compared if c.refusal == "gone"]
+    text = f"{len(new)} new, {len(gone)} gone"
+    if new:
+        text += f" (now raising: {clip(new[0].after.error, 60)} in `{display_name(new[0])}`" + (
+            f" and {len(new) - 1} more)" if len(new) > 1 else ")")
+    return text, new, gone
+
+
+def refusals_line(compared: list[CaseComparison]) -> SummaryLine:
+    text, new, gone = refusals_text(compared)
+    return SummaryLine(status_of(bool(new), bool(gone)), "refusals", text)
+
+
+def outcomes_line(compared: list[CaseComparison]) -> SummaryLine:
+    failing = newly_failing(compared)
+    text = f"{plural(len(failing), 'case')} that passed fail now" + (
+        f" (`{display_name(failing[0])}`: {failing[0].after.outcome})" if failing else "")
+    return SummaryLine(status_of(bool(failing)), "outcomes", text)
+
+
+def numerics_line(compared: list[CaseComparison]) -> SummaryLine:
+    with_outputs = [c for c in compared if c.drift]
+    drifted = [c for c in with_outputs if not c.bitwise_equal]
+    text = (f"{len(drifted)} of {plural(len(with_outputs), 'case')} no longer bitwise equal; {worst_drift(drifted)}"
+            if drifted else f"all {plural(len(with_outputs), 'case')} with outputs bitwise equal")
+    return SummaryLine(status_of(False, bool(drifted)), "numerics", text)
+
+
+def errors_line(compared: list[CaseComparison]) -> SummaryLine:
+    worse = [(c, k, b, a) for c in compared for k, (b, a) in c.worse_ratios.items()]
+    if not worse:
+        return SummaryLine(OK, "errors", "no error-budget ratio worse")
+    c, k, b, a = max(worse, key=lambda w: w[3] - w[2])
+    cases = len({w[0].case for w in worse})
+    return SummaryLine(NOTE, "errors", f"{plural(cases, 'case')} with a worse error-budget ratio; worst "
+                                       f"`{display_name(c)}` {k} {b:.3g} -> {a:.3g}")
+
+
+def time_line(compared: list[CaseComparison], run: RunFacts) -> SummaryLine:
+    if run.timing:
+        return SummaryLine(status_of(run.timing_failed, True), "time", f"not judged: {run.timing}")
+    times = [t for c in compared for t in (c.kernel_time, c.plan_time)]
+    judged = [t for t in times if t.judged]
+    slower = sorted((t for t in judged if t.regressed), key=lambda t: -(t.ratio or 0))
+    unjudged = sorted({t.why for t in times if not t.judged and t.why})
+    if not judged:
+        return SummaryLine(NOTE, "time", "not judged: " + (first(unjudged) if unjudged else "no case timed"))
+    how = f"one process per GPU, {TIME_REPEATS} medians of {TIME_REPS}"
+    text = f"{plural(len(judged), 'time')} judged ({how}): " + (
+        f"{len(slower)} slower past the limits, worst {slower[0].why}" if slower else "none slower past the limits")
+    not_judged = [t for t in times if not t.judged and t.why]
+    if not_judged:
+        text += f"; {len(not_judged)} not judged ({clip(unjudged[0], 50)}" + (", ...)" if len(unjudged) > 1 else ")")
+    return SummaryLine(status_of(bool(slower)), "time", text)
+
+
+def warnings_line(both: list[CaseComparison]) -> SummaryLine:
+    new_w = sorted({w for c in both for w in set(c.after.warnings) - set(c.before.warnings)})
+    gone_w = sorted({w for c in both for w in set(c.before.warnings) - set(c.after.warnings)})
+    text = f"{len(new_w)} new, {len(gone_w)} gone" + (f" (new: {clip(new_w[0])})" if new_w else "")
+    return SummaryLine(status_of(False, bool(new_w or gone_w)), "warnings", text)
+
+
+def fixtures_line(fixtures: list[CaseComparison], run: RunFacts, before_version: str) -> SummaryLine:
+    """Fixture replays across releases: how many re-ran now, how many outputs are bitwise equal
+    to the old release's (from its baseline record or the fixture file's), the worst that is
+    not, refusals, and the fixtures compared with nothing or not re-run."""
+    not_rerun = sorted(run.not_rerun.items())
+    reasons = sorted({why for _, why in not_rerun})
+    not_rerun_text = f"{len(not_rerun)} not re-run ({clip(first(reasons), 80)}): judged on their recorded outputs only"
+    rerun = [c for c in fixtures if c.after is not None]
+    if not rerun:
+        return SummaryLine(NOTE, "fixtures",
+                           not_rerun_text + ", nothing compared" if not_rerun else "no fixture replay re-ran")
+    compared = [c for c in rerun if c.status == "compared"]
+    with_outputs = [c for c in compared if c.drift]
+    drifted = [c for c in with_outputs if not c.bitwise_equal]
+    from_files = [c for c in compared if c.against]
+    uncompared = [c for c in rerun if c.status == "new"]
+    failing = newly_failing(compared)
+    text = (f"{len(rerun)} re-run: {len(with_outputs) - len(drifted)} of {len(with_outputs)} with outputs bitwise "
+            f"equal to {before_version}")
+    if from_files:
+        text += f" ({len(from_files)} compared with the fixture file's record)"
+    if drifted:
+        text += f"; {worst_drift(drifted)}"
+    refusals, new_ref, gone_ref = refusals_text(compared)
+    text += f"; refusals {refusals}"
+    if failing:
+        text += f"; {len(failing)} that passed fail now (`{display_name(failing[0])}`: {failing[0].after.outcome})"
+    if uncompared:
+        text += f"; {len(uncompared)} not compared ({clip(first(sorted({c.why for c in uncompared})), 80)})"
+    if not_rerun:
+        text += "; " + not_rerun_text
+    return SummaryLine(status_of(bool(new_ref or failing), bool(drifted or gone_ref or uncompared or not_rerun)),
+                       "fixtures", text)
+
+
+def not_run_line(comparisons: list[CaseComparison]) -> SummaryLine:
+    """Baseline cases and fixtures with no record now (failing unless the run's own selection
+    left them out), and the GPU-tier cases new in this run."""
+    not_run = [c for c in comparisons if c.status == "not run"]
+    deselected = [c for c in comparisons if c.status == "deselected"]
+    new = [c for c in comparisons if c.status == "new" and not c.is_fixture]
+    text = f"{plural(len(not_run), 'case')} of the baseline did not run" + (
+        f" (`{display_name(not_run[0])}`: {clip(not_run[0].why)})" if not_run else "")
+    if deselected:
+        whys = sorted({c.why for c in deselected})
+        text += f"; {len(deselected)} left out by this run's selection ({', '.join(whys)}), not judged"
+    if new:
+        text += f"; {plural(len(new), 'new case')} not in the baseline, not judged"
+    return SummaryLine(status_of(bool(not_run), bool(deselected or new)), "not run", text)
+
+
+def nothing_ran_summary(comparisons: list[CaseComparison], run: RunFacts, before_version: str) -> list[SummaryLine]:
+    reason = run.gpu_skip_reason or "no GPU-tier case recorded anything"
+    lines = [SummaryLine(FAIL, "GPU tier", f"did not run ({reason}): nothing was compared")]
+    if run.not_rerun:
+        lines.append(fixtures_line([], run, before_version))
+    return lines + [SummaryLine(FAIL, "not run", f"all {plural(len(comparisons), 'case')} of the baseline")]
+
+
+def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: str,
+            after_version: str) -> list[SummaryLine]:
+    """One line per class of change, the verdict first: FAIL where any line below is FAIL, and
+    counting the cases and fixtures with a regression."""
+    if not any(ran(c) for c in comparisons):
+        return nothing_ran_summary(comparisons, run, before_version)
+    fixtures = [c for c in comparisons if c.is_fixture]
+    compared = [c for c in comparisons if not c.is_fixture and c.status == "compared"]
+    fixtures_compared = [c for c in fixtures if c.status == "compared"]
+    lines = [refusals_line(compared), outcomes_line(compared), numerics_line(compared), errors_line(compared),
+             time_line(compared, run), warnings_line(compared + fixtures_compared),
+             fixtures_line(fixtures, run, before_version), not_run_line(comparisons)]
+    regressed = sum(1 for c in comparisons if c.regressions)
+    head = f"FlashInfer {before_version} -> {after_version}: {plural(len(compared), 'case')}" + (
+        f" and {plural(len(fixtures_compared), 'fixture')}" if fixtures_compared else "") + " compared"
+    head += f", {plural(regressed, 'regression')}" if regressed else ", no regression"
+    verdict = FAIL if any(line.status == FAIL for line in lines) else PASS
+    return [SummaryLine(verdict, "verdict", head), *lines]
+
+
+def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_version: str,
+                  after_version: str) -> list[str]:
+    return [line.render() for line in summary(comparisons, run, before_version, after_version)]
+
+
+def passed(lines: list[SummaryLine]) -> bool:
+    """The check's verdict, read from the summary: a verdict line that says PASS."""
+    return bool(lines) and lines[0].name == "verdict" and lines[0].status == PASS

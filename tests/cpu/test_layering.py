@@ -1,0 +1,114 @@
+"""The layering of the code, read from every module's imports (those inside functions too).
+
+mla_constants < reference, fast < harness < recording < pytest_sparse_mla, scripts, bench < tests:
+a module imports only from its own package and from lower layers. Packages of one layer never
+import each other (reference and fast in particular), and nothing outside tests/ imports tests.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# top-level package or module -> layer; equal layers are peers that must not import each other
+LAYERS = {
+    "mla_constants": 0,
+    "reference": 1,
+    "fast": 1,
+    "harness": 2,
+    "recording": 3,
+    "pytest_sparse_mla": 4,
+    "scripts": 4,
+    "bench": 4,
+    "tests": 5,
+    "conftest": 5,  # the root conftest.py loads the plugin for the tests
+}
+SKIPPED_DIRS = {".git", ".venv", "venv", "build", "dist", "__pycache__", "node_modules"}
+
+
+def project_modules(root: Path = ROOT) -> list[Path]:
+    """Every .py file of the project (ignored folders such as a virtual environment left out)."""
+    return sorted(p for p in root.rglob("*.py")
+                  if not SKIPPED_DIRS.intersection(p.relative_to(root).parts) and not p.name.startswith("."))
+
+
+def top_level_of(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def imported_modules(source: str, path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the source: module level, inside
+    functions, relative ones resolved, and ``importlib.import_module("name")`` with a literal
+    absolute name."""
+    package = list(path.relative_to(root).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+            else:
+                found.append((node.lineno, node.module))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and not node.args[0].value.startswith(".")):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def layering_violations(root: Path = ROOT) -> list[str]:
+    """One line per import that goes against the layering, naming the file, line and module."""
+    problems = []
+    for path in project_modules(root):
+        here = top_level_of(path, root)
+        rel = path.relative_to(root)
+        if here not in LAYERS:
+            problems.append(f"{rel}: top-level '{here}' has no layer (add it to LAYERS and the README's map)")
+            continue
+        for line, module in imported_modules(path.read_text(), path, root):
+            there = module.split(".")[0]
+            if there == here or there not in LAYERS:
+                continue
+            if LAYERS[there] >= LAYERS[here]:
+                kind = "a peer" if LAYERS[there] == LAYERS[here] else "a higher layer"
+                problems.append(f"{rel}:{line}: '{here}' imports '{module}' from {kind}")
+    return problems
+
+
+def test_no_module_imports_from_a_higher_layer_or_a_peer():
+    assert layering_violations() == [], "\n".join(layering_violations())
+
+
+def test_every_top_level_package_is_scanned():
+    scanned = {top_level_of(p) for p in project_modules()}
+    assert scanned == set(LAYERS), f"scanned {sorted(scanned)}, layered {sorted(LAYERS)}"
+
+
+@pytest.mark.parametrize(
+    "rel, source, expected",
+    [
+        ("harness/x.py", "def f():\n    from recording.case_log import note_step\n",
+         ["'harness' imports 'recording.case_log'"]),
+        ("reference/x.py", "import fast.layouts\n", ["'reference' imports 'fast.layouts' from a peer"]),
+        ("harness/x.py", "from .scenario import build_scenario\nimport torch\n", []),
+        ("recording/sub/x.py", "from ...tests import bugs\n", ["'recording' imports 'tests' from a higher layer"]),
+        ("fast/x.py", "import importlib\nm = importlib.import_module('harness.scale')\n",
+         ["'fast' imports 'harness.scale'"]),
+        ("tests/x.py", "from recording.case_log import note_step\n", []),
+    ],
+)
+def test_the_check_sees_hidden_relative_and_dynamic_imports(tmp_path, rel, source, expected):
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    problems = layering_violations(tmp_path)
+    assert len(problems) == len(expected), problems
+    for problem, want in zip(problems, expected, strict=True):
+        assert want in problem and rel in problem, problem
