@@ -66,9 +66,37 @@ class ReplayCollector:
             self.config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
 
 
+def replay_path_problem(path: str) -> str:
+    """Why a --replay path gives nothing to replay ("" when it gives a fixture)."""
+    from pathlib import Path
+
+    from recording.fixture import fixture_paths
+
+    if not Path(path).exists():
+        return f"--replay={path}: no such file or folder"
+    if not fixture_paths([path]):
+        return f"--replay={path}: no fixture (*.safetensors, *.recipe.json) under it; an empty replay would pass and check nothing"
+    return ""
+
+
 def pytest_configure(config):
+    for path in config.getoption("--replay"):
+        problem = replay_path_problem(path)
+        if problem:
+            raise pytest.UsageError(problem)
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(ReplayCollector(config))
+
+
+REPLAY_TEST_FILE = "test_replay.py"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With ``--replay`` no other test module is even imported: collection stays fast and the
+    workers of ``-n`` share out the fixtures alone."""
+    if config.getoption("--replay") and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return collection_path.name != REPLAY_TEST_FILE or None
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)

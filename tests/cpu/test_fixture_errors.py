@@ -199,3 +199,28 @@ def test_nan_in_an_intended_kv_slot_is_a_bad_input(tmp_path):
     report = replay(fx)
     assert list(report.bad_inputs) == [3] and f"intended KV slot {slot}" in report.bad_inputs[3]
     assert report.failures() and not report.poisoned_rows
+
+
+def test_a_replay_of_an_empty_folder_is_a_usage_error(pytester, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path in (empty, tmp_path / "missing"):
+        result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={path}", "--replay-recorded-only")
+        err = "\n".join(result.errlines)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, "\n".join(result.outlines[-20:] + result.errlines)
+        assert f"--replay={path}:" in err and "Traceback" not in err, err
+
+
+def test_the_replay_test_fails_when_the_fixture_folder_is_empty(pytester, tmp_path, monkeypatch):
+    import tests.test_replay as replay_tests
+
+    monkeypatch.setattr(replay_tests, "DEFAULT_FIXTURES", tmp_path)  # as if fixtures/ had vanished
+    result = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), "--replay-recorded-only")
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "1 failed" in out and f"no fixture files under {tmp_path}" in out, out[-2000:]
+
+
+def test_a_replay_run_collects_only_the_replay_tests(pytester):
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={GOOD}", "--replay-recorded-only", "--co", "-q")
+    out = "\n".join(result.outlines)
+    assert result.ret == 0 and "1 test collected" in out and "deselected" not in out, out[-2000:]
