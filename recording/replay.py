@@ -25,6 +25,10 @@ from .case_log import note_fixture
 from .fixture import Fixture, bitwise_equal, same_bits
 
 
+#: The version label of a re-run of the host stages only (recording.restage): no kernel ran.
+HOST_STAGES = "host stages"
+
+
 @dataclass
 class Rerun:
     """One fresh plan + run of a fixture on the installed FlashInfer."""
@@ -39,7 +43,7 @@ class Rerun:
 
     @property
     def label(self) -> str:
-        return f"{self.version} re-run"
+        return self.version if self.version == HOST_STAGES else f"{self.version} re-run"
 
 
 @dataclass
@@ -116,7 +120,10 @@ class ReplayReport:
         reasons = []
         if self.bad_inputs:
             reasons.append(f"bad inputs (not finite) on rows {list(self.bad_inputs)[:12]}: nothing can be judged there")
-        if self.rerun is not None and not self.refusal_expected:
+        if self.rerun is not None and self.rerun.out is None and self.rerun.refused and self.rerun.plan is None \
+                and self.rerun.version == HOST_STAGES:
+            reasons.append(f"the implementation under test raised in the host stages: {self.rerun.refused}")
+        elif self.rerun is not None and not self.refusal_expected:
             reasons.append(f"flashinfer {self.rerun.version} refused the re-run: {self.rerun.refused}")
         if not self.kernel_ok:
             bad = [v for v, (o, l) in self.kernel.items() if not (o.ok and l.ok)]
@@ -317,10 +324,10 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
     if outputs:
         report.poisoned_rows = _poisoned(fx, bad)
         report.kernel = kernel_checks(fx, outputs, bad | _row_mask(report.poisoned_rows, fx.num_rows))
+    if rerun is not None and not rerun.refused and rerun.plan is not None:
+        report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(with_plan(fx, rerun.plan), report.regimes)
     if rerun is not None and not rerun.refused and rerun.out is not None:
         planned = with_plan(fx, rerun.plan) if rerun.plan is not None else fx
-        if rerun.plan is not None:
-            report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(planned, report.regimes)
         excluded = bad | _row_mask(_poisoned(planned, bad), fx.num_rows)
         report.kernel.update(kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded))
         report.drift = [d for version, (out, lse) in fx.outputs.items()

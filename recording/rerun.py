@@ -67,15 +67,27 @@ def lens_from_impl(fx: Fixture, impl) -> torch.Tensor | None:
     except (TypeError, ValueError, KeyError):
         return None
     n = fx.num_rows
-    rebuilt = scenario.intended_slots()[:n].to(torch.int64)
+    rows = source_rows(fx)
+    rebuilt = scenario.intended_slots()[rows].to(torch.int64) if rows.numel() else scenario.intended_slots()[:0].to(torch.int64)
     local = fx["intended"].to(torch.int64)
     stored = torch.where(local >= 0, fx["slot_ids"][local.clamp(min=0)] if fx["slot_ids"].numel() else local, -1)
     if rebuilt.shape != stored.shape or not torch.equal(rebuilt, stored):
         return None
     s, meta = scenario.spec, scenario.meta
     lens = impl.planned_lens(meta, impl.kv_lens(meta, topk=s.topk, kpool=s.kpool, async_scheduling=s.async_scheduling),
-                             topk=s.topk)
-    return lens.to(torch.int32).cpu() if lens.numel() == n else None
+                             topk=s.topk).to(torch.int32).cpu()
+    if "rows" not in fx.meta and lens.numel() != n:
+        return None  # the implementation plans another number of rows: the recorded lens are judged
+    if rows.numel() and int(rows.max()) >= lens.numel():
+        return None
+    return lens[rows]
+
+
+def source_rows(fx: Fixture) -> torch.Tensor:
+    """The fixture's rows as rows of the scenario its spec and seed build (a shrunk fixture
+    keeps some of them: ``rows`` in its metadata)."""
+    rows = fx.meta.get("rows")
+    return torch.tensor(rows, dtype=torch.int64) if rows is not None else torch.arange(fx.num_rows)
 
 
 def _refusal(exc: Exception) -> str:

@@ -10,6 +10,7 @@ check (pytest_sparse_mla.baselines.note_fixture_replay)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,18 @@ def pytest_generate_tests(metafunc):
 
 
 def rerun_on_installed(request, fx):
-    """(the fixture re-run on the installed FlashInfer, None) or, where only the recorded
-    outputs are judged, (None, why): no SM90 GPU with FlashInfer, --replay-recorded-only, or
-    an implementation under test without an attention state for a pipeline fixture."""
+    """(the fixture re-run on the installed FlashInfer, None) or, where no kernel re-runs it,
+    (the host stages re-run through the implementation under test, why) where there is no SM90
+    GPU with FlashInfer, and (None, why) under --replay-recorded-only or with an
+    implementation without an attention state for a pipeline fixture."""
     why = rerun_unavailable_reason(request.config)
-    if why:
+    if why == "--replay-recorded-only":
         return None, why
+    if why:  # no kernel here: the host stages still run through the implementation under test
+        from pytest_sparse_mla.impl import IMPL_SPEC
+        from recording.restage import restage_fixture
+
+        return restage_fixture(fx, request.getfixturevalue("impl"), request.config.stash.get(IMPL_SPEC, None)), why
     impl = request.getfixturevalue("impl")
     from recording.rerun import is_captured
 
@@ -67,7 +74,8 @@ def test_replay_fixture(fixture_path, request, regime_log):
         pytest.fail(str(exc), pytrace=False)
     rerun, not_rerun = rerun_on_installed(request, fx)
     report = replay(fx, rerun=rerun)
-    note_fixture_replay(request, fixture_path, report, not_rerun)
+    # A host-stage re-run ran no kernel: the upgrade check records it as not re-run.
+    note_fixture_replay(request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun)
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn
