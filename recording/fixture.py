@@ -316,11 +316,12 @@ def load_fixture(path: str | Path) -> Fixture:
 
 
 def fixture_paths(paths) -> list[Path]:
-    """Expand files and folders (recursively, ``*.safetensors``) into a sorted list of files."""
+    """Expand files and folders (recursively, ``*.safetensors`` and ``*.recipe.json``) into a
+    sorted list of files."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found.extend(sorted(p.rglob("*.safetensors")))
+            found.extend(sorted([*p.rglob("*.safetensors"), *p.rglob("*.recipe.json")]))
         else:
             found.append(p)
     return found

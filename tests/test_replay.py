@@ -20,6 +20,7 @@ from pytest_sparse_mla.keys import REPLAY_KEY
 from pytest_sparse_mla.replay import replay_command, rerun_unavailable_reason
 from recording.fixture import FixtureError, fixture_paths, load_fixture
 from recording.heatmap import write_heatmaps
+from recording.recipe import is_recipe, load_recipe, rebuild_fixture
 from recording.replay import replay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,12 +65,20 @@ def rerun_on_installed(request, fx):
     return rerun_fixture(fx, impl, request.config.stash.get(IMPL_SPEC, None), DEVICE), None
 
 
+def load_case(path, request):
+    """The fixture in ``path``, or the case a recipe rebuilds through the implementation under test."""
+    if not is_recipe(path):
+        return load_fixture(path)
+    recipe = load_recipe(path)
+    return rebuild_fixture(path, recipe, request.getfixturevalue("impl"))
+
+
 @pytest.mark.replay
 def test_replay_fixture(fixture_path, request, regime_log):
     if isinstance(fixture_path, str):
         pytest.fail(fixture_path, pytrace=False)
     try:
-        fx = load_fixture(fixture_path)
+        fx = load_case(fixture_path, request)
     except FixtureError as exc:
         pytest.fail(str(exc), pytrace=False)
     rerun, not_rerun = rerun_on_installed(request, fx)
