@@ -2,8 +2,10 @@
 diagnostics at the end); on an SM90 GPU with FlashInfer each fixture is re-run on the installed
 FlashInfer unless ``--replay-recorded-only``. ``--dump-failures DIR`` writes a fixture for every
 failing differential case: the case the shared helpers last noted (recording.case_log), or
-what a test armed on the ``failure_dump`` fixture; the failure message ends with the command
-that replays it."""
+what a test armed on the ``failure_dump`` fixture, shrunk on the implementation under test and
+written with its standalone reproducer, or as a recipe where it only fails at scale
+(recording.dump); the failure message ends with the command that replays it. Nothing is built
+or written for a passing test."""
 
 from __future__ import annotations
 
@@ -133,13 +135,15 @@ class FailureDump:
         fixture = self.build()
         if fixture is None:
             return None
+        from fast.impl import DEFAULT_IMPL_SPEC, load_impl
+        from recording.dump import write_failure
         from recording.environment import runtime_environment
-        from recording.fixture import save_fixture
 
         from .impl import IMPL_SPEC
 
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
-        fixture.meta.setdefault("name", safe)
+        if not fixture.meta.get("name"):
+            fixture.meta["name"] = safe
         fixture.meta.setdefault("nodeid", self.node.nodeid)
         fixture.meta.setdefault("source", "pipeline")
         impl_spec = self.node.config.stash.get(IMPL_SPEC, None)
@@ -148,7 +152,9 @@ class FailureDump:
         if fixture.outputs and "environment" not in fixture.meta:
             env = runtime_environment()
             fixture.meta["environment"] = {version: env for version in fixture.outputs}
-        return str(save_fixture(f"{self.directory}/{safe}.safetensors", fixture))
+        impl = load_impl(impl_spec or DEFAULT_IMPL_SPEC)  # loaded and checked at start-up already
+        step = self.log.step if self.log is not None and self.log.fixture is None else None
+        return str(write_failure(self.directory, safe, fixture, impl, step))
 
 
 DUMP = pytest.StashKey[FailureDump]()

@@ -1,0 +1,36 @@
+"""Writing a failing case under ``--dump-failures``: only when a test has failed, the noted case
+is shrunk on the implementation under test (:mod:`recording.shrink`) and written as a small
+fixture with its standalone reproducer (:mod:`recording.repro`), or as a recipe
+(:mod:`recording.recipe`) where even the shrunk fixture is larger than
+:data:`recording.shrink.MAX_FIXTURE_BYTES` (a failure that shows only at scale). Nothing here
+runs for a passing test.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .fixture import Fixture, save_fixture
+from .recipe import RECIPE_SUFFIX, recipe_of_step, save_recipe
+from .repro import write_repro
+from .shrink import MAX_FIXTURE_BYTES, fixture_bytes, shrink_fixture
+
+
+def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, shrink: bool = True) -> Path:
+    """Shrink ``fixture`` (the failing case, as built from the noted ``step`` where there is
+    one) and write it into ``directory`` as ``name.safetensors`` with ``name.repro.py``, or as
+    ``name.recipe.json``; returns the path written."""
+    directory = Path(directory)
+    started = time.perf_counter()
+    small = shrink_fixture(fixture, impl) if shrink else fixture
+    if isinstance(small.meta.get("shrunk"), dict):
+        small.meta["shrunk"]["seconds"] = round(time.perf_counter() - started, 3)
+    if fixture_bytes(small) > MAX_FIXTURE_BYTES and step is not None:
+        keep = {k: small.meta[k] for k in ("name", "nodeid", "impl", "shrunk") if k in small.meta}
+        recipe = recipe_of_step(step, **keep)
+        if recipe is not None:
+            return save_recipe(directory / f"{name}{RECIPE_SUFFIX}", recipe)
+    path = save_fixture(directory / f"{name}.safetensors", small)
+    write_repro(small, path)
+    return path
