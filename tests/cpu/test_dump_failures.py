@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import ast
 import re
+import os
+import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 from recording.fixture import load_fixture
 from recording.recipe import load_recipe, rebuild_fixture
+from recording.repro import main as repro_main
 from recording.replay import replay
 from tests.bugs import KpoolFromWrongSpec
 
@@ -128,3 +133,96 @@ def test_cpu_journey_dump_shrink_replay_and_a_reproducer_of_nothing_of_the_proje
     assert result.ret == 1 and f"{failed} failed" in out and "plan != intent" in out, out[-3000:]
     result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}")
     assert result.ret == 0 and f"{failed} passed" in "\n".join(result.outlines), "\n".join(result.outlines[-30:])
+
+
+# A stand-in FlashInfer package for the reproducer, in the call forms of 0.6.18.post1 (flat) and
+# 0.7.4 (canonical): plans like FlashInfer under CUDA graphs and computes each row over the
+# slots its span reads in float32 (base-2 LSE unless asked for natural log).
+FAKE_MLA = '''
+import math
+import torch
+
+{extra}
+
+
+class BatchMLAPagedAttentionWrapper:
+    def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None,
+                 backend="auto"):
+        assert backend == "fa3" and use_cuda_graph
+        self.kv_indices = kv_indices
+
+    def _plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+              sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+        assert page_size == 1 and not causal and kv_indices is self.kv_indices
+        self.plan_args = (kv_indptr.clone(), kv_len_arr.clone(), float(sm_scale), lse_mode)
+
+    def _run(self, q_nope, q_pe, ckv, kpe, out, lse, return_lse, base_e, ckv_scale=None, kpe_scale=None):
+        indptr, lens, sm_scale, lse_mode = self.plan_args
+        scale = 1.0 if ckv_scale is None else ckv_scale
+        kv, kp = ckv[:, 0].float() * scale, kpe[:, 0].float() * scale
+        for r in range(q_nope.shape[0]):
+            idx = self.kv_indices[int(indptr[r]): int(indptr[r]) + int(lens[r])].long()
+            s = (q_nope[r].float() @ kv[idx].T + q_pe[r].float() @ kp[idx].T) * sm_scale
+            out[r] = (torch.softmax(s, -1) @ kv[idx]).to(out.dtype)
+            lse[r] = torch.logsumexp(s, -1) / (1.0 if base_e or lse_mode == "basee" else math.log(2.0))
+'''
+FLAT = '''
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+             sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        self._plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+                   sm_scale, q_data_type, kv_data_type)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
+            kv_len=None, page_table=None, ckv_scale=None, kpe_scale=None):
+        self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, False, ckv_scale, kpe_scale)
+'''
+CANONICAL = '''
+    def plan(self, metadata=None, *, query_layout, kv_cache_layout, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+             sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+        assert query_layout == kv_cache_layout == "split"
+        self._plan(*metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
+                   lse_mode)
+
+    def run(self, query=None, kv_cache=None, *, out=None, lse=None, return_lse=False, return_lse_base_on_e=False,
+            ckv_scale=None, kpe_scale=None):
+        self._run(*query, *kv_cache, out, lse, return_lse, return_lse_base_on_e, ckv_scale, kpe_scale)
+'''
+METADATA = '''
+class MLAPlanMetadata(tuple):
+    @classmethod
+    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        return cls((qo_indptr, kv_indptr, kv_indices, kv_len_arr))
+'''
+
+
+def fake_flashinfer(root: Path, version: str) -> Path:
+    canonical = version.startswith("0.7")
+    package = root / version / "flashinfer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    text = FAKE_MLA.replace("{extra}", METADATA if canonical else "") + (CANONICAL if canonical else FLAT)
+    (package / "mla.py").write_text(text)
+    return package.parent
+
+
+@pytest.mark.parametrize(("fixture", "version", "verdict"), [
+    ("c-packed-finding-bf16", "0.6.18.post1", 1),  # the regime C finding: the packed plan reads a poisoned slot
+    ("c-compacted-fp8", "0.7.4", 0),
+])
+def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys, version, fixture, verdict):
+    out = tmp_path / "repro"
+    assert repro_main([str(ROOT / "fixtures" / f"{fixture}.safetensors"), "-o", str(out)]) == 0
+    script = out / f"{fixture}.repro.py"
+    assert f"run: python3 {script}" in capsys.readouterr().out
+    assert imported_modules(script.read_text()) - set(sys.stdlib_module_names) <= {"torch", "flashinfer", "safetensors"}
+    # Run from an empty folder with only the stand-in FlashInfer added: the project is not on the path.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(fake_flashinfer(tmp_path, version)), REPRO_DEVICE="cpu", PYTHONSAFEPATH="1")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    text = run.stdout + run.stderr
+    assert run.returncode == verdict, text
+    assert f"flashinfer {version} ({'canonical' if version.startswith('0.7') else 'flat'} plan" in text, text
+    if verdict:
+        assert "FAIL" in text and "NaN" in text and "regime C" in text, text
+    else:
+        assert "PASS: within the error budget" in text, text
