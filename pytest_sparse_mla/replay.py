@@ -129,9 +129,22 @@ class FailureDump:
             return self._build()
         return None if self.log is None or self.log.empty else self.log.build()
 
+    def _safe_name(self) -> str:
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
+
     def dump(self) -> str | None:
         if not self.directory:
             return None
+        if self._build is None and self.log is not None and self.log.crash is not None:
+            from recording.dump import write_crash
+
+            from .impl import IMPL_SPEC
+
+            meta = {"name": self._safe_name(), "nodeid": self.node.nodeid}
+            if self.node.config.stash.get(IMPL_SPEC, None):
+                meta["impl"] = self.node.config.stash[IMPL_SPEC]
+            path = write_crash(self.directory, self._safe_name(), self.log.crash, **meta)
+            return None if path is None else str(path)
         fixture = self.build()
         if fixture is None:
             return None
@@ -141,7 +154,7 @@ class FailureDump:
 
         from .impl import IMPL_SPEC
 
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
+        safe = self._safe_name()
         if not fixture.meta.get("name"):
             fixture.meta["name"] = safe
         fixture.meta.setdefault("nodeid", self.node.nodeid)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .fixture import Fixture, save_fixture
-from .recipe import RECIPE_SUFFIX, recipe_of_step, save_recipe
+from .recipe import RECIPE_SUFFIX, recipe_of_scenario, recipe_of_step, save_recipe
 from .repro import write_repro
 from .shrink import MAX_FIXTURE_BYTES, fixture_bytes, shrink_fixture
 
@@ -34,3 +34,10 @@ def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, 
     path = save_fixture(directory / f"{name}.safetensors", small)
     write_repro(small, path)
     return path
+
+
+def write_crash(directory, file_name: str, crash: dict, **meta) -> Path | None:
+    """A recipe of a step whose stages killed their process (``crash`` as noted by
+    :func:`recording.case_log.note_crash`); None where its spec and seed do not rebuild it."""
+    recipe = recipe_of_scenario(crash["scenario"], crash["layout"], crashed_at=crash["stage"], crash=crash["detail"], **meta)
+    return None if recipe is None else save_recipe(Path(directory) / f"{file_name}{RECIPE_SUFFIX}", recipe)

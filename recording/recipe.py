@@ -31,12 +31,6 @@ def is_recipe(path) -> bool:
     return str(path).endswith(RECIPE_SUFFIX)
 
 
-def spec_from_dict(spec: dict):
-    from harness.scenario import BatchSpec, Request
-
-    return BatchSpec(**dict(spec, requests=tuple(Request(**r) for r in spec["requests"])))
-
-
 def scenario_digest(scenario) -> str:
     """SHA-256 over what the scenario builder made: indexer rows, block table, query starts, positions."""
     meta = scenario.meta
@@ -55,9 +49,15 @@ def _file_digest(recipe: dict) -> str:
 def recipe_of_step(step, **meta) -> dict | None:
     """The recipe of a noted step, or None where its spec and seed do not rebuild its scenario
     (a test that changed the scenario it was given)."""
+    return recipe_of_scenario(step.scenario, step.layout, step.max_rows, rows=int(step.num_planned), **meta)
+
+
+def recipe_of_scenario(sc, layout: str, max_rows: int | None = None, **meta) -> dict | None:
+    """The recipe of a scenario's step under ``layout`` (None where its spec and seed do not
+    rebuild it)."""
+    from harness.pipeline import spec_from_dict
     from harness.scenario import build_scenario
 
-    sc = step.scenario
     spec = dataclasses.asdict(sc.spec)
     try:
         rebuilt = build_scenario(spec_from_dict(spec), sc.seed)
@@ -66,8 +66,9 @@ def recipe_of_step(step, **meta) -> dict | None:
     digest = scenario_digest(sc)
     if scenario_digest(rebuilt) != digest:
         return None
-    return {RECIPE_KEY: RECIPE_VERSION, "spec": spec, "seed": int(sc.seed), "layout": step.layout,
-            "max_rows": int(step.max_rows), "scenario_digest": digest, "rows": int(step.num_planned), **meta}
+    max_rows = max(int(sc.topk_indices.shape[0]), 1) if max_rows is None else int(max_rows)
+    return {RECIPE_KEY: RECIPE_VERSION, "spec": spec, "seed": int(sc.seed), "layout": layout, "max_rows": max_rows,
+            "scenario_digest": digest, **meta}
 
 
 def save_recipe(path, recipe: dict) -> Path:
@@ -101,7 +102,7 @@ def load_recipe(path) -> dict:
 def rebuild_fixture(path, recipe: dict, impl, device="cpu"):
     """The fixture of the recipe's case with its stages run through ``impl`` now; a recipe
     whose spec and seed no longer rebuild its scenario bit-exactly is a FixtureError."""
-    from harness.pipeline import fixture_from_step, prepare_step
+    from harness.pipeline import fixture_from_step, prepare_step, spec_from_dict
     from harness.scenario import build_attention_inputs, build_scenario
 
     try:

@@ -70,6 +70,14 @@ def load_case(path, request):
     if not is_recipe(path):
         return load_fixture(path)
     recipe = load_recipe(path)
+    if recipe.get("crashed_at"):  # its stages killed a process once: run them apart first
+        from harness.pipeline import run_step_in_child, spec_from_dict
+        from pytest_sparse_mla.impl import IMPL_SPEC
+
+        result = run_step_in_child(request.config.stash[IMPL_SPEC], spec_from_dict(recipe["spec"]), recipe["seed"],
+                                   recipe["layout"], request.getfixturevalue("device"))
+        if result["outcome"] != "ok":
+            pytest.fail(f"{path}: {result['detail']}", pytrace=False)
     return rebuild_fixture(path, recipe, request.getfixturevalue("impl"))
 
 

@@ -226,3 +226,35 @@ def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys, version
         assert "FAIL" in text and "NaN" in text and "regime C" in text, text
     else:
         assert "PASS: within the error budget" in text, text
+
+
+def test_an_implementation_that_kills_its_process_fails_one_test_and_leaves_a_recipe(pytester, tmp_path):
+    dump = tmp_path / "dumps"
+    crash = "--impl=tests.bugs:ConvertReadsTheTableOfInvalidEntries"
+    # In process: were the stages not run apart, the segfault would end this very test run.
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_convert.py"), crash, "-k", "empty_block_table", f"--dump-failures={dump}")
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "1 failed" in out, out[-2000:]
+    assert "killed its process (SIGSEGV) at stage convert" in out, out[-2000:]
+    recipes = list(dump.glob("*.recipe.json"))
+    assert len(recipes) == 1 and recipes[0].stat().st_size < 10_000
+    recipe = load_recipe(recipes[0])
+    assert recipe["crashed_at"] == "convert" and recipe["impl"] == "tests.bugs:ConvertReadsTheTableOfInvalidEntries"
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}", crash)
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "killed its process (SIGSEGV) at stage convert" in out, out[-2000:]
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}")
+    assert result.ret == 0 and "1 passed" in "\n".join(result.outlines), "\n".join(result.outlines[-20:])
+
+
+def test_a_changed_recipe_is_a_fixture_error(tmp_path):
+    from harness.scenario import batch, build_scenario
+    from recording.fixture import FixtureError
+    from recording.recipe import recipe_of_scenario, save_recipe
+
+    path = save_recipe(tmp_path / "case.recipe.json", recipe_of_scenario(build_scenario(batch((9, 1), kpool=4, topk=256), 3),
+                                                                          "compacted", name="case"))
+    assert load_recipe(path)["seed"] == 3
+    path.write_text(path.read_text().replace('"seed": 3', '"seed": 4'))
+    with pytest.raises(FixtureError, match="does not match its content digest"):
+        load_recipe(path)
