@@ -81,6 +81,7 @@ def replay_path_problem(path: str) -> str:
     return ""
 
 
+@pytest.hookimpl(trylast=True)  # after the checks of conflicting options
 def pytest_configure(config):
     for path in config.getoption("--replay"):
         problem = replay_path_problem(path)
