@@ -19,10 +19,11 @@ from .replay import Rerun
 from .rerun import identity_cache_inputs, is_captured, lens_from_impl
 
 
-def restage_fixture(fx: Fixture, impl, impl_spec: str | None = None) -> Rerun | None:
+def restage_fixture(fx: Fixture, impl, impl_spec: str | None = None, device="cpu") -> Rerun | None:
     """The plan the implementation under test makes for ``fx`` now (a :class:`Rerun` without
     kernel outputs), the stage it raised at as a refusal, or None for a captured fixture
-    (its plan is the program's, not this project's pipeline)."""
+    (its plan is the program's, not this project's pipeline). The device stages (convert,
+    layout) get their tensors on ``device``."""
     if is_captured(fx):
         return None
     from fast.layouts import indices_capacity
@@ -37,15 +38,16 @@ def restage_fixture(fx: Fixture, impl, impl_spec: str | None = None) -> Rerun | 
         lens = lens if lens is not None else fx["kv_len"].to(torch.int32)
         how = f"host stages re-run through the implementation under test: {source}, convert, layout {layout}, kv_indptr"
         stage = "convert"
-        topk, table, req = identity_cache_inputs(fx, max_rows, "cpu")
+        topk, table, req = identity_cache_inputs(fx, max_rows, device)
         slots = impl.convert(topk, table, req, 1)
         stage = "kv_indptr"
         indptr = impl.kv_indptr(layout, lens, max_rows, width).to(torch.int32).cpu()
         stage = "layout"
         lens_all = torch.zeros(max_rows, dtype=torch.int32)
         lens_all[:n] = lens[:n]
-        indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32)
-        impl.write_kv_indices(layout, slots, lens_all, indptr[: max_rows + 1], indices)
+        indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=device)
+        impl.write_kv_indices(layout, slots, lens_all.to(device), indptr[: max_rows + 1].to(device), indices)
+        indices = indices.cpu()
     except Exception as exc:  # noqa: BLE001 - the code under test raising is an outcome
         return Rerun(HOST, f"host stages re-run through the implementation under test (raised at {stage})",
                      refused=f"{type(exc).__name__} at {stage}: {exc}"[:400], impl=impl_spec)

@@ -52,7 +52,8 @@ def rerun_on_installed(request, fx):
         from pytest_sparse_mla.impl import IMPL_SPEC
         from recording.restage import restage_fixture
 
-        return restage_fixture(fx, request.getfixturevalue("impl"), request.config.stash.get(IMPL_SPEC, None)), why
+        return restage_fixture(fx, request.getfixturevalue("impl"), request.config.stash.get(IMPL_SPEC, None),
+                               request.getfixturevalue("device")), why
     impl = request.getfixturevalue("impl")
     from recording.rerun import is_captured
 
