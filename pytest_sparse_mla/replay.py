@@ -146,6 +146,19 @@ class FailureDump:
                 meta["impl"] = self.node.config.stash[IMPL_SPEC]
             path = write_crash(self.directory, self._safe_name(), self.log.crash, **meta)
             return None if path is None else str(path)
+        step = self.log.step if self.log is not None and self.log.fixture is None else None
+        if step is not None:  # the step armed builders build from too
+            from recording.dump import MAX_BUILD_BYTES, build_bytes, write_step_recipe
+
+            if build_bytes(step) > MAX_BUILD_BYTES:
+                from .impl import IMPL_SPEC
+
+                meta = {"name": self._safe_name(), "nodeid": self.node.nodeid, "too_large_to_build": build_bytes(step)}
+                if self.node.config.stash.get(IMPL_SPEC, None):
+                    meta["impl"] = self.node.config.stash[IMPL_SPEC]
+                path = write_step_recipe(self.directory, self._safe_name(), step, **meta)
+                if path is not None:
+                    return str(path)
         fixture = self.build()
         if fixture is None:
             return None
@@ -167,7 +180,6 @@ class FailureDump:
             env = runtime_environment()
             fixture.meta["environment"] = {version: env for version in fixture.outputs}
         impl = load_impl(impl_spec or DEFAULT_IMPL_SPEC)  # loaded and checked at start-up already
-        step = self.log.step if self.log is not None and self.log.fixture is None else None
         return str(write_failure(self.directory, safe, fixture, impl, step))
 
 

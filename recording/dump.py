@@ -11,10 +11,34 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
+from mla_constants import KV_LORA_RANK
+
 from .fixture import Fixture, save_fixture
 from .recipe import RECIPE_SUFFIX, recipe_of_scenario, recipe_of_step, save_recipe
 from .repro import write_repro
 from .shrink import MAX_FIXTURE_BYTES, fixture_bytes, shrink_fixture
+
+#: A noted step whose fixture would take more host memory than this is written as a recipe
+#: without being built (a failing batch of tens of thousands of rows, say).
+MAX_BUILD_BYTES = 1 << 30
+
+
+def build_bytes(step) -> int:
+    """About the host bytes the fixture of a noted step takes before shrinking: q and out of
+    every planned row, and the KV slots their plans read."""
+    spec = step.scenario.spec
+    width = KV_LORA_RANK + spec.rope_dim
+    slots = int(step.planned_lens.to(torch.int64).sum()) if step.num_planned else 0
+    return step.num_planned * spec.num_heads * width * 2 * 2 + slots * width * 2
+
+
+def write_step_recipe(directory, file_name: str, step, **meta) -> Path | None:
+    """The recipe of a noted step, written without building its fixture (None where its spec
+    and seed do not rebuild it)."""
+    recipe = recipe_of_step(step, **meta)
+    return None if recipe is None else save_recipe(Path(directory) / f"{file_name}{RECIPE_SUFFIX}", recipe)
 
 
 def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, shrink: bool = True) -> Path:

@@ -258,3 +258,16 @@ def test_a_changed_recipe_is_a_fixture_error(tmp_path):
     path.write_text(path.read_text().replace('"seed": 3', '"seed": 4'))
     with pytest.raises(FixtureError, match="does not match its content digest"):
         load_recipe(path)
+
+
+def test_a_step_too_large_to_build_at_failure_is_written_as_a_recipe(pytester, tmp_path, monkeypatch):
+    import recording.dump
+
+    monkeypatch.setattr(recording.dump, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
+    dump = tmp_path / "dumps"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:CompactionPlansPrefix",
+                        "-k", "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5", f"--dump-failures={dump}")
+    assert result.ret == 1, "\n".join(result.outlines[-20:])
+    written = list(dump.iterdir())
+    assert len(written) == 1 and written[0].name.endswith(".recipe.json"), written
+    assert load_recipe(written[0])["too_large_to_build"] > 0
