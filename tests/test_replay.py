@@ -83,7 +83,7 @@ def load_case(path, request):
                                    recipe["layout"], request.getfixturevalue("device"))
         if result["outcome"] != "ok":
             pytest.fail(f"{path}: {result['detail']}", pytrace=False)
-    return rebuild_fixture(path, recipe, request.getfixturevalue("impl"))
+    return rebuild_fixture(path, recipe, request.getfixturevalue("impl"), request.getfixturevalue("device"))
 
 
 @pytest.mark.replay
