@@ -178,9 +178,11 @@ class ReplayReport:
     def _plan_lines(self, violations, mismatch_rows, fx: Fixture, tag: str) -> list[str]:
         counts = (fx["intended"] != -1).sum(dim=1)
         lines = [f"  {tag}invariant {v}" for v in violations[:8]]
+        batch_rows = fx.meta.get("rows")
         for r in mismatch_rows[:8]:
+            where = f", row {batch_rows[r]} of the failing batch" if isinstance(batch_rows, list) and r < len(batch_rows) else ""
             lines.append(
-                f"  {tag}plan != intent at row {r} (regime {self._regime(r)}): kv_len {int(fx['kv_len'][r])}, "
+                f"  {tag}plan != intent at row {r} (regime {self._regime(r)}{where}): kv_len {int(fx['kv_len'][r])}, "
                 f"valid {int(counts[r])}"
             )
         return lines
