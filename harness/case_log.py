@@ -23,6 +23,7 @@ class CaseLog:
     inputs: object | None = None  # harness.scenario.AttentionInputs of the step, when a compare saw them
     outputs: dict = field(default_factory=dict)  # version -> (out, lse) of the step, rows as planned
     fixture: object | None = None  # a recording.fixture.Fixture judged by replay()
+    crash: dict | None = None  # a step whose stages killed a child process: scenario, layout, stage, detail
 
     def note_step(self, step, inputs=None, outputs: dict | None = None) -> None:
         if step is not self.step:
@@ -36,9 +37,13 @@ class CaseLog:
     def note_fixture(self, fixture) -> None:
         self.fixture = fixture
 
+    def note_crash(self, scenario, layout: str, stage: str | None, detail: str) -> None:
+        self.step, self.inputs, self.outputs, self.fixture = None, None, {}, None
+        self.crash = {"scenario": scenario, "layout": layout, "stage": stage, "detail": detail}
+
     @property
     def empty(self) -> bool:
-        return self.step is None and self.fixture is None
+        return self.step is None and self.fixture is None and self.crash is None
 
 
 _ACTIVE: list[CaseLog] = []
@@ -67,3 +72,9 @@ def note_fixture(fixture) -> None:
     """Note a fixture under check (a failing replay dumps the fixture itself)."""
     if _ACTIVE:
         _ACTIVE[-1].note_fixture(fixture)
+
+
+def note_crash(scenario, layout: str, stage: str | None, detail: str) -> None:
+    """Note a step whose stages killed the child process they ran in (harness.pipeline.run_step_in_child)."""
+    if _ACTIVE:
+        _ACTIVE[-1].note_crash(scenario, layout, stage, detail)

@@ -8,8 +8,15 @@ plan + run on top of the same :class:`Step`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -19,7 +26,12 @@ from reference.invariants import same_multisets
 from reference.rules import valid_first
 
 from .case_log import note_step
-from .scenario import Scenario
+from .scenario import BatchSpec, Request, Scenario, build_scenario
+
+#: The stages of :func:`prepare_step`, in order.
+STAGES = ("request_ids", "convert", "kv_len", "kv_indptr", "layout", "invariants")
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+STEP_CHILD_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -54,24 +66,34 @@ def meta_on_device(meta, device):
     return dataclasses.replace(meta, seq_lens=meta.seq_lens.to(device), positions=positions)
 
 
-def prepare_step(impl, scenario: Scenario, layout: str, device="cpu", max_rows: int | None = None) -> Step:
+def prepare_step(impl, scenario: Scenario, layout: str, device="cpu", max_rows: int | None = None,
+                 reached=lambda stage: None) -> Step:
     """Convert, compute lens, lay out kv_indices, and check the invariants (no kernel), with
-    the device tensors of the step on ``device``."""
+    the device tensors of the step on ``device``; ``reached(stage)`` is called as each stage
+    of the implementation under test starts (:data:`STAGES`)."""
     spec, meta = scenario.spec, meta_on_device(scenario.meta, device)
     rows = scenario.topk_indices.shape[0]
     max_rows = max(rows, 1) if max_rows is None else max_rows
     width = spec.resolved_width
+    reached("request_ids")
     req = impl.request_ids(meta.query_start_loc_cpu.to(device), rows)
+    reached("convert")
     slots, counts = impl.convert(
         scenario.topk_indices.to(device), scenario.block_table.to(device), req, spec.block_size, with_counts=True
     )
+    reached("kv_len")
     lens = impl.kv_lens(meta, topk=spec.topk, kpool=spec.kpool, async_scheduling=spec.async_scheduling)
     planned = impl.planned_lens(meta, lens, topk=spec.topk).to(torch.int32)
+    reached("kv_indptr")
     indptr = impl.kv_indptr(layout, planned, max_rows, width)
     lens_all = torch.zeros(rows, dtype=torch.int32)
     lens_all[: planned.numel()] = planned[:rows]
     kv_indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=device)
+    reached("layout")
     impl.write_kv_indices(layout, slots, lens_all.to(device), indptr[: rows + 1].to(device), kv_indices)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)  # a kernel fault shows at the stage that launched it
+    reached("invariants")
     # The rows as the layout reads them: compacted reads the valid entries, front first.
     rows_read = valid_first(slots) if layout == "compacted" else slots
     violations = check_plan_invariants(
@@ -127,3 +149,58 @@ def describe_rows(step: Step, rows: list[int], limit: int = 6) -> str:
     if len(rows) > limit:
         lines.append(f"  ... and {len(rows) - limit} more rows")
     return "\n".join(lines)
+
+
+def spec_from_dict(spec: dict) -> BatchSpec:
+    """The :class:`BatchSpec` of ``dataclasses.asdict(spec)`` (as JSON stores it)."""
+    return BatchSpec(**dict(spec, requests=tuple(Request(**r) for r in spec["requests"])))
+
+
+def run_step_in_child(impl_spec: str, spec: BatchSpec, seed: int, layout: str, device="cpu",
+                      timeout: float = STEP_CHILD_TIMEOUT_S) -> dict:
+    """:func:`prepare_step` of the scenario in a child process, where code under test that
+    kills its process (a segfault in a convert kernel, say) cannot take the session down:
+    ``{"outcome": "ok" | "crashed" | "timeout" | "error", "stage", "detail"}``, the stage being
+    the last one the child reached."""
+    cmd = [sys.executable, "-m", "harness.pipeline", "--impl", impl_spec, "--spec", json.dumps(dataclasses.asdict(spec)),
+           "--seed", str(seed), "--layout", layout, "--device", str(device)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)
+        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr, code = "", None
+    stages = [line[6:] for line in stdout.splitlines() if line.startswith("STAGE ")]
+    stage = stages[-1] if stages else None
+    if code == 0 and "RESULT ok" in stdout:
+        return {"outcome": "ok", "stage": stage, "detail": ""}
+    tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-3:])[-400:]
+    if code is None:
+        return {"outcome": "timeout", "stage": stage, "detail": f"no result within {timeout:.0f} s at stage {stage}"}
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        return {"outcome": "crashed", "stage": stage,
+                "detail": f"the implementation under test killed its process ({name}) at stage {stage}" + (f": {tail}" if tail else "")}
+    return {"outcome": "error", "stage": stage, "detail": f"the child exited with {code} at stage {stage}" + (f": {tail}" if tail else "")}
+
+
+def child_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="one step's host stages in their own process (see run_step_in_child)")
+    parser.add_argument("--impl", required=True)
+    parser.add_argument("--spec", required=True, help="the BatchSpec as JSON")
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--layout", required=True)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    from fast.impl import load_impl
+
+    impl = load_impl(args.impl)
+    scenario = build_scenario(spec_from_dict(json.loads(args.spec)), args.seed)
+    prepare_step(impl, scenario, args.layout, args.device, reached=lambda stage: print(f"STAGE {stage}", flush=True))
+    print("RESULT ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

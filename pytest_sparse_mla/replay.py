@@ -2,8 +2,10 @@
 diagnostics at the end); on an SM90 GPU with FlashInfer each fixture is re-run on the installed
 FlashInfer unless ``--replay-recorded-only``. ``--dump-failures DIR`` writes a fixture for every
 failing differential case: the case the shared helpers last noted (recording.case_log), or
-what a test armed on the ``failure_dump`` fixture; the failure message ends with the command
-that replays it."""
+what a test armed on the ``failure_dump`` fixture, shrunk on the implementation under test and
+written with its standalone reproducer, or as a recipe where it only fails at scale
+(recording.dump); the failure message ends with the command that replays it. Nothing is built
+or written for a passing test."""
 
 from __future__ import annotations
 
@@ -66,9 +68,38 @@ class ReplayCollector:
             self.config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
 
 
+def replay_path_problem(path: str) -> str:
+    """Why a --replay path gives nothing to replay ("" when it gives a fixture)."""
+    from pathlib import Path
+
+    from recording.fixture import fixture_paths
+
+    if not Path(path).exists():
+        return f"--replay={path}: no such file or folder"
+    if not fixture_paths([path]):
+        return f"--replay={path}: no fixture (*.safetensors, *.recipe.json) under it; an empty replay would pass and check nothing"
+    return ""
+
+
+@pytest.hookimpl(trylast=True)  # after the checks of conflicting options
 def pytest_configure(config):
+    for path in config.getoption("--replay"):
+        problem = replay_path_problem(path)
+        if problem:
+            raise pytest.UsageError(problem)
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(ReplayCollector(config))
+
+
+REPLAY_TEST_FILE = "test_replay.py"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With ``--replay`` no other test module is even imported: collection stays fast and the
+    workers of ``-n`` share out the fixtures alone."""
+    if config.getoption("--replay") and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return collection_path.name != REPLAY_TEST_FILE or None
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -99,19 +130,47 @@ class FailureDump:
             return self._build()
         return None if self.log is None or self.log.empty else self.log.build()
 
+    def _safe_name(self) -> str:
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
+
     def dump(self) -> str | None:
         if not self.directory:
             return None
+        if self._build is None and self.log is not None and self.log.crash is not None:
+            from recording.dump import write_crash
+
+            from .impl import IMPL_SPEC
+
+            meta = {"name": self._safe_name(), "nodeid": self.node.nodeid}
+            if self.node.config.stash.get(IMPL_SPEC, None):
+                meta["impl"] = self.node.config.stash[IMPL_SPEC]
+            path = write_crash(self.directory, self._safe_name(), self.log.crash, **meta)
+            return None if path is None else str(path)
+        step = self.log.step if self.log is not None and self.log.fixture is None else None
+        if step is not None:  # the step armed builders build from too
+            from recording.dump import MAX_BUILD_BYTES, build_bytes, write_step_recipe
+
+            if build_bytes(step) > MAX_BUILD_BYTES:
+                from .impl import IMPL_SPEC
+
+                meta = {"name": self._safe_name(), "nodeid": self.node.nodeid, "too_large_to_build": build_bytes(step)}
+                if self.node.config.stash.get(IMPL_SPEC, None):
+                    meta["impl"] = self.node.config.stash[IMPL_SPEC]
+                path = write_step_recipe(self.directory, self._safe_name(), step, **meta)
+                if path is not None:
+                    return str(path)
         fixture = self.build()
         if fixture is None:
             return None
+        from fast.impl import DEFAULT_IMPL_SPEC, load_impl
+        from recording.dump import write_failure
         from recording.environment import runtime_environment
-        from recording.fixture import save_fixture
 
         from .impl import IMPL_SPEC
 
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
-        fixture.meta.setdefault("name", safe)
+        safe = self._safe_name()
+        if not fixture.meta.get("name"):
+            fixture.meta["name"] = safe
         fixture.meta.setdefault("nodeid", self.node.nodeid)
         fixture.meta.setdefault("source", "pipeline")
         impl_spec = self.node.config.stash.get(IMPL_SPEC, None)
@@ -120,7 +179,8 @@ class FailureDump:
         if fixture.outputs and "environment" not in fixture.meta:
             env = runtime_environment()
             fixture.meta["environment"] = {version: env for version in fixture.outputs}
-        return str(save_fixture(f"{self.directory}/{safe}.safetensors", fixture))
+        impl = load_impl(impl_spec or DEFAULT_IMPL_SPEC)  # loaded and checked at start-up already
+        return str(write_failure(self.directory, safe, fixture, impl, step))
 
 
 DUMP = pytest.StashKey[FailureDump]()

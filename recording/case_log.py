@@ -11,7 +11,8 @@ import dataclasses
 from contextlib import AbstractContextManager
 
 from harness import case_log as notes
-from harness.case_log import note_fixture as note_fixture  # re-exported: the helpers' noting API
+from harness.case_log import note_crash as note_crash  # re-exported: the helpers' noting API
+from harness.case_log import note_fixture as note_fixture
 from harness.case_log import note_step as note_step
 from harness.pipeline import Step
 from harness.scenario import build_attention_inputs
@@ -29,7 +30,7 @@ class CaseLog(notes.CaseLog):
             fx.meta.update({k: v for k, v in meta.items() if k not in fx.meta})
             return fx
         if self.step is None:
-            return None
+            return None  # a crash is written as a recipe (recording.dump.write_crash)
         step = self.step
         inputs = self.inputs if self.inputs is not None else build_attention_inputs(step.scenario)
         n = step.num_planned

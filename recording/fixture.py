@@ -14,10 +14,15 @@ A fixture holds what one kernel launch consumed and what it returned:
 
 Metadata: schema version, scenario spec and seed, layout, plan arguments, per-row regimes and
 contexts, and per recorded version the FlashInfer / torch / CUDA / driver versions and GPU.
+
+Every fixture carries a content digest (``digest``: SHA-256 of each tensor's dtype, shape and
+bytes, and of the rest of the metadata), checked on load: a file changed after it was written
+is a :class:`FixtureError` naming the tensor or the metadata, never a kernel verdict.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +32,7 @@ import torch
 from harness.bits import bitwise_equal as bitwise_equal  # re-exported: the fixture API compares bits
 from harness.bits import same_bits as same_bits
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the content digest
 METADATA_KEY = "sparse_mla_fixture"
 REQUIRED_TENSORS = ("q_nope", "q_pe", "ckv", "kpe", "slot_ids", "kv_indptr", "kv_indices", "kv_len", "intended")
 
@@ -67,6 +72,52 @@ def remap_slots(*selections: torch.Tensor) -> tuple[torch.Tensor, list[torch.Ten
     return ids, remapped
 
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's dtype, shape and bytes."""
+    h = hashlib.sha256(f"{str(t.dtype).replace('torch.', '')}|{tuple(t.shape)}|".encode())
+    flat = t.detach().contiguous().cpu().reshape(-1)
+    if flat.numel():
+        h.update(flat.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def metadata_digest(meta: dict) -> str:
+    """SHA-256 of the metadata without its digest (keys sorted)."""
+    rest = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def content_digest(meta: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    return {"algorithm": "sha256", "metadata": metadata_digest(meta),
+            "tensors": {name: tensor_digest(t) for name, t in sorted(tensors.items())}}
+
+
+def check_digest(path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The file holds what was written: each tensor and the metadata match the digest."""
+    digest = meta.get("digest")
+    if not isinstance(digest, dict) or not isinstance(digest.get("tensors"), dict) or not isinstance(digest.get("metadata"), str):
+        raise FixtureError(f"{path}: metadata field 'digest' is missing or malformed (no content digest to check the file against)")
+    if digest["metadata"] != metadata_digest(meta):
+        raise FixtureError(f"{path}: the metadata does not match its content digest: the file was changed after it was written")
+    listed = digest["tensors"]
+    for name in sorted(set(listed) - set(tensors)):
+        raise FixtureError(f"{path}: tensor '{name}' is in the content digest but not in the file")
+    for name in sorted(set(tensors) - set(listed)):
+        raise FixtureError(f"{path}: tensor '{name}' is not in the content digest (added after the file was written)")
+    for name, t in sorted(tensors.items()):
+        if listed[name] != tensor_digest(t):
+            raise FixtureError(f"{path}: tensor '{name}' does not match its content digest: the file was changed after it was written")
+
+
+def fixture_tensors(fixture: Fixture) -> dict[str, torch.Tensor]:
+    """Every tensor the file of ``fixture`` holds, outputs as ``out/<version>``, ``lse/<version>``."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in fixture.tensors.items()}
+    for version, (out, lse) in fixture.outputs.items():
+        tensors[f"out/{version}"] = out.detach().contiguous().cpu()
+        tensors[f"lse/{version}"] = lse.detach().contiguous().cpu()
+    return tensors
+
+
 def save_fixture(path: str | Path, fixture: Fixture) -> Path:
     from safetensors.torch import save_file
 
@@ -74,11 +125,10 @@ def save_fixture(path: str | Path, fixture: Fixture) -> Path:
     missing = [k for k in REQUIRED_TENSORS if k not in fixture.tensors]
     if missing:
         raise FixtureError(f"{path}: cannot save, missing tensors {missing}")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in fixture.tensors.items()}
-    for version, (out, lse) in fixture.outputs.items():
-        tensors[f"out/{version}"] = out.detach().contiguous().cpu()
-        tensors[f"lse/{version}"] = lse.detach().contiguous().cpu()
-    meta = dict(fixture.meta, schema_version=SCHEMA_VERSION)
+    tensors = fixture_tensors(fixture)
+    meta = {k: v for k, v in fixture.meta.items() if k != "digest"}
+    meta["schema_version"] = SCHEMA_VERSION
+    meta["digest"] = content_digest(meta, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
@@ -95,7 +145,8 @@ REQUIRED_META = {
 OPTIONAL_META = {
     "name": str, "seed": int, "kv_dtype": str, "max_rows": int, "regimes": list, "row_ctx": list, "focus": list,
     "refused": dict, "environment": dict, "expect_finding": str, "lse_recorded": bool, "graph_replay": bool,
-    "source": str, "impl": str, "nodeid": str, "spec": dict, "capture": dict,
+    "source": str, "impl": str, "nodeid": str, "spec": dict, "capture": dict, "digest": dict, "shrunk": dict,
+    "rows": list, "heads": list,
 }
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8)
@@ -209,6 +260,9 @@ def load_fixture(path: str | Path) -> Fixture:
     except json.JSONDecodeError as exc:
         raise FixtureError(f"{path}: metadata is not valid JSON: {exc}") from exc
     version = meta.get("schema_version") if isinstance(meta, dict) else None
+    if isinstance(meta, dict) and version == 1:
+        raise FixtureError(f"{path}: schema version 1, written without a content digest; re-record it or, if you trust "
+                           f"the file, migrate it: python3 -m scripts.record_fixtures --migrate {path}")
     if isinstance(meta, dict) and version != SCHEMA_VERSION:
         raise FixtureError(f"{path}: unknown schema version {version!r} (this tool reads {SCHEMA_VERSION})")
     check_meta(path, meta)
@@ -220,6 +274,7 @@ def load_fixture(path: str | Path) -> Fixture:
         if tuple(tensors[name].shape) != shape:
             raise FixtureError(f"{path}: tensor '{name}' has shape {tuple(tensors[name].shape)}, expected {shape}")
     check_plan_tensors(path, tensors)
+    written = dict(tensors)
     outputs = {}
     for key in [k for k in tensors if k.startswith("out/")]:
         version = key[len("out/"):]
@@ -235,15 +290,17 @@ def load_fixture(path: str | Path) -> Fixture:
     stray = [k for k in tensors if k.startswith("lse/")]
     if stray:
         raise FixtureError(f"{path}: tensor '{stray[0]}' recorded without its 'out/' tensor")
+    check_digest(path, meta, written)
     return Fixture(meta=meta, tensors=tensors, path=path, outputs=outputs)
 
 
 def fixture_paths(paths) -> list[Path]:
-    """Expand files and folders (recursively, ``*.safetensors``) into a sorted list of files."""
+    """Expand files and folders (recursively, ``*.safetensors`` and ``*.recipe.json``) into a
+    sorted list of files."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found.extend(sorted(p.rglob("*.safetensors")))
+            found.extend(sorted([*p.rglob("*.safetensors"), *p.rglob("*.recipe.json")]))
         else:
             found.append(p)
     return found
@@ -308,3 +365,25 @@ def build_fixture(
         "intended": intended_local,
     }
     return Fixture(meta=meta, tensors={k: v.cpu() for k, v in tensors.items()}, outputs=dict(outputs or {}))
+
+
+def migrate_fixture(path: str | Path, **meta_updates) -> Path:
+    """Rewrite a schema-1 fixture (no content digest) as the current schema, with its digest
+    and ``meta_updates``; the file is then loaded back to check it. Only for files you trust:
+    the digest certifies what the file holds now."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {})[METADATA_KEY])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("schema_version") != 1:
+        raise FixtureError(f"{path}: schema version {meta.get('schema_version')!r}, only version 1 is migrated")
+    meta.update(meta_updates, schema_version=SCHEMA_VERSION)
+    meta["digest"] = content_digest(meta, tensors)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    tmp.replace(path)
+    load_fixture(path)
+    return path

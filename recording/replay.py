@@ -25,6 +25,10 @@ from .case_log import note_fixture
 from .fixture import Fixture, bitwise_equal, same_bits
 
 
+#: The version label of a re-run of the host stages only (recording.restage): no kernel ran.
+HOST_STAGES = "host stages"
+
+
 @dataclass
 class Rerun:
     """One fresh plan + run of a fixture on the installed FlashInfer."""
@@ -39,7 +43,7 @@ class Rerun:
 
     @property
     def label(self) -> str:
-        return f"{self.version} re-run"
+        return self.version if self.version == HOST_STAGES else f"{self.version} re-run"
 
 
 @dataclass
@@ -116,7 +120,10 @@ class ReplayReport:
         reasons = []
         if self.bad_inputs:
             reasons.append(f"bad inputs (not finite) on rows {list(self.bad_inputs)[:12]}: nothing can be judged there")
-        if self.rerun is not None and not self.refusal_expected:
+        if self.rerun is not None and self.rerun.out is None and self.rerun.refused and self.rerun.plan is None \
+                and self.rerun.version == HOST_STAGES:
+            reasons.append(f"the implementation under test raised in the host stages: {self.rerun.refused}")
+        elif self.rerun is not None and not self.refusal_expected:
             reasons.append(f"flashinfer {self.rerun.version} refused the re-run: {self.rerun.refused}")
         if not self.kernel_ok:
             bad = [v for v, (o, l) in self.kernel.items() if not (o.ok and l.ok)]
@@ -171,9 +178,11 @@ class ReplayReport:
     def _plan_lines(self, violations, mismatch_rows, fx: Fixture, tag: str) -> list[str]:
         counts = (fx["intended"] != -1).sum(dim=1)
         lines = [f"  {tag}invariant {v}" for v in violations[:8]]
+        batch_rows = fx.meta.get("rows")
         for r in mismatch_rows[:8]:
+            where = f", row {batch_rows[r]} of the failing batch" if isinstance(batch_rows, list) and r < len(batch_rows) else ""
             lines.append(
-                f"  {tag}plan != intent at row {r} (regime {self._regime(r)}): kv_len {int(fx['kv_len'][r])}, "
+                f"  {tag}plan != intent at row {r} (regime {self._regime(r)}{where}): kv_len {int(fx['kv_len'][r])}, "
                 f"valid {int(counts[r])}"
             )
         return lines
@@ -258,11 +267,11 @@ def plan_checks(fx: Fixture, regimes: list[str] | None) -> tuple[list, list[int]
     return violations, (~same).nonzero().flatten().tolist()
 
 
-def kernel_checks(fx: Fixture, outputs: dict, excluded: torch.Tensor) -> dict[str, tuple[Comparison, Comparison]]:
+def kernel_checks(fx: Fixture, outputs: dict, excluded: torch.Tensor, device="cpu") -> dict[str, tuple[Comparison, Comparison]]:
     """Each ``(out, lse)`` against the reference over (b) within the budget; rows in
     ``excluded`` are zeroed on every side, so row numbers stay the fixture's."""
-    truth_out, truth_lse = reference_outputs(fx, "planned", "float64")
-    lowp_out, lowp_lse = reference_outputs(fx, "planned", "lowp")
+    truth_out, truth_lse = reference_outputs(fx, "planned", "float64", device)
+    lowp_out, lowp_lse = reference_outputs(fx, "planned", "lowp", device)
     kv_dtype = fx.meta.get("kv_dtype", "bfloat16")
     truth = (_zero_rows(truth_out, excluded), _zero_rows(truth_lse, excluded))
     lowp = (_zero_rows(lowp_out, excluded), _zero_rows(lowp_lse, excluded))
@@ -305,7 +314,7 @@ def agreeing_groups(outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> li
 
 
 def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-           rerun: Rerun | None = None) -> ReplayReport:
+           rerun: Rerun | None = None, device="cpu") -> ReplayReport:
     """Check the recorded outputs (and ``extra_outputs``) of one fixture against the reference,
     and a re-run's output, plan and refusal where one is given."""
     note_fixture(fx)
@@ -315,14 +324,14 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
     bad = _row_mask(report.bad_inputs, fx.num_rows)
     outputs = dict(fx.outputs, **(extra_outputs or {}))
     if outputs:
-        report.poisoned_rows = _poisoned(fx, bad)
-        report.kernel = kernel_checks(fx, outputs, bad | _row_mask(report.poisoned_rows, fx.num_rows))
+        report.poisoned_rows = _poisoned(fx, bad, device)
+        report.kernel = kernel_checks(fx, outputs, bad | _row_mask(report.poisoned_rows, fx.num_rows), device)
+    if rerun is not None and not rerun.refused and rerun.plan is not None:
+        report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(with_plan(fx, rerun.plan), report.regimes)
     if rerun is not None and not rerun.refused and rerun.out is not None:
         planned = with_plan(fx, rerun.plan) if rerun.plan is not None else fx
-        if rerun.plan is not None:
-            report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(planned, report.regimes)
-        excluded = bad | _row_mask(_poisoned(planned, bad), fx.num_rows)
-        report.kernel.update(kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded))
+        excluded = bad | _row_mask(_poisoned(planned, bad, device), fx.num_rows)
+        report.kernel.update(kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded, device))
         report.drift = [d for version, (out, lse) in fx.outputs.items()
                         for d in (output_drift(rerun.out.cpu(), out, version),
                                   output_drift(rerun.lse.cpu().float(), lse, version, what="lse"))]
@@ -332,10 +341,10 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
     return report
 
 
-def _poisoned(fx: Fixture, bad_inputs: torch.Tensor) -> list[int]:
+def _poisoned(fx: Fixture, bad_inputs: torch.Tensor, device="cpu") -> list[int]:
     """Rows (with finite inputs) whose planned selection reads a NaN slot."""
-    truth_out, _ = reference_outputs(fx, "planned", "float64")
-    nan_rows = torch.isnan(truth_out).flatten(1).any(dim=1) if truth_out.numel() else torch.zeros(fx.num_rows, dtype=torch.bool)
+    truth_out, _ = reference_outputs(fx, "planned", "float64", device)
+    nan_rows = torch.isnan(truth_out).flatten(1).any(dim=1).cpu() if truth_out.numel() else torch.zeros(fx.num_rows, dtype=torch.bool)
     return (nan_rows & ~bad_inputs).nonzero().flatten().tolist()
 
 

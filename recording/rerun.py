@@ -15,6 +15,9 @@ An exception FlashInfer raises at plan or run comes back as the re-run's refusal
 
 from __future__ import annotations
 
+import functools
+import json
+
 import torch
 
 from .environment import flashinfer_version
@@ -57,25 +60,47 @@ def lens_from_impl(fx: Fixture, impl) -> torch.Tensor | None:
     """The implementation's planned lens on the scenario rebuilt from the fixture's spec and
     seed, or None where the fixture has none or it rebuilds other indexer rows."""
     spec, seed = fx.meta.get("spec"), fx.meta.get("seed")
-    if not isinstance(spec, dict) or seed is None:
+    if not isinstance(spec, dict) or not isinstance(seed, int):
         return None
-    from harness.scenario import BatchSpec, Request, build_scenario
-
     try:
-        fields = dict(spec, requests=tuple(Request(**r) for r in spec["requests"]))
-        scenario = build_scenario(BatchSpec(**fields), seed)
+        intended, lens = _rebuilt_intent_and_lens(json.dumps(spec, sort_keys=True), seed, impl)
     except (TypeError, ValueError, KeyError):
         return None
     n = fx.num_rows
-    rebuilt = scenario.intended_slots()[:n].to(torch.int64)
+    rows = source_rows(fx)
+    if rows.numel() and int(rows.max()) >= intended.shape[0]:
+        return None
+    rebuilt = intended[rows] if rows.numel() else intended[:0]
     local = fx["intended"].to(torch.int64)
     stored = torch.where(local >= 0, fx["slot_ids"][local.clamp(min=0)] if fx["slot_ids"].numel() else local, -1)
     if rebuilt.shape != stored.shape or not torch.equal(rebuilt, stored):
         return None
+    if "rows" not in fx.meta and lens.numel() != n:
+        return None  # the implementation plans another number of rows: the recorded lens are judged
+    if rows.numel() and int(rows.max()) >= lens.numel():
+        return None
+    return lens[rows]
+
+
+@functools.lru_cache(maxsize=4)
+def _rebuilt_intent_and_lens(spec_json: str, seed: int, impl) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rebuilt scenario's intended rows and the implementation's planned lens (kept for the
+    few scenarios a shrink or a replay asks about again and again)."""
+    from harness.pipeline import spec_from_dict
+    from harness.scenario import build_scenario
+
+    scenario = build_scenario(spec_from_dict(json.loads(spec_json)), seed)
     s, meta = scenario.spec, scenario.meta
     lens = impl.planned_lens(meta, impl.kv_lens(meta, topk=s.topk, kpool=s.kpool, async_scheduling=s.async_scheduling),
-                             topk=s.topk)
-    return lens.to(torch.int32).cpu() if lens.numel() == n else None
+                             topk=s.topk).to(torch.int32).cpu()
+    return scenario.intended_slots().to(torch.int64), lens
+
+
+def source_rows(fx: Fixture) -> torch.Tensor:
+    """The fixture's rows as rows of the scenario its spec and seed build (a shrunk fixture
+    keeps some of them: ``rows`` in its metadata)."""
+    rows = fx.meta.get("rows")
+    return torch.tensor(rows, dtype=torch.int64) if rows is not None else torch.arange(fx.num_rows)
 
 
 def _refusal(exc: Exception) -> str:

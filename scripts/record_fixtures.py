@@ -7,6 +7,11 @@ Run once per FlashInfer version (each installed as scripts/gpu_runner.py does): 
 run writes each file, later runs check that the case's inputs are bit-identical and add their
 outputs. A case a version refuses (the strided layout on FlashInfer >= 0.7) is noted in the
 file's metadata under ``refused``.
+
+    python3 -m scripts.record_fixtures --migrate FILE...
+
+rewrites fixtures of schema 1 (written before fixtures carried a content digest) with their
+digest, and points a declared finding at docs/findings.md.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from harness.launch import (
 from mla_constants import GLM_NOPE_SM_SCALE
 from recording.case_log import fixture_from_step
 from recording.environment import runtime_environment
-from recording.fixture import FixtureError, bitwise_equal, load_fixture, save_fixture
+from recording.fixture import FixtureError, bitwise_equal, load_fixture, migrate_fixture, save_fixture
 
 SMALL = dict(topk=256, block_size=16)
 NOPE = dict(rope=False, sm_scale=GLM_NOPE_SM_SCALE)
@@ -158,11 +163,27 @@ def record(case: FixtureCase, directory: Path, impl) -> str:
     return f"{case.name}: rows {step.num_planned}, " + (f"refused on {version}" if refused else f"recorded {version}")
 
 
+def migrate(paths) -> int:
+    findings = {case.name: case.finding for case in CASES if case.finding}
+    for path in map(Path, paths):
+        updates = {"expect_finding": findings[path.stem]} if path.stem in findings else {}
+        try:
+            migrate_fixture(path, **updates)
+        except (FixtureError, KeyError, OSError) as exc:
+            print(f"{path}: not migrated: {exc}")
+            return 1
+        print(f"{path}: migrated")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="fixtures")
     parser.add_argument("--only", nargs="*", help="case names")
+    parser.add_argument("--migrate", nargs="+", metavar="FILE", help="rewrite schema-1 fixtures with their content digest")
     args = parser.parse_args()
+    if args.migrate:
+        return migrate(args.migrate)
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     impl = FastImpl()

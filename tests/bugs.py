@@ -223,3 +223,19 @@ class PlanKeptForAReorderedBatch(FastImpl):
                 self.reused_plans += 1
 
         return State(self, config, device, **kwargs)
+
+
+class ConvertReadsTheTableOfInvalidEntries(FastImpl):
+    """A convert kernel (as vLLM's Triton one) that reads ``block_table[req, 0]`` for the -1
+    entries too: in a step with padded rows only the block table has no row, and the read
+    faults. Re-created as the fault's effect: the process is killed by SIGSEGV."""
+
+    name = "crash-convert-reads-an-empty-block-table"
+
+    def convert(self, topk_indices, block_table, req_id, block_size, *, out=None, with_counts=False):
+        if block_table.shape[0] == 0 and topk_indices.numel():
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return super().convert(topk_indices, block_table, req_id, block_size, out=out, with_counts=with_counts)

@@ -3,13 +3,18 @@ and folders given with ``--replay`` (or, under the upgrade check, ``--baseline-f
 Each fixture's recorded FlashInfer outputs are checked against the reference over the
 planned slots (b) within the error budget, and the plan against the intended selection (a);
 a fixture recorded from a known finding declares it (``expect_finding``) and must still show it. On an SM90 GPU with FlashInfer each fixture is
-also re-run on the installed FlashInfer (recording.rerun) unless ``--replay-recorded-only``.
+also re-run on the installed FlashInfer (recording.rerun) unless ``--replay-recorded-only``;
+elsewhere its host stages are re-run through the implementation under test (recording.restage)
+and the plan is judged on what it plans now. A recipe (``*.recipe.json``) is rebuilt from its
+spec and seed through the implementation under test (its stages in a child process where they
+once killed theirs). A replay of no fixture fails (docs/replay.md).
 With ``--replay`` the error heatmaps are written after the verdict, which they never change.
 Under ``--record-baseline`` / ``--compare-baseline`` each re-run is recorded for the upgrade
 check (pytest_sparse_mla.baselines.note_fixture_replay)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ from pytest_sparse_mla.keys import REPLAY_KEY
 from pytest_sparse_mla.replay import replay_command, rerun_unavailable_reason
 from recording.fixture import FixtureError, fixture_paths, load_fixture
 from recording.heatmap import write_heatmaps
+from recording.recipe import is_recipe, load_recipe, rebuild_fixture
 from recording.replay import replay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,21 +36,28 @@ def pytest_generate_tests(metafunc):
         return
     given = metafunc.config.getoption("--replay") or upgrade_check_fixtures(metafunc.config)
     paths = fixture_paths(given or [DEFAULT_FIXTURES])
-    if not paths:
+    if not paths:  # a replay of nothing fails: a vanished fixtures/ must not leave CI green
         where = ", ".join(given) if given else str(DEFAULT_FIXTURES)
-        metafunc.parametrize("fixture_path", [pytest.param(None, marks=pytest.mark.skip(reason=f"no fixture files under {where}"))])
+        metafunc.parametrize("fixture_path", [pytest.param(f"no fixture files under {where}", id="no-fixtures")])
         return
     ids = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p) for p in paths]
     metafunc.parametrize("fixture_path", paths, ids=ids)
 
 
 def rerun_on_installed(request, fx):
-    """(the fixture re-run on the installed FlashInfer, None) or, where only the recorded
-    outputs are judged, (None, why): no SM90 GPU with FlashInfer, --replay-recorded-only, or
-    an implementation under test without an attention state for a pipeline fixture."""
+    """(the fixture re-run on the installed FlashInfer, None) or, where no kernel re-runs it,
+    (the host stages re-run through the implementation under test, why) where there is no SM90
+    GPU with FlashInfer, and (None, why) under --replay-recorded-only or with an
+    implementation without an attention state for a pipeline fixture."""
     why = rerun_unavailable_reason(request.config)
-    if why:
+    if why == "--replay-recorded-only":
         return None, why
+    if why:  # no kernel here: the host stages still run through the implementation under test
+        from pytest_sparse_mla.impl import IMPL_SPEC
+        from recording.restage import restage_fixture
+
+        return restage_fixture(fx, request.getfixturevalue("impl"), request.config.stash.get(IMPL_SPEC, None),
+                               request.getfixturevalue("device")), why
     impl = request.getfixturevalue("impl")
     from recording.rerun import is_captured
 
@@ -57,15 +70,34 @@ def rerun_on_installed(request, fx):
     return rerun_fixture(fx, impl, request.config.stash.get(IMPL_SPEC, None), DEVICE), None
 
 
+def load_case(path, request):
+    """The fixture in ``path``, or the case a recipe rebuilds through the implementation under test."""
+    if not is_recipe(path):
+        return load_fixture(path)
+    recipe = load_recipe(path)
+    if recipe.get("crashed_at"):  # its stages killed a process once: run them apart first
+        from harness.pipeline import run_step_in_child, spec_from_dict
+        from pytest_sparse_mla.impl import IMPL_SPEC
+
+        result = run_step_in_child(request.config.stash[IMPL_SPEC], spec_from_dict(recipe["spec"]), recipe["seed"],
+                                   recipe["layout"], request.getfixturevalue("device"))
+        if result["outcome"] != "ok":
+            pytest.fail(f"{path}: {result['detail']}", pytrace=False)
+    return rebuild_fixture(path, recipe, request.getfixturevalue("impl"), request.getfixturevalue("device"))
+
+
 @pytest.mark.replay
 def test_replay_fixture(fixture_path, request, regime_log):
+    if isinstance(fixture_path, str):
+        pytest.fail(fixture_path, pytrace=False)
     try:
-        fx = load_fixture(fixture_path)
+        fx = load_case(fixture_path, request)
     except FixtureError as exc:
         pytest.fail(str(exc), pytrace=False)
     rerun, not_rerun = rerun_on_installed(request, fx)
     report = replay(fx, rerun=rerun)
-    note_fixture_replay(request, fixture_path, report, not_rerun)
+    # A host-stage re-run ran no kernel: the upgrade check records it as not re-run.
+    note_fixture_replay(request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun)
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn

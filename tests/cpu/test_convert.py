@@ -16,6 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness.pipeline import run_step_in_child
+from harness.scenario import BatchSpec, build_scenario
 from mla_constants import INVALID
 from reference.rules import convert_rule, request_ids_per_row, valid_counts
 
@@ -195,6 +197,23 @@ def test_padded_rows_of_a_step_with_no_request(impl, device):
     topk = torch.full((3, 128), -1, dtype=torch.int32)
     slots, counts = assert_matches_rule(impl, *on(device, topk, table), req, 16, with_counts=True)
     assert bool((slots == -1).all()) and counts.tolist() == [0, 0, 0]
+
+
+#: A CUDA-graph step of padded rows only at block size 16: no request, so the block table has no row.
+PADDING_ONLY_BS16 = BatchSpec(requests=(), topk=128, kpool=1, block_size=16, padded_rows=3)
+
+
+def test_a_padded_rows_only_step_with_an_empty_block_table_runs_apart(request, device):
+    """The step's host stages run in a child process, where an implementation that faults on
+    the empty table (reading ``block_table[req, 0]`` for the -1 entries) fails this test with
+    the stage it died in, instead of killing the worker; ``--dump-failures`` keeps a recipe."""
+    from pytest_sparse_mla.impl import IMPL_SPEC
+    from recording.case_log import note_crash
+
+    result = run_step_in_child(request.config.stash[IMPL_SPEC], PADDING_ONLY_BS16, 0, "compacted", device)
+    if result["outcome"] != "ok":
+        note_crash(build_scenario(PADDING_ONLY_BS16, 0), "compacted", result["stage"], result["detail"])
+        pytest.fail(f"padded rows only, empty block table, block_size 16: {result['detail']}", pytrace=False)
 
 
 # --- block ids the table may hold -------------------------------------------------------------

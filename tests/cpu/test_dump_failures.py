@@ -5,11 +5,20 @@ same rows."""
 
 from __future__ import annotations
 
+import ast
 import re
+import os
+import subprocess
+import sys
+
+import pytest
 from pathlib import Path
 
 from recording.fixture import load_fixture
+from recording.recipe import load_recipe, rebuild_fixture
+from recording.repro import main as repro_main
 from recording.replay import replay
+from tests.bugs import KpoolFromWrongSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLAY_LINE = re.compile(r"^replay: pytest --replay=(\S+)$")
@@ -42,7 +51,7 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
     out = result.outlines
     failed = result.parseoutcomes().get("failed", 0)
     assert result.ret == 1 and failed >= 3, "\n".join(out[-30:])
-    files = sorted(dump.glob("*.safetensors"))
+    files = sorted([*dump.glob("*.safetensors"), *dump.glob("*.recipe.json")])
     assert len(files) == failed, "\n".join(out[-30:])
     blocks = failure_blocks(out)
     assert len(blocks) == failed
@@ -50,11 +59,19 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
         last = [line for line in block if line.strip()][-1]
         match = REPLAY_LINE.match(last)
         assert match, f"{name}: the failure message ends with {last!r}"
-        fx = load_fixture(match.group(1))
-        assert fx.meta["impl"] == "tests.bugs:KpoolFromWrongSpec" and fx.meta["nodeid"].endswith(name)
         rows = sorted({int(r) for r in re.findall(r"^E\s+row (\d+): regime", "\n".join(block), re.M)})
+        if match.group(1).endswith(".recipe.json"):
+            recipe = load_recipe(match.group(1))
+            assert recipe["impl"] == "tests.bugs:KpoolFromWrongSpec" and recipe["nodeid"].endswith(name)
+            fx = rebuild_fixture(match.group(1), recipe, KpoolFromWrongSpec())
+            original = list(range(fx.num_rows))
+        else:
+            fx = load_fixture(match.group(1))
+            original = fx.meta["rows"]  # the shrunk fixture's rows in the failing batch
+        assert fx.meta["impl"] == "tests.bugs:KpoolFromWrongSpec" and fx.meta["nodeid"].endswith(name)
         report = replay(fx)
-        assert rows and report.plan_mismatch_rows == rows, f"{name}: replay fails on {report.plan_mismatch_rows}, the test on {rows}"
+        failing = [original[r] for r in report.plan_mismatch_rows]
+        assert rows and failing and set(failing) <= set(rows), f"{name}: replay fails on {failing}, the test on {rows}"
         assert "plan != intent" in report.failures()
 
 
@@ -67,3 +84,190 @@ def test_passing_cases_and_runs_without_the_option_write_nothing(pytester, tmp_p
     result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:KpoolFromWrongSpec",
                         "-k", "test_kv_len_equals_valid_count and ctx2049")
     assert result.ret == 1 and not any("replay: pytest --replay" in line for line in result.outlines)
+
+
+# --- the CPU journey: dump, shrink, replay with and without the bug, standalone reproducer ---
+
+MAX_FIXTURE_BYTES = 2_000_000
+MAX_DUMP_BYTES = 20_000_000
+PROJECT_MODULES = {"fast", "harness", "recording", "reference", "pytest_sparse_mla", "mla_constants", "scripts", "bench", "tests"}
+
+
+def imported_modules(source: str) -> set[str]:
+    """Top-level names of every module a script imports (parsed, never run)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import"
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_cpu_journey_dump_shrink_replay_and_a_reproducer_of_nothing_of_the_project(pytester, tmp_path):
+    dump = tmp_path / "dumps"
+    bug = "--impl=tests.bugs:CompactionPlansPrefix"
+    select = "test_plan_reads_the_intended_slots and compacted and kpool4 and (ctx3 or ctx5 or decode-mixed)"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), bug, "-k", select, f"--dump-failures={dump}")
+    failed = result.parseoutcomes().get("failed", 0)
+    assert result.ret == 1 and failed >= 3, "\n".join(result.outlines[-30:])
+    fixtures = sorted(dump.glob("*.safetensors"))
+    assert len(fixtures) == failed, sorted(p.name for p in dump.iterdir())
+    total = sum(p.stat().st_size for p in dump.iterdir())
+    assert total <= MAX_DUMP_BYTES, f"the dump folder holds {total} bytes"
+    for path in fixtures:
+        fx = load_fixture(path)
+        shrunk = fx.meta["shrunk"]
+        assert path.stat().st_size <= MAX_FIXTURE_BYTES, f"{path.name}: {path.stat().st_size} bytes"
+        assert shrunk["check"] == ["plan != intent"] and shrunk["candidates_tried"] >= 1, shrunk
+        assert shrunk["to"]["bytes"] < shrunk["from"]["bytes"] and shrunk["to"]["rows"] <= shrunk["from"]["rows"], shrunk
+        assert fx.num_rows == shrunk["to"]["rows"] and set(fx.meta["regimes"]) == {"C"}, fx.meta["regimes"]
+        repro = path.with_name(path.name.removesuffix(".safetensors") + ".repro.py")
+        extra = imported_modules(repro.read_text()) - set(sys.stdlib_module_names)
+        assert extra <= {"torch", "flashinfer", "safetensors"} and not extra & PROJECT_MODULES, f"{repro.name} imports {extra}"
+    # Replayed on this machine, the host stages run through the implementation under test:
+    # the bug fails every fixture, the fixed code passes them all.
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}", bug)
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and f"{failed} failed" in out and "plan != intent" in out, out[-3000:]
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}")
+    assert result.ret == 0 and f"{failed} passed" in "\n".join(result.outlines), "\n".join(result.outlines[-30:])
+
+
+# A stand-in FlashInfer package for the reproducer, in the call forms of 0.6.18.post1 (flat) and
+# 0.7.4 (canonical): plans like FlashInfer under CUDA graphs and computes each row over the
+# slots its span reads in float32 (base-2 LSE unless asked for natural log).
+FAKE_MLA = '''
+import math
+import torch
+
+{extra}
+
+
+class BatchMLAPagedAttentionWrapper:
+    def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None,
+                 backend="auto"):
+        assert backend == "fa3" and use_cuda_graph
+        self.kv_indices = kv_indices
+
+    def _plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+              sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+        assert page_size == 1 and not causal and kv_indices is self.kv_indices
+        self.plan_args = (kv_indptr.clone(), kv_len_arr.clone(), float(sm_scale), lse_mode)
+
+    def _run(self, q_nope, q_pe, ckv, kpe, out, lse, return_lse, base_e, ckv_scale=None, kpe_scale=None):
+        indptr, lens, sm_scale, lse_mode = self.plan_args
+        scale = 1.0 if ckv_scale is None else ckv_scale
+        kv, kp = ckv[:, 0].float() * scale, kpe[:, 0].float() * scale
+        for r in range(q_nope.shape[0]):
+            idx = self.kv_indices[int(indptr[r]): int(indptr[r]) + int(lens[r])].long()
+            s = (q_nope[r].float() @ kv[idx].T + q_pe[r].float() @ kp[idx].T) * sm_scale
+            out[r] = (torch.softmax(s, -1) @ kv[idx]).to(out.dtype)
+            lse[r] = torch.logsumexp(s, -1) / (1.0 if base_e or lse_mode == "basee" else math.log(2.0))
+'''
+FLAT = '''
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+             sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        self._plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+                   sm_scale, q_data_type, kv_data_type)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
+            kv_len=None, page_table=None, ckv_scale=None, kpe_scale=None):
+        self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, False, ckv_scale, kpe_scale)
+'''
+CANONICAL = '''
+    def plan(self, metadata=None, *, query_layout, kv_cache_layout, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+             sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+        assert query_layout == kv_cache_layout == "split"
+        self._plan(*metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
+                   lse_mode)
+
+    def run(self, query=None, kv_cache=None, *, out=None, lse=None, return_lse=False, return_lse_base_on_e=False,
+            ckv_scale=None, kpe_scale=None):
+        self._run(*query, *kv_cache, out, lse, return_lse, return_lse_base_on_e, ckv_scale, kpe_scale)
+'''
+METADATA = '''
+class MLAPlanMetadata(tuple):
+    @classmethod
+    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        return cls((qo_indptr, kv_indptr, kv_indices, kv_len_arr))
+'''
+
+
+def fake_flashinfer(root: Path, version: str) -> Path:
+    canonical = version.startswith("0.7")
+    package = root / version / "flashinfer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    text = FAKE_MLA.replace("{extra}", METADATA if canonical else "") + (CANONICAL if canonical else FLAT)
+    (package / "mla.py").write_text(text)
+    return package.parent
+
+
+@pytest.mark.parametrize(("fixture", "version", "verdict"), [
+    ("c-packed-finding-bf16", "0.6.18.post1", 1),  # the regime C finding: the packed plan reads a poisoned slot
+    ("c-compacted-fp8", "0.7.4", 0),
+])
+def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys, version, fixture, verdict):
+    out = tmp_path / "repro"
+    assert repro_main([str(ROOT / "fixtures" / f"{fixture}.safetensors"), "-o", str(out)]) == 0
+    script = out / f"{fixture}.repro.py"
+    assert f"run: python3 {script}" in capsys.readouterr().out
+    assert imported_modules(script.read_text()) - set(sys.stdlib_module_names) <= {"torch", "flashinfer", "safetensors"}
+    # Run from an empty folder with only the stand-in FlashInfer added: the project is not on the path.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(fake_flashinfer(tmp_path, version)), REPRO_DEVICE="cpu", PYTHONSAFEPATH="1")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    text = run.stdout + run.stderr
+    assert run.returncode == verdict, text
+    assert f"flashinfer {version} ({'canonical' if version.startswith('0.7') else 'flat'} plan" in text, text
+    if verdict:
+        assert "FAIL" in text and "NaN" in text and "regime C" in text, text
+    else:
+        assert "PASS: within the error budget" in text, text
+
+
+def test_an_implementation_that_kills_its_process_fails_one_test_and_leaves_a_recipe(pytester, tmp_path):
+    dump = tmp_path / "dumps"
+    crash = "--impl=tests.bugs:ConvertReadsTheTableOfInvalidEntries"
+    # In process: were the stages not run apart, the segfault would end this very test run.
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_convert.py"), crash, "-k", "empty_block_table", f"--dump-failures={dump}")
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "1 failed" in out, out[-2000:]
+    assert "killed its process (SIGSEGV) at stage convert" in out, out[-2000:]
+    recipes = list(dump.glob("*.recipe.json"))
+    assert len(recipes) == 1 and recipes[0].stat().st_size < 10_000
+    recipe = load_recipe(recipes[0])
+    assert recipe["crashed_at"] == "convert" and recipe["impl"] == "tests.bugs:ConvertReadsTheTableOfInvalidEntries"
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}", crash)
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "killed its process (SIGSEGV) at stage convert" in out, out[-2000:]
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}")
+    assert result.ret == 0 and "1 passed" in "\n".join(result.outlines), "\n".join(result.outlines[-20:])
+
+
+def test_a_changed_recipe_is_a_fixture_error(tmp_path):
+    from harness.scenario import batch, build_scenario
+    from recording.fixture import FixtureError
+    from recording.recipe import recipe_of_scenario, save_recipe
+
+    path = save_recipe(tmp_path / "case.recipe.json", recipe_of_scenario(build_scenario(batch((9, 1), kpool=4, topk=256), 3),
+                                                                          "compacted", name="case"))
+    assert load_recipe(path)["seed"] == 3
+    path.write_text(path.read_text().replace('"seed": 3', '"seed": 4'))
+    with pytest.raises(FixtureError, match="does not match its content digest"):
+        load_recipe(path)
+
+
+def test_a_step_too_large_to_build_at_failure_is_written_as_a_recipe(pytester, tmp_path, monkeypatch):
+    import recording.dump
+
+    monkeypatch.setattr(recording.dump, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
+    dump = tmp_path / "dumps"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:CompactionPlansPrefix",
+                        "-k", "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5", f"--dump-failures={dump}")
+    assert result.ret == 1, "\n".join(result.outlines[-20:])
+    written = list(dump.iterdir())
+    assert len(written) == 1 and written[0].name.endswith(".recipe.json"), written
+    assert load_recipe(written[0])["too_large_to_build"] > 0

@@ -5,12 +5,13 @@ are reported as bad inputs, not excluded as poisoned rows."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 
-from recording.fixture import METADATA_KEY, FixtureError, load_fixture, save_fixture
+from recording.fixture import METADATA_KEY, FixtureError, load_fixture, migrate_fixture, save_fixture
 from recording.replay import replay
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,8 +95,71 @@ def test_malformed_file_gets_a_fixture_error_naming_file_and_field(good_copy, ca
 
 
 def test_the_checked_in_fixtures_are_well_formed():
-    for path in sorted((ROOT / "fixtures").glob("*.safetensors")):
+    paths = sorted((ROOT / "fixtures").glob("*.safetensors"))
+    assert len(paths) >= 14, f"fixtures/ holds {len(paths)} fixture files, the checked-in set has 14"
+    for path in paths:
+        fx = load_fixture(path)
+        assert "SPEC" not in json.dumps(fx.meta) and "\u00a7" not in json.dumps(fx.meta), f"{path}: cites a document this repo lacks"
+        if fx.meta.get("expect_finding"):
+            assert "docs/findings.md#" in fx.meta["expect_finding"], path
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """(length, parsed JSON) of a safetensors file's header."""
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    return length, json.loads(data[8 : 8 + length])
+
+
+def flip_bit(path: Path, tensor: str, byte: int, bit: int) -> None:
+    """Flip one bit of ``tensor``'s data in the file, in place (byte counted from its start)."""
+    length, header = safetensors_header(path)
+    start, end = header[tensor]["data_offsets"]
+    assert 0 <= byte < end - start
+    data = bytearray(path.read_bytes())
+    data[8 + length + start + byte] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("tensor", "byte", "bit"), [
+    ("ckv", 0, 0),  # the low mantissa bit of the first bf16 value: replayed green without the digest
+    ("ckv", 1, 6),  # a high exponent bit: was judged as the kernel past its budget
+    ("q_nope", 101, 3),
+    ("out/0.7.4", 7, 0),
+])
+def test_a_flipped_bit_in_a_tensor_is_a_fixture_error_naming_it(good_copy, tensor, byte, bit):
+    flip_bit(good_copy, tensor, byte, bit)
+    with pytest.raises(FixtureError) as info:
+        load_fixture(good_copy)
+    assert str(good_copy) in str(info.value)
+    assert f"tensor '{tensor}' does not match its content digest" in str(info.value), str(info.value)
+
+
+def test_a_changed_byte_in_the_metadata_is_a_fixture_error_naming_the_metadata(good_copy):
+    data = good_copy.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    old = b'{\\"q_len\\": 1, \\"seq_len\\": 256}'
+    assert data[: 8 + length].count(old) == 1, "the spec's 256-token request, as the header writes it"
+    good_copy.write_bytes(data.replace(old, old.replace(b"256", b"246"), 1))  # same length: still a valid file
+    with pytest.raises(FixtureError) as info:
+        load_fixture(good_copy)
+    assert "the metadata does not match its content digest" in str(info.value), str(info.value)
+
+
+def test_a_fixture_without_digest_is_refused_with_the_migration_command(good_copy):
+    path = rewrite(good_copy, meta=lambda m: {**{k: v for k, v in m.items() if k != "digest"}, "schema_version": 1})
+    with pytest.raises(FixtureError, match="schema version 1, written without a content digest.*--migrate"):
         load_fixture(path)
+    migrate_fixture(path)
+    assert load_fixture(path).num_rows == 4
+
+
+def test_a_changed_file_replays_as_a_fixture_error_not_a_kernel_verdict(pytester, tmp_path, good_copy):
+    flip_bit(good_copy, "ckv", 1, 6)
+    result = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), f"--replay={good_copy}", "--replay-recorded-only")
+    out = "\n".join(result.outlines + result.errlines)
+    assert result.ret == 1 and "1 failed" in out, out[-3000:]
+    assert "tensor 'ckv' does not match its content digest" in out and "budget" not in out, out[-3000:]
 
 
 def run_pytest(pytester, *args: str):
@@ -135,3 +199,28 @@ def test_nan_in_an_intended_kv_slot_is_a_bad_input(tmp_path):
     report = replay(fx)
     assert list(report.bad_inputs) == [3] and f"intended KV slot {slot}" in report.bad_inputs[3]
     assert report.failures() and not report.poisoned_rows
+
+
+def test_a_replay_of_an_empty_folder_is_a_usage_error(pytester, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path in (empty, tmp_path / "missing"):
+        result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={path}", "--replay-recorded-only")
+        err = "\n".join(result.errlines)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, "\n".join(result.outlines[-20:] + result.errlines)
+        assert f"--replay={path}:" in err and "Traceback" not in err, err
+
+
+def test_the_replay_test_fails_when_the_fixture_folder_is_empty(pytester, tmp_path, monkeypatch):
+    import tests.test_replay as replay_tests
+
+    monkeypatch.setattr(replay_tests, "DEFAULT_FIXTURES", tmp_path)  # as if fixtures/ had vanished
+    result = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), "--replay-recorded-only")
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "1 failed" in out and f"no fixture files under {tmp_path}" in out, out[-2000:]
+
+
+def test_a_replay_run_collects_only_the_replay_tests(pytester):
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={GOOD}", "--replay-recorded-only", "--co", "-q")
+    out = "\n".join(result.outlines)
+    assert result.ret == 0 and "1 test collected" in out and "deselected" not in out, out[-2000:]

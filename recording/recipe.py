@@ -1,0 +1,120 @@
+"""Recipes: a failing case that is too large for a fixture file, kept as what rebuilds it.
+
+A recipe (``NAME.recipe.json``, a few KB) holds the scenario spec and seed, the layout and row
+capacity, the implementation it failed under, the test, and the checks it failed; with a
+content digest of the file and one of the scenario it rebuilds (indexer rows, block table,
+query positions), so a recipe that no longer rebuilds its case bit-exactly is a
+:class:`~recording.fixture.FixtureError`, never a verdict. On replay the scenario is rebuilt
+from the spec and seed by the one scenario builder, its stages run through the implementation
+under test (:func:`harness.pipeline.prepare_step`), and the result is judged as a fixture of
+that step (on a GPU, re-run there too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .fixture import FixtureError, tensor_digest
+
+RECIPE_SUFFIX = ".recipe.json"
+RECIPE_KEY = "sparse_mla_recipe"
+RECIPE_VERSION = 1
+REQUIRED = {"spec": dict, "seed": int, "layout": str, "max_rows": int, "scenario_digest": str, "name": str}
+
+
+def is_recipe(path) -> bool:
+    return str(path).endswith(RECIPE_SUFFIX)
+
+
+def scenario_digest(scenario) -> str:
+    """SHA-256 over what the scenario builder made: indexer rows, block table, query starts, positions."""
+    meta = scenario.meta
+    parts = [scenario.topk_indices, scenario.block_table, meta.query_start_loc_cpu, meta.seq_lens]
+    h = hashlib.sha256()
+    for t in parts:
+        h.update(tensor_digest(torch.as_tensor(t).cpu()).encode())
+    return h.hexdigest()
+
+
+def _file_digest(recipe: dict) -> str:
+    rest = {k: v for k, v in recipe.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def recipe_of_step(step, **meta) -> dict | None:
+    """The recipe of a noted step, or None where its spec and seed do not rebuild its scenario
+    (a test that changed the scenario it was given)."""
+    return recipe_of_scenario(step.scenario, step.layout, step.max_rows, rows=int(step.num_planned), **meta)
+
+
+def recipe_of_scenario(sc, layout: str, max_rows: int | None = None, **meta) -> dict | None:
+    """The recipe of a scenario's step under ``layout`` (None where its spec and seed do not
+    rebuild it)."""
+    from harness.pipeline import spec_from_dict
+    from harness.scenario import build_scenario
+
+    spec = dataclasses.asdict(sc.spec)
+    try:
+        rebuilt = build_scenario(spec_from_dict(spec), sc.seed)
+    except (TypeError, ValueError, KeyError):
+        return None
+    digest = scenario_digest(sc)
+    if scenario_digest(rebuilt) != digest:
+        return None
+    max_rows = max(int(sc.topk_indices.shape[0]), 1) if max_rows is None else int(max_rows)
+    return {RECIPE_KEY: RECIPE_VERSION, "spec": spec, "seed": int(sc.seed), "layout": layout, "max_rows": max_rows,
+            "scenario_digest": digest, **meta}
+
+
+def save_recipe(path, recipe: dict) -> Path:
+    path = Path(path)
+    recipe = dict(recipe)
+    recipe["digest"] = _file_digest(recipe)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(recipe, sort_keys=True, indent=1) + "\n")
+    return path
+
+
+def load_recipe(path) -> dict:
+    """Read and check one recipe; any problem is a FixtureError naming the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FixtureError(f"{path}: no such file")
+    try:
+        recipe = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FixtureError(f"{path}: not a JSON recipe: {exc}") from exc
+    if not isinstance(recipe, dict) or recipe.get(RECIPE_KEY) != RECIPE_VERSION:
+        raise FixtureError(f"{path}: not a recipe of version {RECIPE_VERSION} (no '{RECIPE_KEY}': {RECIPE_VERSION})")
+    for key, kind in REQUIRED.items():
+        if not isinstance(recipe.get(key), kind) or isinstance(recipe.get(key), bool):
+            raise FixtureError(f"{path}: recipe field '{key}' is missing or not {kind.__name__}")
+    if recipe.get("digest") != _file_digest(recipe):
+        raise FixtureError(f"{path}: the recipe does not match its content digest: the file was changed after it was written")
+    return recipe
+
+
+def rebuild_fixture(path, recipe: dict, impl, device="cpu"):
+    """The fixture of the recipe's case with its stages run through ``impl`` now; a recipe
+    whose spec and seed no longer rebuild its scenario bit-exactly is a FixtureError."""
+    from harness.pipeline import prepare_step, spec_from_dict
+    from harness.scenario import build_attention_inputs, build_scenario
+
+    from .case_log import fixture_from_step
+
+    try:
+        scenario = build_scenario(spec_from_dict(recipe["spec"]), recipe["seed"])
+    except (TypeError, ValueError, KeyError) as exc:
+        raise FixtureError(f"{path}: recipe field 'spec' does not build a scenario: {exc}") from exc
+    if scenario_digest(scenario) != recipe["scenario_digest"]:
+        raise FixtureError(f"{path}: the spec and seed no longer rebuild the recorded scenario (scenario digest differs)")
+    step = prepare_step(impl, scenario, recipe["layout"], device, max_rows=recipe["max_rows"])
+    meta = {k: recipe[k] for k in ("name", "impl", "nodeid") if isinstance(recipe.get(k), str)}
+    fx = fixture_from_step(step, build_attention_inputs(scenario), source="recipe", **meta)
+    fx.path = Path(path)
+    return fx

@@ -1,0 +1,98 @@
+"""A reproducer for one fixture that needs nothing of this project: ``NAME.repro.py`` beside
+the fixture, importing only torch, flashinfer and safetensors (and the standard library). It
+plans and runs the fixture's recorded plan on the installed FlashInfer (flat forms before 0.7,
+canonical forms from 0.7, read from the wrapper's signatures), computes the float64 reference
+of the intended slots inline, and applies the error budget written out in the script, with the
+working-precision errors of the case measured here when the script is written. It is what a
+user attaches to an upstream issue.
+
+    python3 -m recording.repro fixtures/c-packed-finding-bf16.safetensors -o DIR
+    python3 DIR/c-packed-finding-bf16.repro.py
+
+``--dump-failures`` writes one beside every fixture it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from reference.budget import ABS_FLOOR, FACTORS, LSE_ULPS, element_errors
+
+from .fixture import Fixture, FixtureError, load_fixture
+from .replay import reference_outputs
+
+TEMPLATE = Path(__file__).with_name("repro_script.tmpl")
+#: The only modules a reproducer may import (beyond the standard library).
+ALLOWED_IMPORTS = ("torch", "flashinfer", "safetensors")
+
+
+def repro_path(fixture_path: Path) -> Path:
+    return fixture_path.with_name(fixture_path.name.removesuffix(".safetensors") + ".repro.py")
+
+
+def working_precision_errors(fx: Fixture) -> dict[str, list[float]]:
+    """Per output: (max, mean) error of the working-precision reference against float64 over
+    the intended selection, and max |truth| (the LSE floor's scale)."""
+    truth = reference_outputs(fx, "intended", "float64")
+    lowp = reference_outputs(fx, "intended", "lowp")
+    result = {}
+    for name, t, l in (("out", truth[0], lowp[0]), ("lse", truth[1], lowp[1])):
+        t = t.double()
+        _, err_l, _ = element_errors(l.double(), t, l.double())  # |lowp - truth| where both are finite
+        finite = t.isfinite() & l.double().isfinite()
+        count = max(int(finite.sum()), 1)
+        max_abs = float(t[t.isfinite()].abs().max()) if bool(t.isfinite().any()) else 0.0
+        result[name] = [float(err_l.max()) if err_l.numel() else 0.0, float(err_l.sum()) / count, max_abs]
+    return result
+
+
+def repro_source(fx: Fixture, fixture_name: str) -> str:
+    """The reproducer script's text for ``fx`` stored as ``fixture_name``."""
+    meta = fx.meta
+    kv_dtype = str(meta.get("kv_dtype", "bfloat16"))
+    case = {k: meta[k] for k in ("name", "layout", "impl", "nodeid", "regimes", "expect_finding") if meta.get(k) is not None}
+    if isinstance(meta.get("shrunk"), dict):
+        case["check"] = meta["shrunk"].get("check")
+    factors = FACTORS["float8_e4m3fn" if "float8" in kv_dtype or kv_dtype == "uint8" else "bfloat16"]
+    script_name = fixture_name.removesuffix(".safetensors") + ".repro.py"
+    return TEMPLATE.read_text().format(
+        case=repr(case), lowp=repr(working_precision_errors(fx)), factors=f"{factors[0]!r}, {factors[1]!r}",
+        abs_floor=repr(ABS_FLOOR), lse_ulps=repr(LSE_ULPS), script_name=script_name, fixture_name=fixture_name,
+    )
+
+
+def write_repro(fx: Fixture, fixture_path: Path) -> Path:
+    """Write the reproducer beside ``fixture_path`` (the fixture's file)."""
+    path = repro_path(Path(fixture_path))
+    path.write_text(repro_source(fx, Path(fixture_path).name))
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="write a standalone reproducer (torch + flashinfer + safetensors) for a fixture")
+    parser.add_argument("fixture")
+    parser.add_argument("-o", "--out", help="folder for the script and a copy of the fixture (default: beside the fixture)")
+    args = parser.parse_args(argv)
+    try:
+        fx = load_fixture(args.fixture)
+    except FixtureError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    src = Path(args.fixture)
+    target = src
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        target = out / src.name
+        if target.resolve() != src.resolve():
+            shutil.copyfile(src, target)
+    path = write_repro(fx, target)
+    print(f"wrote {path}\nrun: python3 {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
