@@ -41,6 +41,16 @@ def _block_table(allocs: list[np.ndarray], table_width: int, num_blocks: int, rn
     return table.astype(np.int32)
 
 
+def leading_decodes(spec: BatchSpec) -> int:
+    """How many requests the engine counts as decodes: those before the first request with more
+    than ``decode_threshold`` query rows (a request with no query row counts as a decode there,
+    as a prefill after it)."""
+    for i, r in enumerate(spec.requests):
+        if r.q_len > spec.decode_threshold:
+            return i
+    return len(spec.requests)
+
+
 def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
     """Host-side tensors of one step (no q, no KV cache: see :func:`build_attention_inputs`)."""
     reqs = spec.requests
@@ -50,7 +60,7 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
     qsl[1:] = torch.cumsum(q_lens, 0)
     num_rows = int(qsl[-1])
     is_decode = [r.q_len <= spec.decode_threshold for r in reqs]
-    num_decodes = sum(is_decode)
+    num_decodes = leading_decodes(spec)
     num_decode_tokens = int(qsl[num_decodes])
 
     ctx = row_context(seq_lens, qsl)
@@ -73,6 +83,10 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
     upper[spec_decode] += spec.host_bound_slack
     positions = torch.zeros(num_rows + spec.padded_rows, dtype=torch.int64)
     positions[:num_rows] = ctx - 1
+    if not spec.with_host_bound:
+        upper = None
+    if not spec.with_positions:
+        positions = None
     meta = StepMetadata(
         num_reqs=len(reqs),
         query_start_loc_cpu=qsl,

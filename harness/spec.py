@@ -29,7 +29,8 @@ SCORE_OFFSET_KEY = 1.0
 
 @dataclass(frozen=True)
 class Request:
-    """One request of the step: ``seq_len`` tokens after the step, ``q_len`` of them queried now."""
+    """One request of the step: ``seq_len`` tokens after the step, ``q_len`` of them queried now.
+    ``q_len`` 0 is a request with no query row this step (a padded request: ``Request(0, 0)``)."""
 
     seq_len: int
     q_len: int = 1
@@ -58,14 +59,19 @@ class BatchSpec:
     # and leaves the inputs as without the option.
     score_offsets: tuple[float, ...] = ()
     split_score_signs: bool = False  # the newer half of each request's tokens gets the row's -offset
+    # Which context sources the engine metadata carries (docs/input-space.md#context-sources):
+    # without the host bound the builder reads the positions, without both the seq_lens.
+    with_host_bound: bool = True  # seq_lens_cpu_upper_bound present
+    with_positions: bool = True  # positions present
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "requests", tuple(self.requests))
         object.__setattr__(self, "score_offsets", tuple(float(o) for o in self.score_offsets))
         for i, r in enumerate(self.requests):
-            if r.q_len < 1 or r.seq_len < r.q_len:
-                raise ValueError(f"request {i}: need 1 <= q_len <= seq_len, got {r}")
-        kinds = [r.q_len <= self.decode_threshold for r in self.requests]
+            if r.q_len < 0 or r.seq_len < r.q_len:
+                raise ValueError(f"request {i}: need 0 <= q_len <= seq_len, got {r}")
+        # Requests with no query row may sit anywhere; the others come decodes first.
+        kinds = [r.q_len <= self.decode_threshold for r in self.requests if r.q_len]
         if kinds != sorted(kinds, reverse=True):
             raise ValueError(f"decode requests (q_len <= {self.decode_threshold}) must come first: {self.requests}")
         if self.kpool < 1 or self.topk % self.kpool:
