@@ -172,6 +172,9 @@ class EvolvingBatch(RuleBasedStateMachine):
         self.steps += 1
         scenario = build_scenario(spec, seed=self.steps)
         record_input(classify(spec, self.layout))
+        self.check_scenario(scenario)
+
+    def check_scenario(self, scenario):
         run_step_in_reused_buffers(self, scenario)
 
 
