@@ -12,6 +12,7 @@ attention state does: the convert output, kv_len and kv_indices are reused, neve
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -30,6 +31,7 @@ from harness.input_space import (
 from harness.pipeline import describe_rows, prepare_step, selection_mismatches
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
+from tests import bugs
 from reference import intended_selection, kv_len_rule, planned_selection, valid_counts
 from reference.invariants import same_multisets
 
@@ -215,3 +217,27 @@ def test_evolving_batch_in_reused_buffers(impl):
     """Steps of one batch planned into the same buffers: every step reads what it intends."""
     EvolvingBatch.impl = impl
     EvolvingBatch.TestCase().runTest()
+
+
+# --- the classes the older draws missed catch bugs ------------------------------------------
+
+
+@pytest.mark.parametrize(("bug", "dimension", "value_class"), [
+    ("BlockSizeAsShift", "block_size", "non-pow2-multiple-of-64"),
+    ("RequestIdsSkipEmptyRequests", "no_query_requests", "middle"),
+])
+def test_recreated_bug_is_caught_by_its_input_class(device, bug, dimension, value_class):
+    """Each re-created bug of a class the hand-picked catalogue never drew fails on covering
+    cases of that class, and passes on a few others (it is that class that catches it)."""
+    impl = getattr(bugs, bug)()
+    caught, other_failures = [], []
+    cases = covering_cases(2)
+    inside = [c for c in cases if dict(c.assignment)[dimension] == value_class]
+    outside = [c for c in cases if dict(c.assignment)[dimension] != value_class][:3]
+    for i, case in enumerate(inside[:4] + outside):
+        try:
+            check_case(impl, device, case, seed=i)
+        except AssertionError:
+            (caught if dict(case.assignment)[dimension] == value_class else other_failures).append(case.id)
+    assert caught, f"{bug}: no covering case of {dimension}={value_class} fails"
+    assert not other_failures, f"{bug}: fails outside {dimension}={value_class}: {other_failures[:3]}"
