@@ -12,7 +12,8 @@ from hypothesis import settings
 
 from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from harness import build_attention_inputs, build_scenario
-from harness.input_space import classify, covering_cases
+from harness.cases import input_space_cases
+from harness.input_space import classify
 from harness.launch import (
     DEVICE,
     assert_launchable,
@@ -33,7 +34,7 @@ from tests.cpu.test_input_space import MAX_ROWS, EvolvingBatch
 
 pytestmark = pytest.mark.gpu
 
-GPU_CASES = covering_cases(1, seed=20)
+GPU_CASES = input_space_cases(1, seed=20)
 
 
 def c_rows_planned(step) -> set[int]:
@@ -70,12 +71,12 @@ def run_on_gpu(impl, features, scenario, layout, state=None, max_rows=None):
     return state
 
 
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_drawn_production_inputs_through_the_kernel(impl, features, case):
+@pytest.mark.parametrize(("case", "layout"), [pytest.param(c, lay, id=c.id) for c, lay in GPU_CASES])
+def test_drawn_production_inputs_through_the_kernel(impl, features, case, layout):
     """A combined case of the production input space: the kernel's output within the error
     budget of the references over the planned selection."""
-    record_input(classify(case.spec, case.layout))
-    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), case.layout)
+    record_input(classify(case.spec, layout))
+    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), layout)
 
 
 class EvolvingBatchOnGPU(EvolvingBatch):
