@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -187,7 +188,7 @@ def feasible(a: Assignment) -> bool:
     return _feasible(frozenset((k, v) for k, v in a.items() if k in CONSTRAINED))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _feasible(items: frozenset) -> bool:
     return _complete(dict(items)) is not None
 
@@ -233,14 +234,14 @@ def covering_assignments(strength: int) -> tuple[tuple[tuple[str, str], ...], ..
     if strength == 1:
         wanted = {(d.name, c) for d in SPACE for c in d.classes}
         while wanted:
-            row = _greedy_row(lambda a: len({(k, v) for k, v in a.items()} & wanted), seed_items=[min(wanted)])
+            row = _greedy_row(lambda a, w=wanted: len(set(a.items()) & w), seed_items=[min(wanted)])
             wanted -= set(row.items())
             rows.append(row)
     else:
         wanted = set(pair_universe())
         while wanted:
             first = min(wanted)
-            row = _greedy_row(lambda a: len(pairs_of(a) & wanted), seed_items=list(first))
+            row = _greedy_row(lambda a, w=wanted: len(pairs_of(a) & w), seed_items=list(first))
             wanted -= pairs_of(row)
             rows.append(row)
     return tuple(tuple(sorted(r.items())) for r in rows)

@@ -108,7 +108,7 @@ class BatchSpec:
     def torch_kv_dtype(self) -> torch.dtype:
         return KV_DTYPES[self.kv_dtype]
 
-    def replace(self, **changes) -> "BatchSpec":
+    def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from harness import build_attention_inputs, build_scenario
@@ -93,7 +93,8 @@ class EvolvingBatchOnGPU(EvolvingBatch):
                                     state=getattr(self, "gpu_state", None), max_rows=MAX_ROWS)
 
 
-EvolvingBatchOnGPU.TestCase.settings = settings(max_examples=3, stateful_step_count=4)
+EvolvingBatchOnGPU.TestCase.settings = settings(max_examples=3, stateful_step_count=4,
+                                                phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
 def test_evolving_batch_in_one_attention_state(impl, features):
