@@ -29,7 +29,7 @@ from harness.input_space import (
     pair_universe,
 )
 from harness.pipeline import describe_rows, prepare_step, selection_mismatches
-from pytest_sparse_mla.coverage import record_input
+from pytest_sparse_mla.coverage import coverage_lines, record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from reference import intended_selection, kv_len_rule, planned_selection, valid_counts
 from reference.invariants import same_multisets
@@ -244,3 +244,16 @@ def test_recreated_bug_is_caught_by_its_input_class(device, bug, dimension, valu
             (caught if dict(case.assignment)[dimension] == value_class else other_failures).append(case.id)
     assert caught, f"{bug}: no covering case of {dimension}={value_class} fails"
     assert not other_failures, f"{bug}: fails outside {dimension}={value_class}: {other_failures[:3]}"
+
+
+def test_coverage_table_shows_the_gaps():
+    """A draw that misses a class shows it as MISSED in its dimension's line, and the pairs it
+    misses; a full strength-2 draw reports every pair reached."""
+    rows = [dict(a) for a in covering_assignments(1)]
+    dropped = rows[0]["variant"]
+    partial = [tuple(sorted(r.items())) for r in rows if r["variant"] != dropped]
+    lines = coverage_lines(partial, full=True)
+    assert any(line.strip().startswith("variant") and f"MISSED {dropped}" in line for line in lines), lines
+    assert any("pairs missed" in line for line in lines), lines
+    full = coverage_lines([tuple(sorted(dict(a).items())) for a in covering_assignments(2)], full=True)
+    assert "every feasible pair reached" in full[-1] and "42/42 value classes" in full[0], full[:2]
