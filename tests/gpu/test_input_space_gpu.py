@@ -1,6 +1,7 @@
 """The production input space (docs/input-space.md) on the GPU tier: a bounded, seeded draw of
 combined cases (the strength-1 covering design: every value class of every dimension, in
-combination) run through the kernel of the implementation under test and compared with the
+combination; and the strength-2 design's cases with slot ids below 2^23, whose KV caches stay
+small: most feasible pairs) run through the kernel of the implementation under test and compared with the
 references; and a batch evolving over a few steps in one attention state (the real FlashInfer
 wrapper and its reserved buffers, replanned every step, never rebuilt)."""
 
@@ -34,7 +35,9 @@ from tests.cpu.test_input_space import MAX_ROWS, EvolvingBatch
 
 pytestmark = pytest.mark.gpu
 
-GPU_CASES = input_space_cases(1, seed=20)
+GPU_CASES = [pytest.param(c, lay, id=f"s1-{c.id}") for c, lay in input_space_cases(1, seed=20)] + [
+    pytest.param(c, lay, id=f"s2-{c.id}") for c, lay in input_space_cases(2, seed=20) if "below-2^23" in c.id
+]
 
 
 def c_rows_planned(step) -> set[int]:
@@ -71,7 +74,7 @@ def run_on_gpu(impl, features, scenario, layout, state=None, max_rows=None):
     return state
 
 
-@pytest.mark.parametrize(("case", "layout"), [pytest.param(c, lay, id=c.id) for c, lay in GPU_CASES])
+@pytest.mark.parametrize(("case", "layout"), GPU_CASES)
 def test_drawn_production_inputs_through_the_kernel(impl, features, case, layout):
     """A combined case of the production input space: the kernel's output within the error
     budget of the references over the planned selection."""
