@@ -11,6 +11,7 @@ import torch
 from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, KV_LORA_RANK, ROPE_DIM, TOPK, variant_name
 from reference import classify_row
 
+from .input_space import covering_cases
 from .scenario import KV_DTYPES, BatchSpec, batch, build_scenario
 
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
@@ -184,3 +185,13 @@ def has_regime_c(case: Case) -> bool:
     plan wrong (docs/findings.md#regime-c-planned-as-a-prefix)."""
     scenario = build_scenario(case.spec, seed=0)
     return "C" in scenario.row_regime[: scenario.planned_rows]
+
+
+# --- the production input space (docs/input-space.md) ----------------------------------------
+
+
+def input_space_cases(strength: int = 1, seed: int = 0) -> list[tuple[Case, str]]:
+    """The covering design of the production input space as named cases, each with the layout
+    it is drawn for: strength 1 reaches every value class of every dimension, strength 2 every
+    feasible pair (``harness.input_space.covering_assignments``)."""
+    return [(Case(f"input-space-{c.id}", c.spec), c.layout) for c in covering_cases(strength, seed)]

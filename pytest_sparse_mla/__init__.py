@@ -11,12 +11,14 @@ no ``-p`` is needed.
 - ``replay``: ``--replay``, ``--dump-failures`` and the replay diagnostics;
 - ``regimes``: the ``regime_log`` fixture, the ``regimes`` and ``edge`` markers, the summary per
   regime and per edge family;
+- ``coverage``: ``--input-coverage``, the input-space coverage line and table
+  (docs/input-space.md#measuring-coverage);
 - ``gpus``: slow tests spread over the xdist workers, per-worker GPU pinning, the GPU each xdist worker used, and the kernel
   error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
   a file).
 
 Hooks of the same kind run last-registered first, so the end-of-run lines come in the reverse
-of this list: GPUs, regimes, replay, upgrade report, then the implementation under test.
+of this list: GPUs, input coverage, regimes, replay, upgrade report, then the implementation under test.
 """
 
 pytest_plugins = [
@@ -25,5 +27,6 @@ pytest_plugins = [
     "pytest_sparse_mla.baselines",
     "pytest_sparse_mla.replay",
     "pytest_sparse_mla.regimes",
+    "pytest_sparse_mla.coverage",
     "pytest_sparse_mla.gpus",
 ]

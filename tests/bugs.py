@@ -239,3 +239,40 @@ class ConvertReadsTheTableOfInvalidEntries(FastImpl):
 
             os.kill(os.getpid(), signal.SIGSEGV)
         return super().convert(topk_indices, block_table, req_id, block_size, out=out, with_counts=with_counts)
+
+
+class BlockSizeAsShift(FastImpl):
+    """docs/input-space.md#block-sizes:
+    the convert rule with the block size taken as a power of two (``tok >> log2(bs)``,
+    ``tok & (bs - 1)``): right for 64, 128, 256, wrong for the multiples of 64 that are not
+    powers of two (192, 320, 576), which the engine can choose."""
+
+    name = "input-space-block-size-as-shift"
+
+    def convert(self, topk_indices, block_table, req_id, block_size, *, out=None, with_counts=False):
+        shift = int(block_size).bit_length() - 1
+        tok = topk_indices.to(torch.int64)
+        blk, off = tok >> shift, tok & ((1 << shift) - 1)
+        table = block_table if block_table.shape[0] else torch.zeros((1, 1), dtype=torch.int32, device=tok.device)
+        valid = (tok >= 0) & (blk < block_table.shape[1])
+        phys = table[req_id.to(torch.int64)].to(torch.int64).gather(1, blk.clamp(0, table.shape[1] - 1))
+        slots = torch.where(valid, phys * block_size + off, INVALID).to(torch.int32)
+        result = slots if out is None else out.copy_(slots)
+        return (result, valid.sum(dim=1).to(torch.int32)) if with_counts else result
+
+
+class RequestIdsSkipEmptyRequests(FastImpl):
+    """docs/input-space.md#batch-composition:
+    request ids numbered over the requests that have query rows, so every row after a
+    request with no query row this step reads the block-table row of the request before it."""
+
+    name = "input-space-request-ids-skip-empty-requests"
+
+    def request_ids(self, query_start_loc, num_rows):
+        qsl = query_start_loc.to(torch.int64)
+        counts = qsl[1:] - qsl[:-1]
+        live = counts[counts > 0]
+        ids = torch.repeat_interleave(torch.arange(live.numel(), device=qsl.device), live)
+        out = torch.zeros(num_rows, dtype=torch.int32, device=qsl.device)
+        out[: ids.numel()] = ids.to(torch.int32)
+        return out

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import harness.scenario as scenario_module
+import harness.hashed_values as hashed_values_module
 from fast.impl import FastImpl
 from fast.layouts import LAYOUTS
 from harness import batch, build_attention_inputs, build_scenario
@@ -130,7 +130,7 @@ def test_device_slot_values_are_the_host_values_bit_for_bit():
 def test_hashed_values_do_not_depend_on_the_chunking(monkeypatch):
     keys = torch.arange(37) * 1000 + 5
     whole = query_rows(9, keys, 4, 576, "cpu")
-    monkeypatch.setattr(scenario_module, "_HASH_ELEMENTS", 200)
+    monkeypatch.setattr(hashed_values_module, "_HASH_ELEMENTS", 200)
     assert torch.equal(bits(query_rows(9, keys, 4, 576, "cpu")), bits(whole))
 
 

@@ -445,7 +445,7 @@ BAD_SPECS = {
     "min_block_id 0": (dict(requests=(Request(10, 1),), min_block_id=0), "block 0"),
     "slack without async": (dict(requests=(Request(10, 4),), decode_threshold=4, host_bound_slack=2), "async"),
     "q_len > seq_len": (dict(requests=(Request(3, 5),)), "q_len"),
-    "q_len 0": (dict(requests=(Request(3, 0),)), "q_len"),
+    "q_len negative": (dict(requests=(Request(3, -1),)), "q_len"),
     "unknown kv dtype": (dict(requests=(Request(10, 1),), kv_dtype="uint8"), "kv_dtype"),
     "score offset not a bf16 q": (dict(requests=(Request(10, 1),), score_offsets=(30000.0,)), "not a bf16 value"),
     "score offset not a bf16 q at k_scale": (dict(requests=(Request(10, 1),), kv_dtype="float8_e4m3fn", k_scale=0.3,
@@ -453,6 +453,20 @@ BAD_SPECS = {
     "score offset not finite": (dict(requests=(Request(10, 1),), score_offsets=(float("inf"),)), "not a bf16 value"),
     "split signs without offsets": (dict(requests=(Request(10, 1),), split_score_signs=True), "needs score_offsets"),
 }
+
+
+def test_requests_without_query_rows_sit_anywhere_and_own_no_row():
+    """A request with no query row this step (docs/input-space.md#batch-composition) may sit
+    between others: it owns no row, the rows after it keep their own request and context, and
+    the engine's decode prefix ends at the first request with more rows than the threshold."""
+    spec = BatchSpec(requests=(Request(300, 1), Request(50, 0), Request(7, 1), Request(900, 20), Request(0, 0),
+                               Request(400, 12), Request(0, 0)), topk=128)
+    scenario = build_scenario(spec, seed=4)
+    assert scenario.num_rows == 1 + 1 + 20 + 12
+    assert scenario.request_ids()[:4].tolist() == [0, 2, 3, 3]
+    assert scenario.row_ctx[:2].tolist() == [300, 7]
+    assert (scenario.meta.num_decodes, scenario.meta.num_decode_tokens, scenario.meta.num_prefills) == (3, 2, 4)
+    assert [a.numel() for a in scenario.allocations] == [-(-s.seq_len // 64) for s in spec.requests]
 
 
 @pytest.mark.parametrize("name", list(BAD_SPECS))

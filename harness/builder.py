@@ -1,0 +1,113 @@
+"""The one scenario builder every tier uses: a batch spec + a seed -> a step's host tensors.
+
+From a :class:`harness.spec.BatchSpec` and a seed, :func:`build_scenario` derives everything
+on the host: the block table (permuted physical blocks, physical block 0 never allocated, a
+table wider than any allocation with stale entries past each allocation), the indexer rows,
+the metadata the production builder reads, and each row's context and regime. Every random
+draw comes from a NumPy generator keyed by ``(seed, component)``
+(:func:`harness.hashed_values.component_seed`), so the same spec and seed give the same
+tensors on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from reference.indexer import decode_rows_use_identity, prefill_rows_use_identity
+from reference.rules import classify_rows, route_prefills_to_mha, row_context
+
+from .hashed_values import component_seed
+from .indexer_fill import indexer_rows_fast
+from .spec import BatchSpec, Scenario, StepMetadata
+
+
+def _allocate_blocks(spec: BatchSpec, rng: np.random.Generator) -> tuple[list[np.ndarray], int]:
+    needed = [math.ceil(r.seq_len / spec.block_size) for r in spec.requests]
+    total = sum(needed)
+    num_blocks = spec.min_block_id + total + spec.spare_blocks
+    pool = spec.min_block_id + rng.permutation(total + spec.spare_blocks)
+    bounds = np.cumsum([0] + needed)
+    return [pool[bounds[i] : bounds[i + 1]] for i in range(len(needed))], num_blocks
+
+
+def _block_table(allocs: list[np.ndarray], table_width: int, num_blocks: int, rng) -> np.ndarray:
+    """Allocated blocks first, then stale ids (anything but block 0) up to the table width."""
+    table = rng.integers(1, num_blocks, size=(len(allocs), table_width), dtype=np.int64)
+    for i, blocks in enumerate(allocs):
+        table[i, : blocks.size] = blocks
+    return table.astype(np.int32)
+
+
+def leading_decodes(spec: BatchSpec) -> int:
+    """How many requests the engine counts as decodes: those before the first request with more
+    than ``decode_threshold`` query rows (a request with no query row counts as a decode there,
+    as a prefill after it)."""
+    for i, r in enumerate(spec.requests):
+        if r.q_len > spec.decode_threshold:
+            return i
+    return len(spec.requests)
+
+
+def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
+    """Host-side tensors of one step (no q, no KV cache: see :func:`build_attention_inputs`)."""
+    reqs = spec.requests
+    seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
+    q_lens = torch.tensor([r.q_len for r in reqs], dtype=torch.int32)
+    qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(q_lens, 0)
+    num_rows = int(qsl[-1])
+    is_decode = [r.q_len <= spec.decode_threshold for r in reqs]
+    num_decodes = leading_decodes(spec)
+    num_decode_tokens = int(qsl[num_decodes])
+
+    ctx = row_context(seq_lens, qsl)
+    row_is_decode = torch.arange(num_rows) < num_decode_tokens
+    prefill_seq_lens = seq_lens[num_decodes:]
+    decode_identity = decode_rows_use_identity(int(seq_lens.max()) if reqs else 0, spec.topk)
+    prefill_identity = prefill_rows_use_identity(int(prefill_seq_lens.max()) if num_decodes < len(reqs) else 0, spec.topk)
+    identity = torch.where(row_is_decode, torch.tensor(decode_identity), torch.tensor(prefill_identity))
+
+    rng = np.random.default_rng(component_seed(seed, "blocks"))
+    allocs, num_blocks = _allocate_blocks(spec, rng)
+    table_width = max((a.size for a in allocs), default=0) + spec.table_slack
+    table = _block_table(allocs, max(table_width, 1), num_blocks, rng)
+
+    topk_indices = indexer_rows_fast(
+        ctx, identity, spec.topk, spec.kpool, spec.resolved_width, component_seed(seed, "indexer"), spec.padded_rows
+    )
+    upper = seq_lens.clone()
+    spec_decode = torch.tensor([d and r.q_len > 1 for d, r in zip(is_decode, reqs)], dtype=torch.bool)
+    upper[spec_decode] += spec.host_bound_slack
+    positions = torch.zeros(num_rows + spec.padded_rows, dtype=torch.int64)
+    positions[:num_rows] = ctx - 1
+    if not spec.with_host_bound:
+        upper = None
+    if not spec.with_positions:
+        positions = None
+    meta = StepMetadata(
+        num_reqs=len(reqs),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        seq_lens_cpu_upper_bound=upper,
+        positions=positions,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        num_prefills=len(reqs) - num_decodes,
+        num_actual_tokens=num_rows,
+    )
+    return Scenario(
+        spec=spec,
+        seed=seed,
+        meta=meta,
+        block_table=torch.from_numpy(table),
+        allocations=[torch.from_numpy(a.astype(np.int64)) for a in allocs],
+        num_blocks=num_blocks,
+        topk_indices=topk_indices,
+        row_ctx=ctx,
+        row_identity=identity,
+        row_regime=classify_rows(ctx, identity, spec.topk, spec.kpool),
+        prefills_to_mha=route_prefills_to_mha(prefill_seq_lens, spec.topk),
+    )

@@ -1,0 +1,259 @@
+"""The production input space (docs/input-space.md) drawn whole on the CPU tier, through the
+implementation under test (``--impl``): every dimension's value classes in combination, each
+case checked end to end before the kernel (kv_len against the valid count, the plan against the
+intended slots), and the draw itself measured: the ``ci`` profile must reach every value class,
+the covering design of ``thorough`` every feasible pair.
+
+A batch evolving over steps (requests joining and finishing, prefill chunks turning into
+decodes, drafts accepted and rejected, requests idle for a step, batches shrinking after
+growing) is a stateful test that carries the production buffers from step to step as the
+attention state does: the convert output, kv_len and kv_indices are reused, never cleared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, example, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fast.layouts import indices_capacity
+from harness import BatchSpec, Request, build_scenario
+from harness.input_space import (
+    SPACE,
+    classify,
+    coverage_of,
+    covering_assignments,
+    covering_cases,
+    pair_universe,
+)
+from harness.pipeline import describe_rows, prepare_step, selection_mismatches
+from pytest_sparse_mla.coverage import coverage_lines, record_input
+from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
+from reference import intended_selection, kv_len_rule, planned_selection, valid_counts
+from reference.invariants import same_multisets
+from tests import bugs
+
+
+def with_covering_examples(test):
+    """The active profile's covering design as explicit examples, so the draw reaches every
+    value class (ci) or every feasible pair (thorough) whatever the random draws are."""
+    for i, case in enumerate(covering_cases(covering_strength())):
+        test = example(case=case, seed=i)(test)
+    return test
+
+
+def check_case(impl, device, case, seed):
+    scenario = build_scenario(case.spec, seed)
+    step = prepare_step(impl, scenario, case.layout, device)
+    record_input(classify(case.spec, case.layout))
+    where = f"case {case.id}; {step.context()}"
+    truth = kv_len_rule(scenario.row_ctx, case.spec.topk, case.spec.kpool)
+    assert torch.equal(step.lens.to(torch.int64), truth), f"kv_len != the rule; {where}"
+    counts = step.counts[: scenario.num_rows].cpu()
+    assert torch.equal(counts, valid_counts(scenario.intended_slots())[: scenario.num_rows]), f"valid counts; {where}"
+    assert step.num_planned == scenario.planned_rows, f"{step.num_planned} rows planned, q has {scenario.planned_rows}; {where}"
+    bad = set(selection_mismatches(step))
+    c_rows = {r for r, g in enumerate(scenario.row_regime[: step.num_planned]) if g == "C"}
+    if case.layout == "compacted":
+        assert not step.violations, where + "\n" + "\n".join(map(str, step.violations[:8]))
+        assert not bad, f"planned != intended slots; {where}\n" + describe_rows(step, sorted(bad))
+    else:
+        # docs/findings.md#regime-c-planned-as-a-prefix: exactly the regime C rows are wrong.
+        assert bad == c_rows, f"mismatches beyond the regime C finding; {where}\n" + describe_rows(step, sorted(bad ^ c_rows))
+
+
+@given(case=input_cases(), seed=st.integers(0, 2**31 - 1))
+@with_covering_examples
+def test_drawn_production_inputs_plan_the_intended_slots(impl, device, case, seed):
+    """Any case of the production input space: kv_len is the rule on every row, the convert
+    counts match the intended selection, and the plan reads the intended slots."""
+    check_case(impl, device, case, seed)
+
+
+def test_ci_draw_reaches_every_value_class():
+    """The draw the ci profile makes (its examples and its random draws) reaches every value
+    class of every dimension: a class no case reaches fails here."""
+    drawn = []
+
+    @settings(settings.get_profile("ci"))
+    @given(case=input_cases(), seed=st.just(0))
+    @with_covering_examples
+    def collect(case, seed):
+        drawn.append(classify(case.spec, case.layout))
+
+    collect()
+    cov = coverage_of(drawn)
+    assert cov.every_class, f"value classes the ci draw misses: { {k: v for k, v in cov.classes_missed.items() if v} }"
+    assert not cov.outside, f"drawn values outside the production space: {cov.outside}"
+
+
+def test_covering_designs_reach_what_they_promise():
+    """Strength 1 reaches every class, strength 2 every feasible pair, and each realised case
+    falls in exactly the classes it was realised for (classify(realize(a)) == a)."""
+    for strength in (1, 2):
+        for case in covering_cases(strength, seed=strength):
+            got = classify(case.spec, case.layout)
+            assert got == dict(case.assignment), {k: (v, got[k]) for k, v in case.assignment if got[k] != v}
+    assert coverage_of(dict(a) for a in covering_assignments(1)).every_class
+    pairs = coverage_of(dict(a) for a in covering_assignments(2))
+    assert pairs.pairs_reached == pairs.pairs_total == len(pair_universe()), pairs.pairs_missed[:5]
+    assert sum(len(d.classes) for d in SPACE) == 42
+
+
+# --- a batch evolving over steps, buffers carried -------------------------------------------
+
+MAX_ROWS = 40
+TOPK_SMALL = 128
+
+
+class EvolvingBatch(RuleBasedStateMachine):
+    """Requests join (a prefill chunk), decode with drafts accepted or rejected, sit a step out,
+    finish; every step is planned into buffers sized once for MAX_ROWS rows and reused."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests: list[list[int]] = []  # [seq_len, q_len, idle]
+        self.steps = 0
+
+    @initialize(kpool=st.sampled_from((1, 4)), block_size=st.sampled_from((64, 192, 128)),
+                layout=st.sampled_from(("strided", "packed", "compacted")), drafts=st.integers(0, 3),
+                async_=st.booleans())
+    def configure(self, kpool, block_size, layout, drafts, async_):
+        self.kpool, self.block_size, self.layout, self.drafts, self.async_ = kpool, block_size, layout, drafts, async_
+        self.slack = 0
+        width = BatchSpec(requests=(), topk=TOPK_SMALL, kpool=kpool).resolved_width
+        self.width = width
+        # The buffers an attention state reserves once; stale contents stay between steps.
+        self.slots = torch.full((MAX_ROWS, width), 12345, dtype=torch.int32)
+        self.kv_len = torch.full((MAX_ROWS,), 7, dtype=torch.int32)
+        self.kv_indices = torch.full((indices_capacity(MAX_ROWS, width),), 54321, dtype=torch.int32)
+
+    def rows(self) -> int:
+        return sum(0 if idle else q for _, q, idle in self.requests)
+
+    @precondition(lambda self: self.rows() + 16 <= MAX_ROWS - 4)
+    @rule(ctx=st.sampled_from((5, TOPK_SMALL - 1, TOPK_SMALL + 1, TOPK_SMALL + 3, 3 * TOPK_SMALL + 2, 700)),
+          chunk=st.integers(2, 16))
+    def join(self, ctx, chunk):
+        self.requests.append([max(ctx, chunk), chunk, False])
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def finish(self, data):
+        self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def sit_out(self, data):
+        self.requests[data.draw(st.integers(0, len(self.requests) - 1))][2] = True
+
+    @precondition(lambda self: self.rows() + len(self.requests) * 4 <= MAX_ROWS - 4)
+    @rule(accepted=st.integers(0, 3))
+    def advance(self, accepted):
+        """The step ran: decodes gain their accepted drafts plus one token, prefill chunks
+        become decodes; the rejected drafts make the next host bound optimistic."""
+        accepted = min(accepted, self.drafts)
+        for r in self.requests:
+            if not r[2]:
+                r[0] += (accepted + 1) if r[1] <= self.drafts + 1 else self.drafts + 1
+            r[1], r[2] = self.drafts + 1, False
+        self.slack = (self.drafts - accepted) if self.async_ else 0
+
+    @invariant()
+    def step_plans_the_intended_slots(self):
+        if not hasattr(self, "width"):
+            return
+        threshold = self.drafts + 1
+        live = [Request(s, 0 if idle else q) for s, q, idle in self.requests]
+        order = sorted(range(len(live)), key=lambda i: (live[i].q_len > threshold, i))  # decodes first
+        spec = BatchSpec(requests=tuple(live[i] for i in order), topk=TOPK_SMALL, kpool=self.kpool,
+                         block_size=self.block_size, decode_threshold=threshold, async_scheduling=self.async_,
+                         host_bound_slack=self.slack if self.async_ else 0, padded_rows=self.steps % 3)
+        self.steps += 1
+        scenario = build_scenario(spec, seed=self.steps)
+        record_input(classify(spec, self.layout))
+        self.check_scenario(scenario)
+
+    def check_scenario(self, scenario):
+        run_step_in_reused_buffers(self, scenario)
+
+
+def run_step_in_reused_buffers(state, scenario):
+    impl = state.impl
+    spec, meta = scenario.spec, scenario.meta
+    rows = scenario.topk_indices.shape[0]
+    topk = torch.full((MAX_ROWS, state.width), -1, dtype=torch.int32)
+    topk[:rows] = scenario.topk_indices
+    table = scenario.block_table if scenario.block_table.shape[0] else torch.zeros((1, 1), dtype=torch.int32)
+    req = impl.request_ids(meta.query_start_loc_cpu, MAX_ROWS)
+    out = state.kv_indices[: MAX_ROWS * state.width].view(MAX_ROWS, state.width) if state.layout == "strided" else state.slots
+    impl.convert(topk, table, req, spec.block_size, out=out)
+    lens = impl.kv_lens(meta, topk=spec.topk, kpool=spec.kpool, async_scheduling=spec.async_scheduling)
+    planned = impl.planned_lens(meta, lens, topk=spec.topk).to(torch.int32)
+    n = planned.numel()
+    state.kv_len.zero_()
+    state.kv_len[:n] = planned
+    indptr = impl.kv_indptr(state.layout, planned, MAX_ROWS, state.width)
+    if state.layout != "strided":
+        impl.write_kv_indices(state.layout, out, state.kv_len, indptr, state.kv_indices)
+    where = f"step {state.steps} layout={state.layout} {scenario.describe()}"
+    assert torch.equal(lens.to(torch.int64), kv_len_rule(scenario.row_ctx, spec.topk, spec.kpool)), f"kv_len; {where}"
+    b_slots, b_lens = planned_selection(indptr, state.kv_indices, planned, n)
+    a_slots, a_mask = intended_selection(scenario.intended_slots(), n)
+    b_mask = torch.arange(b_slots.shape[1]).unsqueeze(0) < b_lens.unsqueeze(1)
+    same = same_multisets(a_slots, a_mask, b_slots, b_mask)
+    bad = set((~same).nonzero().flatten().tolist())
+    c_rows = {r for r, g in enumerate(scenario.row_regime[:n]) if g == "C"}
+    expected = set() if state.layout == "compacted" else c_rows
+    assert bad == expected, f"rows planned wrong {sorted(bad)} (regime C rows {sorted(c_rows)}); {where}"
+
+
+#: No shrinking: each shrink step re-runs whole sequences through the interpreted convert kernel;
+#: a failure reports the sequence as found, its steps printed.
+EvolvingBatch.TestCase.settings = settings(max_examples=12, stateful_step_count=8,
+                                           phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+
+def test_evolving_batch_in_reused_buffers(impl):
+    """Steps of one batch planned into the same buffers: every step reads what it intends."""
+    EvolvingBatch.impl = impl
+    EvolvingBatch.TestCase().runTest()
+
+
+# --- the classes the older draws missed catch bugs ------------------------------------------
+
+
+@pytest.mark.parametrize(("bug", "dimension", "value_class"), [
+    ("BlockSizeAsShift", "block_size", "non-pow2-multiple-of-64"),
+    ("RequestIdsSkipEmptyRequests", "no_query_requests", "middle"),
+])
+def test_recreated_bug_is_caught_by_its_input_class(device, bug, dimension, value_class):
+    """Each re-created bug of a class the hand-picked catalogue never drew fails on covering
+    cases of that class, and passes on a few others (it is that class that catches it)."""
+    impl = getattr(bugs, bug)()
+    caught, other_failures = [], []
+    cases = covering_cases(2)
+    inside = [c for c in cases if dict(c.assignment)[dimension] == value_class]
+    outside = [c for c in cases if dict(c.assignment)[dimension] != value_class][:3]
+    for i, case in enumerate(inside[:4] + outside):
+        try:
+            check_case(impl, device, case, seed=i)
+        except AssertionError:
+            (caught if dict(case.assignment)[dimension] == value_class else other_failures).append(case.id)
+    assert caught, f"{bug}: no covering case of {dimension}={value_class} fails"
+    assert not other_failures, f"{bug}: fails outside {dimension}={value_class}: {other_failures[:3]}"
+
+
+def test_coverage_table_shows_the_gaps():
+    """A draw that misses a class shows it as MISSED in its dimension's line, and the pairs it
+    misses; a full strength-2 draw reports every pair reached."""
+    rows = [dict(a) for a in covering_assignments(1)]
+    dropped = rows[0]["variant"]
+    partial = [tuple(sorted(r.items())) for r in rows if r["variant"] != dropped]
+    lines = coverage_lines(partial, full=True)
+    assert any(line.strip().startswith("variant") and f"MISSED {dropped}" in line for line in lines), lines
+    assert any("pairs missed" in line for line in lines), lines
+    full = coverage_lines([tuple(sorted(dict(a).items())) for a in covering_assignments(2)], full=True)
+    assert "every feasible pair reached" in full[-1] and "42/42 value classes" in full[0], full[:2]

@@ -1,0 +1,108 @@
+"""The production input space (docs/input-space.md) on the GPU tier: a bounded, seeded draw of
+combined cases (the strength-1 covering design: every value class of every dimension, in
+combination; and the strength-2 design's cases with slot ids below 2^23, whose KV caches stay
+small: most feasible pairs) run through the kernel of the implementation under test and compared with the
+references; and a batch evolving over a few steps in one attention state (the real FlashInfer
+wrapper and its reserved buffers, replanned every step, never rebuilt)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, settings
+
+from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
+from harness import build_attention_inputs, build_scenario
+from harness.cases import input_space_cases
+from harness.input_space import classify
+from harness.launch import (
+    DEVICE,
+    assert_launchable,
+    assert_within_budget,
+    attention_config,
+    compare_with_references,
+    eager_step,
+    launch_inputs,
+    nan_buffers,
+    prepared,
+    state_matches_step,
+    strided_plan_refused,
+    sync,
+)
+from harness.pipeline import selection_mismatches
+from pytest_sparse_mla.coverage import record_input
+from tests.cpu.test_input_space import MAX_ROWS, EvolvingBatch
+
+pytestmark = pytest.mark.gpu
+
+GPU_CASES = [pytest.param(c, lay, id=f"s1-{c.id}") for c, lay in input_space_cases(1, seed=20)] + [
+    pytest.param(c, lay, id=f"s2-{c.id}") for c, lay in input_space_cases(2, seed=20) if "below-2^23" in c.id
+]
+
+
+def c_rows_planned(step) -> set[int]:
+    return {r for r, g in enumerate(step.regimes()) if g == "C"}
+
+
+def run_on_gpu(impl, features, scenario, layout, state=None, max_rows=None):
+    """One step through the kernel: the known findings asserted as themselves (regime C under
+    strided/packed is not launched; a strided plan a page-count-checking FlashInfer refuses),
+    otherwise launch and compare with the references."""
+    max_rows = max(scenario.topk_indices.shape[0], 1) if max_rows is None else max_rows
+    step = prepared(impl, scenario, layout, max_rows=max_rows)
+    c_rows = c_rows_planned(step)
+    if layout != "compacted" and c_rows:
+        # docs/findings.md#regime-c-planned-as-a-prefix: exactly those rows planned wrong.
+        assert set(selection_mismatches(step)) == c_rows, step.context()
+        return state
+    assert_launchable(step, features.version)
+    if state is None:
+        state = impl.make_attention_state(attention_config(scenario, layout, max_rows), DEVICE)
+    if strided_plan_refused(features, step):
+        with pytest.raises(ValueError, match=PAGE_COUNT_REFUSAL):
+            state.plan(step.num_planned, step.planned_lens)
+        return state
+    inputs = build_attention_inputs(scenario, DEVICE)
+    launch = launch_inputs(impl, scenario, inputs, max_rows)
+    out, lse = nan_buffers(max_rows, scenario.spec.num_heads)
+    eager_step(state, launch, step, out, lse)
+    sync()
+    problems = state_matches_step(state, step)
+    assert not problems, f"{step.context()}: " + "; ".join(problems)
+    assert_within_budget(step, compare_with_references(step, inputs, out, lse), features.version)
+    del inputs
+    return state
+
+
+@pytest.mark.parametrize(("case", "layout"), GPU_CASES)
+def test_drawn_production_inputs_through_the_kernel(impl, features, case, layout):
+    """A combined case of the production input space: the kernel's output within the error
+    budget of the references over the planned selection."""
+    record_input(classify(case.spec, layout))
+    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), layout)
+
+
+class EvolvingBatchOnGPU(EvolvingBatch):
+    """The CPU machine's batch, each step planned and run in one FlashInfer attention state
+    sized once for MAX_ROWS rows (reused buffers, replans smaller after larger)."""
+
+    def step_plans_the_intended_slots(self):
+        if not hasattr(self, "width"):
+            return
+        super().step_plans_the_intended_slots()
+
+    def check_scenario(self, scenario):
+        self.gpu_state = run_on_gpu(self.impl, self.features, scenario, self.layout,
+                                    state=getattr(self, "gpu_state", None), max_rows=MAX_ROWS)
+
+
+EvolvingBatchOnGPU.TestCase.settings = settings(max_examples=3, stateful_step_count=4,
+                                                phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+
+def test_evolving_batch_in_one_attention_state(impl, features):
+    """A few steps of an evolving batch in one attention state: each within the budget."""
+    EvolvingBatchOnGPU.impl = impl
+    EvolvingBatchOnGPU.features = features
+    EvolvingBatchOnGPU.TestCase().runTest()
+    torch.cuda.empty_cache()
