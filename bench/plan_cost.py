@@ -20,7 +20,6 @@ from .context import Context, error_text, free_memory, log
 from .counting import reps_for
 from .scenarios import mixed_decode_spec, planned_lens, with_config
 
-
 REPO_ROOT = str(Path(__file__).resolve().parents[1]) + "/"
 
 

@@ -98,7 +98,7 @@ class RegimeLog:
 # --- what a test declares -----------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def planned_row_regimes(spec) -> tuple[str, ...]:
     """The regimes of the rows a batch spec plans (the query rows handed to the kernel)."""
     from harness.scenario import build_scenario

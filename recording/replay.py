@@ -24,7 +24,6 @@ from reference.oracle import sparse_mla_reference
 from .case_log import note_fixture
 from .fixture import Fixture, bitwise_equal, same_bits
 
-
 #: The version label of a re-run of the host stages only (recording.restage): no kernel ran.
 HOST_STAGES = "host stages"
 

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE  # noqa: E402
-from reference.oracle import COMPUTE_MODES, sparse_mla_reference  # noqa: E402
+from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE
+from reference.oracle import COMPUTE_MODES, sparse_mla_reference
 
 # (label, kv dtype, rope dim, k_scale, sm_scale)
 VARIANTS = (

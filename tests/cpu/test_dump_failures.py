@@ -6,18 +6,18 @@ same rows."""
 from __future__ import annotations
 
 import ast
-import re
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from recording.fixture import load_fixture
 from recording.recipe import load_recipe, rebuild_fixture
-from recording.repro import main as repro_main
 from recording.replay import replay
+from recording.repro import main as repro_main
 from tests.bugs import KpoolFromWrongSpec
 
 ROOT = Path(__file__).resolve().parents[2]

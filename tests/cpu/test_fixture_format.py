@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness import batch, build_attention_inputs, build_scenario
 from harness.pipeline import as_planned, intended, prepare_step
@@ -87,8 +86,8 @@ def good_file(impl, device, tmp_path) -> Path:
 
 
 def rewrite(path: Path, tensors=None, meta=None) -> Path:
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(path), framework="pt") as f:
         old_meta = json.loads(f.metadata()[METADATA_KEY])

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from harness.launch import DEVICE
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
+from harness.launch import DEVICE
 from harness.scale import check_scale_case, run_case_in_child, scale_cases
 from harness.scenario import component_seed, slot_values, slot_values_on
 from pytest_sparse_mla.impl import IMPL_SPEC
