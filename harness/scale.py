@@ -166,7 +166,7 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
     reached("plan")
     try:
         state.plan(n, step.planned_lens)
-    except Exception as exc:
+    except Exception as exc:  # a refusal is an outcome
         result.update(outcome="refused", detail=f"{type(exc).__name__}: {str(exc)[:600]}",
                       refusal_is_value_error=isinstance(exc, ValueError))
         return result | {"seconds": times}
