@@ -5,6 +5,8 @@ same scenario loop runs the reference and graph sections on the decode shapes th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harness.timing import estimate_seconds, summarize
@@ -81,7 +83,7 @@ def run_scenarios(ctx: Context) -> None:
                 scenario = with_config(base, kv_dtype, rope, k_scale, heads)
                 holder = {}
 
-                def kernel_unit():
+                def kernel_unit(scenario=scenario, holder=holder, lens=lens, caches=caches, rows=rows):
                     nonlocal distinct
                     holder["prep"] = prep = prepare(ctx, scenario, lens, caches, generator)
                     if distinct is None:
@@ -91,6 +93,7 @@ def run_scenarios(ctx: Context) -> None:
                     return time_kernel(ctx, prep, lens, distinct)
 
                 ctx.guarded("kernel", shape_record(kind, rows, scenario), kernel_unit)
+                del kernel_unit  # its defaults hold the caches, freed below
                 prep = holder.get("prep")
                 if prep is not None and index == 0 and kind == "decode":
                     extra_units(ctx, kind, rows, scenario, prep, lens)
@@ -111,5 +114,5 @@ def extra_units(ctx: Context, kind: str, rows: int, scenario, prep: Prepared, le
     if "graph" in ctx.sections and rows in sel.graph_rows and heads in sel.graph_heads:
         for layout in sel.graph_layouts:
             record = {**shape_record(kind, rows, scenario), "layout": layout}
-            ctx.guarded("graph", record, lambda: measure_graph(ctx, prep, lens, layout))
+            ctx.guarded("graph", record, functools.partial(measure_graph, ctx, prep, lens, layout))
             free_memory(ctx.device)

@@ -125,12 +125,15 @@ class Prepared:
     def step_args(self, i: int):
         x = self.sets.inputs(i)
         out, lse = self.sets.out(i)
-        l = self.launch
-        return (l.topk_indices, l.block_table, l.req_id, x.q_nope, x.q_pe, x.ckv, x.kpe, out, lse)
+        launch = self.launch
+        return (launch.topk_indices, launch.block_table, launch.req_id, x.q_nope, x.q_pe, x.ckv, x.kpe, out, lse)
 
     def outputs_finite(self) -> bool:
         n = self.rows
-        return all(bool(torch.isfinite(o[:n].float()).all()) and bool(torch.isfinite(l[:n]).all()) for o, l in self.sets.outs)
+        return all(
+            bool(torch.isfinite(out[:n].float()).all()) and bool(torch.isfinite(lse[:n]).all())
+            for out, lse in self.sets.outs
+        )
 
 
 def prepare(ctx: Context, scenario, lens: torch.Tensor, caches, generator, layout: str = KERNEL_LAYOUT) -> Prepared:

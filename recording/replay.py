@@ -98,7 +98,7 @@ class ReplayReport:
 
     @property
     def kernel_ok(self) -> bool:
-        return all(o.ok and l.ok for o, l in self.kernel.values())
+        return all(out_cmp.ok and lse_cmp.ok for out_cmp, lse_cmp in self.kernel.values())
 
     @property
     def plan_ok(self) -> bool:
@@ -125,7 +125,7 @@ class ReplayReport:
         elif self.rerun is not None and not self.refusal_expected:
             reasons.append(f"flashinfer {self.rerun.version} refused the re-run: {self.rerun.refused}")
         if not self.kernel_ok:
-            bad = [v for v, (o, l) in self.kernel.items() if not (o.ok and l.ok)]
+            bad = [v for v, (out_cmp, lse_cmp) in self.kernel.items() if not (out_cmp.ok and lse_cmp.ok)]
             reasons.append(f"kernel != as-planned reference beyond the error budget ({', '.join(bad)})")
         finding = self.fixture.meta.get("expect_finding")
         if finding and self.plan_ok:
@@ -303,8 +303,8 @@ def agreeing_groups(outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> li
     groups: list[list[str]] = []
     for label, (out, lse) in outputs.items():
         for group in groups:
-            o, l = outputs[group[0]]
-            if bitwise_equal(out, o) and bitwise_equal(lse, l):
+            first_out, first_lse = outputs[group[0]]
+            if bitwise_equal(out, first_out) and bitwise_equal(lse, first_lse):
                 group.append(label)
                 break
         else:

@@ -39,10 +39,10 @@ def working_precision_errors(fx: Fixture) -> dict[str, list[float]]:
     truth = reference_outputs(fx, "intended", "float64")
     lowp = reference_outputs(fx, "intended", "lowp")
     result = {}
-    for name, t, l in (("out", truth[0], lowp[0]), ("lse", truth[1], lowp[1])):
+    for name, t, lo in (("out", truth[0], lowp[0]), ("lse", truth[1], lowp[1])):
         t = t.double()
-        _, err_l, _ = element_errors(l.double(), t, l.double())  # |lowp - truth| where both are finite
-        finite = t.isfinite() & l.double().isfinite()
+        _, err_l, _ = element_errors(lo.double(), t, lo.double())  # |lowp - truth| where both are finite
+        finite = t.isfinite() & lo.double().isfinite()
         count = max(int(finite.sum()), 1)
         max_abs = float(t[t.isfinite()].abs().max()) if bool(t.isfinite().any()) else 0.0
         result[name] = [float(err_l.max()) if err_l.numel() else 0.0, float(err_l.sum()) / count, max_abs]

@@ -34,11 +34,11 @@ class StandInWrapper:
         mask = torch.arange(width) < kv_len[:rows, None]
         kv_indices = self.kv_indices.cpu()
         slots = torch.where(mask, kv_indices[pos.clamp(max=kv_indices.numel() - 1)], 0)
-        o, l = sparse_mla_reference(q_nope[:rows], q_pe[:rows], ckv_cache, kpe_cache, slots, mask=mask, sm_scale=sm_scale,
+        o, lse_out = sparse_mla_reference(q_nope[:rows], q_pe[:rows], ckv_cache, kpe_cache, slots, mask=mask, sm_scale=sm_scale,
                                     mode="float32")
         o = o.to(q_nope.dtype)
-        l = l if return_lse_base_on_e else lse_to_base2(l)
-        return (o, l) if return_lse else o
+        lse_out = lse_out if return_lse_base_on_e else lse_to_base2(lse_out)
+        return (o, lse_out) if return_lse else o
 
 
 def seed_style_program(impl, device, steps: list, max_rows: int, width: int) -> list[torch.Tensor]:

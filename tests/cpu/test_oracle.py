@@ -352,9 +352,9 @@ def test_unselected_entries_and_lens_vs_mask_do_not_matter(p, garbage):
     dirty = torch.where(p.mask, p.slots, torch.full_like(p.slots, garbage))
     for label, kwargs in (("lens", {}), ("mask", {"use_mask": p.mask})):
         for slots_label, slots in (("clean", p.slots), (f"garbage {garbage}", dirty)):
-            o, l = run(replace(p, slots=slots), **kwargs)
-            assert_same(o, out, f"out with {label}, {slots_label} unselected entries; {p.describe()}")
-            assert_same(l, lse, f"lse with {label}, {slots_label} unselected entries; {p.describe()}")
+            out_var, lse_var = run(replace(p, slots=slots), **kwargs)
+            assert_same(out_var, out, f"out with {label}, {slots_label} unselected entries; {p.describe()}")
+            assert_same(lse_var, lse, f"lse with {label}, {slots_label} unselected entries; {p.describe()}")
 
 
 @given(p=problems(), seed=st.integers(0, 2**31 - 1))
@@ -661,9 +661,9 @@ def test_full_partial_and_empty_selections_take_their_paths_to_the_same_answer(s
     p = random_problem(seed=18, t=3, h=2, k=4, num_slots=9, lens=lens)
     out, lse = run(p, use_mask=p.mask if select == "mask" else None)
     for row in range(3):
-        o, l = run(replace(p, q_nope=p.q_nope[row:row + 1], q_pe=p.q_pe[row:row + 1], slots=p.slots[row:row + 1],
+        row_out, row_lse = run(replace(p, q_nope=p.q_nope[row:row + 1], q_pe=p.q_pe[row:row + 1], slots=p.slots[row:row + 1],
                            lens=p.lens[row:row + 1]))
-        assert torch.equal(lse[row], l[0]) and torch.equal(out[row], o[0]), f"row {row} of lens {lens}"
+        assert torch.equal(lse[row], row_lse[0]) and torch.equal(out[row], row_out[0]), f"row {row} of lens {lens}"
 
 
 @pytest.mark.parametrize("lens, facts", [

@@ -60,10 +60,10 @@ class ReferenceWrapper:
         mask = (torch.arange(width) < row_lens[:, None]).to(device)
         slots = torch.where(mask, self.kv_indices[pos].long(), 0)
         mask = mask & (slots >= 0)
-        o, l = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots.clamp(min=0), mask=mask, sm_scale=sm_scale,
+        o, lse_rows = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots.clamp(min=0), mask=mask, sm_scale=sm_scale,
                                     k_scale=k_scale, mode="lowp")
         out[:rows].copy_(o)
-        lse[:rows].copy_(l)
+        lse[:rows].copy_(lse_rows)
 
 
 @pytest.fixture
