@@ -53,7 +53,7 @@ def short_fillers(count: int) -> list[Row]:
 
 def placement_rows(target: Row, placement: str, fillers: int = FILLERS) -> tuple[list[Row], int]:
     """The batch of one placement and the target's index in it."""
-    mixed = [row for pair in zip(long_fillers(fillers), short_fillers(fillers)) for row in pair][:fillers]
+    mixed = [row for pair in zip(long_fillers(fillers), short_fillers(fillers), strict=True) for row in pair][:fillers]
     half = fillers // 2
     if placement == "alone":
         return [target], 0

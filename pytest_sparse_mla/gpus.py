@@ -55,8 +55,8 @@ def first_block(num_items: int, workers: int) -> int:
 def spread(items: list, slow: list[bool], stride: int) -> list:
     """``items`` with the slow ones placed ``stride`` apart (one at the head of each worker's
     first block, the rest in the same rhythm), the others in their order between them."""
-    slow_items = [item for item, s in zip(items, slow) if s]
-    fast_items = [item for item, s in zip(items, slow) if not s]
+    slow_items = [item for item, s in zip(items, slow, strict=True) if s]
+    fast_items = [item for item, s in zip(items, slow, strict=True) if not s]
     between = max(stride - 1, 1)
     out: list = []
     while slow_items:

@@ -53,7 +53,7 @@ def bind_arguments(func, self_obj, args, kwargs, flat_names) -> dict:
         named.update(named.pop("kwargs", {}) or {})
         return named
     except (TypeError, ValueError):
-        named = dict(zip(flat_names, args))
+        named = dict(zip(flat_names, args, strict=False))
         named.update(kwargs)
         return named
 
@@ -61,7 +61,12 @@ def bind_arguments(func, self_obj, args, kwargs, flat_names) -> dict:
 def plan_record(named: dict) -> dict:
     """Host copies of what a plan call describes (flat or ``metadata=`` form)."""
     meta = named.get("metadata")
-    get = (lambda k: getattr(meta, k, None) if meta is not None and getattr(meta, k, None) is not None else named.get(k))
+
+    def get(k):
+        if meta is not None and getattr(meta, k, None) is not None:
+            return getattr(meta, k)
+        return named.get(k)
+
     tensors = {k: get(k) for k in ("qo_indptr", "kv_indptr", "kv_len_arr")}
     record = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
     # Production writes kv_indices after plan (the convert kernel fills the reserved buffer

@@ -167,7 +167,7 @@ def check_meta(path, meta) -> None:
     """Metadata is a JSON object whose known fields have their types."""
     if not isinstance(meta, dict):
         raise FixtureError(f"{path}: metadata is a JSON {_type_name(meta)}, expected an object")
-    for key, types in REQUIRED_META.items():
+    for key in REQUIRED_META:
         if key not in meta:
             raise FixtureError(f"{path}: metadata lacks '{key}'")
     for key, types in {**REQUIRED_META, **OPTIONAL_META}.items():

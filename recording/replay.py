@@ -294,7 +294,7 @@ def output_drift(new: torch.Tensor, old: torch.Tensor, against: str, k: int = 3,
     diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
     per_row = diff.flatten(1).amax(dim=1) if diff.numel() else torch.zeros(new.shape[0], dtype=torch.float64)
     top = torch.topk(per_row, min(k, per_row.numel())) if per_row.numel() else None
-    worst = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if v > 0] if top is not None else []
+    worst = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True) if v > 0] if top is not None else []
     return Drift(against, int(same.sum()), same.numel(), float(diff.max()) if diff.numel() else 0.0, worst, what)
 
 

@@ -93,7 +93,7 @@ def _worst_rows_heads(err: torch.Tensor, k: int = 5) -> list[tuple[int, int, flo
     flat = per.flatten()
     values, indices = (x.tolist() for x in torch.topk(flat, min(k, flat.numel())))
     heads = per.shape[1]
-    return [(i // heads, i % heads, v) for v, i in zip(values, indices) if v > 0]
+    return [(i // heads, i % heads, v) for v, i in zip(values, indices, strict=True) if v > 0]
 
 
 def _error_sums(a: torch.Tensor, t: torch.Tensor, lo: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
@@ -112,7 +112,7 @@ def _error_sums(a: torch.Tensor, t: torch.Tensor, lo: torch.Tensor) -> tuple[dic
         torch.isnan(a).sum().to(t.dtype), finite_mismatch(a, t).sum().to(t.dtype), finite.sum().to(t.dtype), *maxima,
         err.sum(), err_l.sum(), err.norm(), t_fin.norm(),
     ]).tolist()
-    return dict(zip(names, values)), err
+    return dict(zip(names, values, strict=True)), err
 
 
 def compare_to_budget(

@@ -68,7 +68,7 @@ def case_inputs(seed: int, rows: int, heads: int, topk: int, num_slots: int, kv_
 
 def differences(old_result, new_result) -> list[str]:
     found = []
-    for what, a, b in zip(("out", "lse"), old_result, new_result):
+    for what, a, b in zip(("out", "lse"), old_result, new_result, strict=True):
         if a.dtype != b.dtype or a.shape != b.shape:
             found.append(f"{what}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}")
         elif bool(torch.isnan(a).any()) or bool(torch.isnan(b).any()):

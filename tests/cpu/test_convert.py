@@ -113,7 +113,7 @@ def zoo_rows(width: int = 128):
     cols = np.linspace(0, width - 1, len(ZOO)).astype(int)
     topk = torch.full((3, width), -1, dtype=torch.int32)
     expected = torch.full((3, width), -1, dtype=torch.int32)
-    for col, (tok, s0, s1, _) in zip(cols, ZOO):
+    for col, (tok, s0, s1, _) in zip(cols, ZOO, strict=True):
         topk[:, col] = tok
         expected[0, col], expected[1, col], expected[2, col] = s0, s1, s0
     return topk, expected, cols
@@ -126,7 +126,7 @@ def test_invalid_index_zoo_maps_exactly(impl, device, width):
     assert req.tolist() == [0, 1, 0]
     slots, counts = impl.convert(*on(device, topk, ZOO_TABLE), req, BS, with_counts=True)
     slots, counts, req = slots.cpu(), counts.cpu(), req.cpu()
-    for col, (tok, _, _, why) in zip(cols, ZOO):
+    for col, (tok, _, _, why) in zip(cols, ZOO, strict=True):
         for row in range(3):
             assert int(slots[row, col]) == int(expected[row, col]), (
                 f"{why}: token {tok} on row {row} -> {int(slots[row, col])}, expected {int(expected[row, col])}"

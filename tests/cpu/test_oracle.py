@@ -117,7 +117,7 @@ def naive_attention(p: Problem, mask: torch.Tensor, k_scale: float = 1.0):
             total = math.fsum(weights)
             lse[t, h] = top + math.log(total)
             acc = torch.zeros(D, dtype=torch.float64)
-            for w, j in zip(weights, selected):
+            for w, j in zip(weights, selected, strict=True):
                 acc += (w / total) * ckv[j]
             out[t, h] = acc
     return out, lse
@@ -238,7 +238,7 @@ def test_float64_mode_is_the_definition():
     """The entry point's float64 mode is sparse_mla_float64 on the checked inputs, bit for bit."""
     p, mask = naive_case()
     for a, b, what in zip(run(p, use_mask=mask), sparse_mla_float64(p.q_nope, p.q_pe, p.ckv, p.kpe, p.slots, mask,
-                                                                    sm_scale=p.sm_scale), ("out", "lse")):
+                                                                    sm_scale=p.sm_scale), ("out", "lse"), strict=True):
         assert_same(a, b, f"float64 {what}")
 
 
@@ -506,7 +506,7 @@ def test_joined_and_separate_buffers_agree_bitwise(mode):
     tensors (joined piece by piece) give the same bits."""
     p = random_problem(seed=21, t=5, h=3, k=12, num_slots=30)
     separate = replace(p, q_nope=p.q_nope.clone(), q_pe=p.q_pe.clone(), ckv=p.ckv.clone(), kpe=p.kpe.clone())
-    for a, b, what in zip(run(p, mode), run(separate, mode), ("out", "lse")):
+    for a, b, what in zip(run(p, mode), run(separate, mode), ("out", "lse"), strict=True):
         assert_same(b, a, f"{mode} {what}: separate buffers vs one buffer")
 
 

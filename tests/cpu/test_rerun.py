@@ -232,7 +232,7 @@ def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(stand_
     result = run(str(ROOT / "tests/test_replay.py"), f"--replay={dump}", "--impl=tests.bugs:CompactionPlansPrefix", "-rA")
     out = "\n".join(result.outlines)
     assert result.parseoutcomes().get("failed") == 2, out[-3000:]
-    for name, rows in c_rows.items():
+    for rows in c_rows.values():
         assert rows
         for r in rows:
             assert f"re-run] plan != intent at row {r} (regime C" in out, out[-3000:]

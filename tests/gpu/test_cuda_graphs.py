@@ -62,7 +62,7 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
     scenarios = [build_scenario(config.apply(c.spec), seed=21 + i) for i, c in enumerate(cases)]
     static = StaticStep(scenarios, impl)
     steps = [prepared(impl, s, layout, max_rows=static.max_rows) for s in scenarios]
-    for step, case in zip(steps, cases):
+    for step, case in zip(steps, cases, strict=True):
         regime_log.record(step.regimes(), focus=case.focus or None)
         assert_launchable(step, features.version)
     width = scenarios[0].spec.resolved_width

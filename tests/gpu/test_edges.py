@@ -103,7 +103,7 @@ def magnitude_cases() -> list[Case]:
 #: wherever the probe finds the page-count check).
 MAGNITUDE_PARAMS = [
     pytest.param(case, layout, covering_config(index), id=f"{case.id}-{layout}-{covering_config(index).id}")
-    for case, (layout, index) in zip(magnitude_cases(), [("packed", 0), ("compacted", 1), ("compacted", 2), ("packed", 3)])
+    for case, (layout, index) in zip(magnitude_cases(), [("packed", 0), ("compacted", 1), ("compacted", 2), ("packed", 3)], strict=True)
 ]
 
 
@@ -349,7 +349,7 @@ def test_previous_steps_slots_change_nothing(gpu, layout, kind, config):
     base = attention_config(scenarios[0], layout, max_rows)
     reused = impl.make_attention_state(dataclasses.replace(base, reuse_plan=True), DEVICE)
 
-    for index, (case, scenario, step) in enumerate(zip(cases, scenarios, steps)):
+    for index, (case, scenario, step) in enumerate(zip(cases, scenarios, steps, strict=True)):
         n = step.num_planned
         after = f" after {cases[index - 1].name}" if index else ""
         ctx = f"edge stale-slots, step {index} ({case.name}{after}); {failure_context(step, features.version)}"

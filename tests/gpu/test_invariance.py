@@ -88,8 +88,9 @@ def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_pr
         t = batch.target
         rows[placement] = (out[t].clone(), lse[t].clone(), float(report.out.max_budget[t]), float(report.lse.max_budget[t]))
         if not report.ok:
-            label = lambda r: f"row of key {batch.rows[r].key}, {batch.rows[r].length} slots" + (  # noqa: E731
-                ", the target" if r == t else "")
+            def label(r, batch=batch, t=t):
+                return f"row of key {batch.rows[r].key}, {batch.rows[r].length} slots" + (", the target" if r == t else "")
+
             problems.append(f"{placement}: " + report.describe(label))
     alone_out, alone_lse, out_budget, lse_budget = rows["alone"]
     found = {}
