@@ -59,7 +59,9 @@ def time_plans(ctx: Context, state, rows: int, lens: torch.Tensor) -> dict:
             "kept_plans": state.reused_plans - reused_before}
 
 
-def measure_plan(ctx: Context, scenario, layout: str, rows: int, lens: torch.Tensor, max_rows: int | None = None) -> dict:
+def measure_plan(
+    ctx: Context, scenario, layout: str, rows: int, lens: torch.Tensor, max_rows: int | None = None
+) -> dict:
     """plan() host time without and with reuse_plan, buffers sized for ``max_rows`` (default
     ``rows``); a refused plan is recorded as such."""
     out = {}

@@ -90,7 +90,9 @@ class Sets:
     def inputs(self, i: int) -> AttentionInputs:
         j = i % self.count
         q = self.qs[j % len(self.qs)]
-        return AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=self.caches[j % len(self.caches)])
+        return AttentionInputs(
+            q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=self.caches[j % len(self.caches)]
+        )
 
     def out(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.outs[i % self.count]

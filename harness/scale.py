@@ -195,7 +195,9 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
     return result | {"seconds": times}
 
 
-def run_case_in_child(case: ScaleCase, impl_spec: str, seed: int = SCALE_SEED, timeout: float = CHILD_TIMEOUT_S) -> dict:
+def run_case_in_child(
+    case: ScaleCase, impl_spec: str, seed: int = SCALE_SEED, timeout: float = CHILD_TIMEOUT_S
+) -> dict:
     """:func:`check_scale_case` in a child process: its result, or ``crashed`` / ``timeout``
     with the last stage reached (and the regimes, once the scenario was built)."""
     cmd = [sys.executable, "-m", "harness.scale", "--case", case.id, "--impl", impl_spec, "--seed", str(seed)]

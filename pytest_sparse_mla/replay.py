@@ -243,7 +243,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("--replay"):
         texts = config.stash.get(REPLAYS, [])
         if texts and importlib.util.find_spec("matplotlib") is None:
-            terminalreporter.write_line("error heatmaps not written: matplotlib is not installed (pip install -e '.[plot]')")
+            terminalreporter.write_line(
+                "error heatmaps not written: matplotlib is not installed (pip install -e '.[plot]')"
+            )
         if texts:
             terminalreporter.section("fixture replay diagnostics")
             for text in texts:

@@ -53,7 +53,9 @@ def repro_source(fx: Fixture, fixture_name: str) -> str:
     """The reproducer script's text for ``fx`` stored as ``fixture_name``."""
     meta = fx.meta
     kv_dtype = str(meta.get("kv_dtype", "bfloat16"))
-    case = {k: meta[k] for k in ("name", "layout", "impl", "nodeid", "regimes", "expect_finding") if meta.get(k) is not None}
+    case = {
+        k: meta[k] for k in ("name", "layout", "impl", "nodeid", "regimes", "expect_finding") if meta.get(k) is not None
+    }
     if isinstance(meta.get("shrunk"), dict):
         case["check"] = meta["shrunk"].get("check")
     factors = FACTORS["float8_e4m3fn" if "float8" in kv_dtype or kv_dtype == "uint8" else "bfloat16"]
@@ -72,9 +74,13 @@ def write_repro(fx: Fixture, fixture_path: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="write a standalone reproducer (torch + flashinfer + safetensors) for a fixture")
+    parser = argparse.ArgumentParser(
+        description="write a standalone reproducer (torch + flashinfer + safetensors) for a fixture"
+    )
     parser.add_argument("fixture")
-    parser.add_argument("-o", "--out", help="folder for the script and a copy of the fixture (default: beside the fixture)")
+    parser.add_argument(
+        "-o", "--out", help="folder for the script and a copy of the fixture (default: beside the fixture)"
+    )
     args = parser.parse_args(argv)
     try:
         fx = load_fixture(args.fixture)

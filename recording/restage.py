@@ -34,7 +34,11 @@ def restage_fixture(fx: Fixture, impl, impl_spec: str | None = None, device="cpu
     stage = "kv_len"
     try:
         lens = lens_from_impl(fx, impl)
-        source = "its kv_len rule on the rebuilt scenario" if lens is not None else "the recorded kv_len (scenario not rebuilt)"
+        source = (
+            "its kv_len rule on the rebuilt scenario"
+            if lens is not None
+            else "the recorded kv_len (scenario not rebuilt)"
+        )
         lens = lens if lens is not None else fx["kv_len"].to(torch.int32)
         how = f"host stages re-run through the implementation under test: {source}, convert, layout {layout}, kv_indptr"
         stage = "convert"

@@ -58,14 +58,20 @@ def finite_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.isinf(a) | torch.isinf(b)) & (a != b)
 
 
-def element_errors(a: torch.Tensor, t: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def element_errors(
+    a: torch.Tensor, t: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(err_kernel, err_lowp, both_finite)``: ``|a - t|`` where ``a`` and the truth ``t`` are
     both finite (else 0), ``|lo - t|`` where ``lo`` and ``t`` are (else 0), and the first mask. The
     means of the policy divide by the count of that mask."""
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
     t_finite = torch.isfinite(t)
     both = t_finite & torch.isfinite(a)
-    return torch.where(both, (a - t).abs(), zero), torch.where(t_finite & torch.isfinite(lo), (lo - t).abs(), zero), both
+    return (
+        torch.where(both, (a - t).abs(), zero),
+        torch.where(t_finite & torch.isfinite(lo), (lo - t).abs(), zero),
+        both,
+    )
 
 
 def error_floor(max_abs_truth, ulps: float = 0.0):
@@ -128,7 +134,9 @@ def compare_to_budget(
     Computed in float64 on ``truth``'s device; only the summary numbers and the worst rows
     come back to the host."""
     if actual.shape != truth.shape or lowp.shape != truth.shape:
-        raise ValueError(f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}")
+        raise ValueError(
+            f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}"
+        )
     max_factor, mean_factor = FACTORS[kv_dtype]
     a, t, lo = (x.detach().to(device=truth.device, dtype=torch.float64) for x in (actual, truth, lowp))
     sums, err = _error_sums(a, t, lo)

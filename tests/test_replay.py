@@ -97,14 +97,18 @@ def test_replay_fixture(fixture_path, request, regime_log):
     rerun, not_rerun = rerun_on_installed(request, fx)
     report = replay(fx, rerun=rerun)
     # A host-stage re-run ran no kernel: the upgrade check records it as not re-run.
-    note_fixture_replay(request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun)
+    note_fixture_replay(
+        request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun
+    )
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn
     if request.config.getoption("--replay"):
         text = "\n".join([text, *write_heatmaps(report)])
     request.node.user_properties.append((REPLAY_KEY, text))
-    mismatches = report.rerun_plan_mismatch_rows if report.rerun and report.rerun.plan is not None else report.plan_mismatch_rows
+    mismatches = (
+        report.rerun_plan_mismatch_rows if report.rerun and report.rerun.plan is not None else report.plan_mismatch_rows
+    )
     if fx.meta.get("expect_finding") or failures:
         regime_log.blame(report.regimes[r] for r in mismatches if r < len(report.regimes))
     if failures:

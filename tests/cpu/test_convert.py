@@ -37,7 +37,9 @@ def on(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(device) for t in tensors)
 
 
-def mismatches(actual: torch.Tensor, expected: torch.Tensor, topk: torch.Tensor, req: torch.Tensor, limit: int = 6) -> str:
+def mismatches(
+    actual: torch.Tensor, expected: torch.Tensor, topk: torch.Tensor, req: torch.Tensor, limit: int = 6
+) -> str:
     bad = (actual != expected).nonzero().tolist()
     lines = [
         f"row {r} (request {int(req[r])}) column {c}: token {int(topk[r, c])} -> {int(actual[r, c])}, "
@@ -79,8 +81,14 @@ def random_case(seed: int, rows: int, width: int, num_reqs: int, table_width: in
     tok = rng.integers(0, span, size=(rows, width))
     kind = rng.random((rows, width))
     tok = np.where(kind < invalid_frac, -1, tok)
-    tok = np.where((kind >= invalid_frac) & (kind < invalid_frac + 0.05), rng.integers(span, 4 * span + 2, size=(rows, width)), tok)
-    tok = np.where((kind >= invalid_frac + 0.05) & (kind < invalid_frac + 0.08), rng.integers(INT32_MIN, 0, size=(rows, width)), tok)
+    tok = np.where(
+        (kind >= invalid_frac) & (kind < invalid_frac + 0.05), rng.integers(span, 4 * span + 2, size=(rows, width)), tok
+    )
+    tok = np.where(
+        (kind >= invalid_frac + 0.05) & (kind < invalid_frac + 0.08),
+        rng.integers(INT32_MIN, 0, size=(rows, width)),
+        tok,
+    )
     req = rng.integers(0, num_reqs, size=rows).astype(np.int32)
     return (torch.from_numpy(tok.astype(np.int32)), torch.from_numpy(table), torch.from_numpy(req))
 
@@ -268,7 +276,9 @@ def test_request_ids_repeat_over_query_start_loc_padding_maps_to_zero(impl, devi
     assert got.device == qsl.to(device).device, f"request ids on {got.device}, query_start_loc on {device}"
     got = got.cpu()
     want = request_ids_per_row(qsl, num_rows)
-    assert got.dtype == torch.int32 and got.tolist() == want.tolist(), f"qsl={qsl.tolist()}: {got.tolist()} != {want.tolist()}"
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist(), (
+        f"qsl={qsl.tolist()}: {got.tolist()} != {want.tolist()}"
+    )
     tokens = sum(q_lens)
     assert got[tokens:].tolist() == [0] * (num_rows - tokens)
 

@@ -53,7 +53,9 @@ def _run(phase, wall, text=JUNIT, jit=None, release="0.7.4", code=1):
 
 
 def test_table_has_one_row_per_release_with_both_walls_and_the_problems():
-    green = JUNIT.replace('<failure message="assert 0">boom</failure>', "").replace('<error message="fixture">e</error>', "")
+    green = JUNIT.replace('<failure message="assert 0">boom</failure>', "").replace(
+        '<error message="fixture">e</error>', ""
+    )
     runs = [_run("cold", 118.4, jit=(3, 70.0)), _run("warm", 95.0, green, jit=(0, 0.0), code=0),
             runner.Run("0.6.18.post1", "install failed")]
     rows = runner.table_rows(runs)
@@ -73,7 +75,9 @@ def test_table_has_one_row_per_release_with_both_walls_and_the_problems():
 
 def test_a_run_where_every_gpu_test_skipped_is_a_problem():
     all_skipped = JUNIT.replace(f'{GPU}</testcase>', f'{GPU}<skipped type="pytest.skip" message="no GPU"/></testcase>')
-    all_skipped = all_skipped.replace('<failure message="assert 0">boom</failure>', "").replace('<error message="fixture">e</error>', "")
+    all_skipped = all_skipped.replace('<failure message="assert 0">boom</failure>', "").replace(
+        '<error message="fixture">e</error>', ""
+    )
     run = runner.Run("installed", "warm", 10.0, 0, runner.parse_junit(all_skipped))
     assert run.counts.gpu_ran == 1  # the xfailed one ran
     no_gpu = all_skipped.replace('type="pytest.xfail"', 'type="pytest.skip"')

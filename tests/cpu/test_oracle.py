@@ -661,8 +661,15 @@ def test_full_partial_and_empty_selections_take_their_paths_to_the_same_answer(s
     p = random_problem(seed=18, t=3, h=2, k=4, num_slots=9, lens=lens)
     out, lse = run(p, use_mask=p.mask if select == "mask" else None)
     for row in range(3):
-        row_out, row_lse = run(replace(p, q_nope=p.q_nope[row:row + 1], q_pe=p.q_pe[row:row + 1], slots=p.slots[row:row + 1],
-                           lens=p.lens[row:row + 1]))
+        row_out, row_lse = run(
+            replace(
+                p,
+                q_nope=p.q_nope[row : row + 1],
+                q_pe=p.q_pe[row : row + 1],
+                slots=p.slots[row : row + 1],
+                lens=p.lens[row : row + 1],
+            )
+        )
         assert torch.equal(lse[row], row_lse[0]) and torch.equal(out[row], row_out[0]), f"row {row} of lens {lens}"
 
 

@@ -69,7 +69,10 @@ def run(summary, errors=None, driver=None, tool="memcheck"):
 def test_problems_are_errors_unfinished_runs_and_rows_not_finite():
     clean = {"variant": "bf16-rope64", "nonfinite_rows": [], "flashinfer": "0.7.4"}
     assert sanitize.run_problems(run(0, driver=clean)) == []
-    assert "2 errors: Invalid __global__ read | k x2" in sanitize.run_problems(run(2, {"Invalid __global__ read | k": 2}, clean))[0]
+    assert (
+        "2 errors: Invalid __global__ read | k x2"
+        in sanitize.run_problems(run(2, {"Invalid __global__ read | k": 2}, clean))[0]
+    )
     assert sanitize.run_problems(run(None, driver=None))[0].startswith("memcheck bf16-rope64: no error summary")
     assert "the driver did not finish" in sanitize.run_problems(run(0, driver=None))[0]
     assert "rows [1] not finite" in sanitize.run_problems(run(0, driver=dict(clean, nonfinite_rows=[1])))[0]

@@ -114,7 +114,9 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
         if not (torch.equal(replayed_out, eager_out) and torch.equal(replayed_lse, eager_lse)):
             diff = (replayed_out.float() - eager_out.float()).abs().nan_to_num(float("inf")).max().item()
             assert cluster != captured_cluster, f"graph replay != eager run of the same plan; {ctx}; max |diff| {diff}"
-            stale.append(f"replay {position}: {n} rows, cluster {cluster} vs captured {captured_cluster}, max |diff| {diff}")
+            stale.append(
+                f"replay {position}: {n} rows, cluster {cluster} vs captured {captured_cluster}, max |diff| {diff}"
+            )
             continue
         comparisons = compare_with_references(step, inputs[index], replayed_out, replayed_lse)
         record_errors(request.node, step, comparisons, label=f"graph-replay-{position}")

@@ -40,7 +40,10 @@ def record_regimes(regime_log, counts: dict) -> None:
 
 
 def failure_text(case, result: dict, version: str) -> str:
-    lines = [f"{case.id}: {result['outcome']} at stage {result.get('stage')}; flashinfer {version}", result.get("detail", "")]
+    lines = [
+        f"{case.id}: {result['outcome']} at stage {result.get('stage')}; flashinfer {version}",
+        result.get("detail", ""),
+    ]
     lines += [f"  {p}" for p in result.get("problems", [])]
     if result.get("wrote_past_planned_rows"):
         lines.append("  the kernel wrote rows past the planned rows")
