@@ -198,7 +198,8 @@ class GpuReport:
             )
             for name, s in summary.items():
                 terminalreporter.write_line(
-                    f"{name:<22}{s['cases']:>6}{s.get('out_max_ratio_worst', 0):>10.2f}{s.get('out_max_ratio_mean', 0):>9.2f}"
+                    f"{name:<22}{s['cases']:>6}"
+                    f"{s.get('out_max_ratio_worst', 0):>10.2f}{s.get('out_max_ratio_mean', 0):>9.2f}"
                     f"{s.get('out_mean_ratio_worst', 0):>10.2f}{s.get('out_mean_ratio_mean', 0):>9.2f}"
                     f"{s.get('lse_max_ratio_worst', 0):>10.2f}{s.get('lse_max_ratio_mean', 0):>9.2f}"
                     f"{s.get('out_rel_l2_worst', 0):>10.2e}"

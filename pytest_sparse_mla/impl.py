@@ -167,7 +167,10 @@ class GpuTierStatus:
             return "GPU tier: not run here (no NVIDIA GPU found)"
         if self.reason:
             return f"GPU tier: NOT RUN on this machine with {self.machine()}: {self.reason}"
-        return f"GPU tier: runs on {self.machine()}, sm_90, flashinfer installed (its import is checked when the GPU tests are collected)"
+        return (
+            f"GPU tier: runs on {self.machine()}, sm_90, flashinfer installed "
+            "(its import is checked when the GPU tests are collected)"
+        )
 
 
 def not_run_line(reason: str, status: GpuTierStatus | None) -> str:

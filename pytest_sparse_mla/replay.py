@@ -77,7 +77,10 @@ def replay_path_problem(path: str) -> str:
     if not Path(path).exists():
         return f"--replay={path}: no such file or folder"
     if not fixture_paths([path]):
-        return f"--replay={path}: no fixture (*.safetensors, *.recipe.json) under it; an empty replay would pass and check nothing"
+        return (
+            f"--replay={path}: no fixture (*.safetensors, *.recipe.json) under it; "
+            "an empty replay would pass and check nothing"
+        )
     return ""
 
 

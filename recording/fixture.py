@@ -306,7 +306,8 @@ def load_fixture(path: str | Path) -> Fixture:
             )
         if tuple(lse.shape) != tuple(tensors["q_nope"].shape[:2]):
             raise FixtureError(
-                f"{path}: tensor '{lse_key}' has shape {tuple(lse.shape)}, expected {tuple(tensors['q_nope'].shape[:2])}"
+                f"{path}: tensor '{lse_key}' has shape {tuple(lse.shape)}, "
+                f"expected {tuple(tensors['q_nope'].shape[:2])}"
             )
         outputs[version] = (out, lse)
     stray = [k for k in tensors if k.startswith("lse/")]

@@ -68,7 +68,8 @@ class Drift:
             for r, d in self.worst_rows
         )
         text = (
-            f"of {self.what} vs [{self.against}]: {self.equal}/{self.total} elements bitwise equal ({100 * self.equal_share:.4f}%), "
+            f"of {self.what} vs [{self.against}]: {self.equal}/{self.total} elements bitwise equal "
+            f"({100 * self.equal_share:.4f}%), "
             f"max abs {self.max_abs:.3g}"
         )
         return text + (f", worst rows {worst}" if worst else "")

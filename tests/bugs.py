@@ -1,8 +1,8 @@
 """Faithful re-creations of production bugs (docs/findings.md#at-a-glance), as implementations
-that plug into the suite with ``--impl tests.bugs:<ClassName>`` (a class is its own factory). The suite must fail on each
-(``tests/cpu/test_suite_catches_bugs.py`` checks that it does). Most are CPU-visible; the last
-ones live in the attention state and are caught by the GPU tier's edge families
-(docs/edges.md), one per family."""
+that plug into the suite with ``--impl tests.bugs:<ClassName>`` (a class is its own factory).
+The suite must fail on each (``tests/cpu/test_suite_catches_bugs.py`` checks that it does).
+Most are CPU-visible; the last ones live in the attention state and are caught by the GPU
+tier's edge families (docs/edges.md), one per family."""
 
 from __future__ import annotations
 

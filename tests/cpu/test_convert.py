@@ -67,7 +67,8 @@ def assert_matches_rule(impl, topk, table, req, block_size, **kwargs):
         exp_counts = valid_counts(expected)
         bad = (counts != exp_counts).nonzero().flatten().tolist()
         assert counts.dtype == torch.int32 and not bad, (
-            f"valid counts differ on rows {bad[:8]}: got {counts[bad[:8]].tolist()}, expected {exp_counts[bad[:8]].tolist()}"
+            f"valid counts differ on rows {bad[:8]}: got {counts[bad[:8]].tolist()}, "
+            f"expected {exp_counts[bad[:8]].tolist()}"
         )
     return slots, counts
 

@@ -167,13 +167,13 @@ import torch
 
 
 class BatchMLAPagedAttentionWrapper:
-    def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None,
-                 backend="auto"):
+    def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
+                 kv_len_arr=None, backend="auto"):
         assert backend == "fa3" and use_cuda_graph
         self.kv_indices = kv_indices
 
-    def _plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-              sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+    def _plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+              causal, sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
         assert page_size == 1 and not causal and kv_indices is self.kv_indices
         self.plan_args = (kv_indptr.clone(), kv_len_arr.clone(), float(sm_scale), lse_mode)
 
@@ -188,21 +188,21 @@ class BatchMLAPagedAttentionWrapper:
             lse[r] = torch.logsumexp(s, -1) / (1.0 if base_e or lse_mode == "basee" else math.log(2.0))
 """
 FLAT = """
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-             sm_scale, q_data_type, kv_data_type, use_profiler=False):
-        self._plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-                   sm_scale, q_data_type, kv_data_type)
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        self._plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+                   causal, sm_scale, q_data_type, kv_data_type)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
             kv_len=None, page_table=None, ckv_scale=None, kpe_scale=None):
         self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, False, ckv_scale, kpe_scale)
 """
 CANONICAL = """
-    def plan(self, metadata=None, *, query_layout, kv_cache_layout, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-             sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+    def plan(self, metadata=None, *, query_layout, kv_cache_layout, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
         assert query_layout == kv_cache_layout == "split"
-        self._plan(*metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
-                   lse_mode)
+        self._plan(*metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+                   kv_data_type, lse_mode)
 
     def run(self, query=None, kv_cache=None, *, out=None, lse=None, return_lse=False, return_lse_base_on_e=False,
             ckv_scale=None, kpe_scale=None):

@@ -19,12 +19,17 @@ GPU = f'<properties><property name="{runner.GPU_PROPERTY}" value="1"/></properti
 JUNIT = f"""<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="7">
  <testcase classname="tests.cpu.test_a" name="test_ok" time="0.50"/>
- <testcase classname="tests.cpu.test_a" name="test_bad[x]" time="2.25"><failure message="assert 0">boom</failure></testcase>
- <testcase classname="tests.cpu.test_a.TestGroup" name="test_err" time="0.10"><error message="fixture">e</error></testcase>
+ <testcase classname="tests.cpu.test_a" name="test_bad[x]" time="2.25">
+  <failure message="assert 0">boom</failure></testcase>
+ <testcase classname="tests.cpu.test_a.TestGroup" name="test_err" time="0.10">
+  <error message="fixture">e</error></testcase>
  <testcase classname="tests.gpu.test_b" name="test_kernel[1]" time="9.00">{GPU}</testcase>
- <testcase classname="tests.gpu.test_b" name="test_known[2]" time="3.00">{GPU}<skipped type="pytest.xfail" message="docs/findings.md#regime-c-packed"/></testcase>
- <testcase classname="tests.gpu.test_b" name="test_skipped" time="0.00">{GPU}<skipped type="pytest.skip" message="GPU tier: no GPU"/></testcase>
- <testcase classname="tests.cpu.test_c" name="test_plain_skip" time="0.00"><skipped type="pytest.skip" message="x"/></testcase>
+ <testcase classname="tests.gpu.test_b" name="test_known[2]" time="3.00">{GPU}
+  <skipped type="pytest.xfail" message="docs/findings.md#regime-c-packed"/></testcase>
+ <testcase classname="tests.gpu.test_b" name="test_skipped" time="0.00">{GPU}
+  <skipped type="pytest.skip" message="GPU tier: no GPU"/></testcase>
+ <testcase classname="tests.cpu.test_c" name="test_plain_skip" time="0.00">
+  <skipped type="pytest.skip" message="x"/></testcase>
 </testsuite></testsuites>"""
 
 

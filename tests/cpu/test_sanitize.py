@@ -13,9 +13,18 @@ import harness.launch
 import scripts.sanitize as sanitize
 from tests.cpu.test_rerun import stand_in  # noqa: F401 - the fixture
 
-MEMCHECK_LOG = """========= COMPUTE-SANITIZER
+#: A kernel frame and an API error as compute-sanitizer writes them, each one line of the log.
+HOPPER_FRAME = (
+    "=========     at void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<Params>(Params)+0x1a40"
+    " in mla_hopper.cuh:412"
+)
+LAUNCH_FAILURE = (
+    '========= Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure"'
+    " on CUDA API call to cudaStreamSynchronize."
+)
+MEMCHECK_LOG = f"""========= COMPUTE-SANITIZER
 ========= Invalid __global__ read of size 16 bytes
-=========     at void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<Params>(Params)+0x1a40 in mla_hopper.cuh:412
+{HOPPER_FRAME}
 =========     by thread (96,0,0) in block (3,0,0)
 =========     Address 0x7f12a0001000 is out of bounds
 =========     and is 4096 bytes after the nearest allocation at 0x7f12a0000000 of size 4096 bytes
@@ -23,10 +32,10 @@ MEMCHECK_LOG = """========= COMPUTE-SANITIZER
 =========     Host Frame: [0x2d3f1f] in libcuda.so.1
 =========
 ========= Invalid __global__ read of size 16 bytes
-=========     at void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<Params>(Params)+0x1a40 in mla_hopper.cuh:412
+{HOPPER_FRAME}
 =========     by thread (97,0,0) in block (3,0,0)
 =========
-========= Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure" on CUDA API call to cudaStreamSynchronize.
+{LAUNCH_FAILURE}
 =========     Saved host backtrace up to driver entry point at error
 =========
 ========= ERROR SUMMARY: 3 errors

@@ -73,8 +73,9 @@ FAR_BELOW = -32768.0
 #: the kernel's error there may pass the working-precision budget; measured on an H200, 0.7.4:
 #: out max error 2.07x the budget's reference in one case of four (docs/findings.md#score-precision-at-2-15).
 ALIGNMENT_OFFSET = 32768.0
-#: Beyond this many times the working-precision reference's error (the budget allows 2x) the rows at ALIGNMENT_OFFSET fail as any other row: the
-#: alignment costs a few units of 2**-8 per raw score, not orders of magnitude.
+#: Beyond this many times the working-precision reference's error (the budget allows 2x) the rows at
+#: ALIGNMENT_OFFSET fail as any other row: the alignment costs a few units of 2**-8 per raw score, not
+#: orders of magnitude.
 ALIGNMENT_CEILING = 4.0
 ALIGNMENT_FINDING = ("score precision at raw offsets of 2**15 (docs/findings.md#score-precision-at-2-15): only the "
                      "rows at +-32768 exceed the budget, at {worst:.2f}x lowp (budget 2x, ceiling {ceiling:g}x)")
