@@ -6,9 +6,9 @@ a fixture recorded from a known finding declares it (``expect_finding``) and mus
 On an SM90 GPU with FlashInfer each fixture is also re-run on the installed FlashInfer
 (recording.rerun) unless ``--replay-recorded-only``; elsewhere its host stages are re-run
 through the implementation under test (recording.restage) and the plan is judged on what it
-plans now. A recipe (``*.recipe.json``) is rebuilt from its
-spec and seed through the implementation under test (its stages in a child process where they
-once killed theirs). A replay of no fixture fails (docs/replay.md).
+plans now. A recipe (``*.recipe.json``) is rebuilt from its spec and seed through the
+implementation under test (its stages in a child process where they once killed theirs).
+A replay of no fixture fails (docs/replay.md).
 With ``--replay`` the error heatmaps are written after the verdict, which they never change.
 Under ``--record-baseline`` / ``--compare-baseline`` each re-run is recorded for the upgrade
 check (pytest_sparse_mla.baselines.note_fixture_replay)."""
