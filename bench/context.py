@@ -40,7 +40,9 @@ class Context:
     l2_bytes: int
     ceilings: dict = field(default_factory=dict)
     sections: frozenset = frozenset({"ceilings", "plan", "kernel", "graph", "reference"})
-    results: dict = field(default_factory=lambda: {"kernel": [], "plan": [], "graph": [], "reference": [], "skipped": []})
+    results: dict = field(
+        default_factory=lambda: {"kernel": [], "plan": [], "graph": [], "reference": [], "skipped": []}
+    )
 
     def expired(self) -> bool:
         return time.monotonic() > self.deadline

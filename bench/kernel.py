@@ -5,6 +5,8 @@ same scenario loop runs the reference and graph sections on the decode shapes th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harness.timing import estimate_seconds, summarize
@@ -35,10 +37,17 @@ def time_kernel(ctx: Context, prep: Prepared, lens: torch.Tensor, distinct: int 
     reps = max(prep.sets.count, reps_for(estimate, target_s=ctx.sel.kernel_target_s, lo=20, hi=300))
     times, how = ctx.timer.device_times(prep.attend, reps)
     s = summarize(times)
-    out = {**s, **how, "total_len": total, "flops": flops, "bytes": moved["gathered"], "bytes_unique": moved.get("unique"),
-           "rotation": {"caches": len(prep.sets.caches), "q_out_sets": len(prep.sets.qs)},
-           "finite": prep.outputs_finite(),
-           **rates(s["median_s"], flops, moved["gathered"], ctx.matmul_rate, ctx.copy_rate)}
+    out = {
+        **s,
+        **how,
+        "total_len": total,
+        "flops": flops,
+        "bytes": moved["gathered"],
+        "bytes_unique": moved.get("unique"),
+        "rotation": {"caches": len(prep.sets.caches), "q_out_sets": len(prep.sets.qs)},
+        "finite": prep.outputs_finite(),
+        **rates(s["median_s"], flops, moved["gathered"], ctx.matmul_rate, ctx.copy_rate),
+    }
     if moved.get("unique"):
         out["bytes_unique_per_s"] = moved["unique"] / s["median_s"]
     if ctx.matmul_rate and ctx.copy_rate:
@@ -71,7 +80,9 @@ def run_scenarios(ctx: Context) -> None:
             try:
                 first = with_config(base, kv_dtype, rope, k_scale, sel.heads[0])
                 cache_bytes = first.num_slots * first.spec.head_dim * (1 if kv_dtype == "float8_e4m3fn" else 2)
-                caches = [random_cache(first, ctx.device, generator) for _ in range(rotation_count(cache_bytes, ctx.l2_bytes))]
+                caches = [
+                    random_cache(first, ctx.device, generator) for _ in range(rotation_count(cache_bytes, ctx.l2_bytes))
+                ]
             except Exception as exc:
                 ctx.results["kernel"].append({"kind": kind, "rows": rows, "variant": variant_name(kv_dtype, rope),
                                               "error": error_text(exc)})
@@ -81,7 +92,7 @@ def run_scenarios(ctx: Context) -> None:
                 scenario = with_config(base, kv_dtype, rope, k_scale, heads)
                 holder = {}
 
-                def kernel_unit():
+                def kernel_unit(scenario=scenario, holder=holder, lens=lens, caches=caches, rows=rows):
                     nonlocal distinct
                     holder["prep"] = prep = prepare(ctx, scenario, lens, caches, generator)
                     if distinct is None:
@@ -91,6 +102,7 @@ def run_scenarios(ctx: Context) -> None:
                     return time_kernel(ctx, prep, lens, distinct)
 
                 ctx.guarded("kernel", shape_record(kind, rows, scenario), kernel_unit)
+                del kernel_unit  # its defaults hold the caches, freed below
                 prep = holder.get("prep")
                 if prep is not None and index == 0 and kind == "decode":
                     extra_units(ctx, kind, rows, scenario, prep, lens)
@@ -106,10 +118,12 @@ def extra_units(ctx: Context, kind: str, rows: int, scenario, prep: Prepared, le
     if "reference" in ctx.sections and rows in sel.reference_rows and heads in sel.reference_heads:
         device_lens = lens.to(device=ctx.device, dtype=torch.int64)
         kernel_out = prep.sets.out(0) if "kernel" in ctx.sections else None
-        reference_records(ctx, kind, rows, scenario, prep.sets.inputs(0), prep.state.slots[:rows], device_lens, kernel_out)
+        reference_records(
+            ctx, kind, rows, scenario, prep.sets.inputs(0), prep.state.slots[:rows], device_lens, kernel_out
+        )
         free_memory(ctx.device)
     if "graph" in ctx.sections and rows in sel.graph_rows and heads in sel.graph_heads:
         for layout in sel.graph_layouts:
             record = {**shape_record(kind, rows, scenario), "layout": layout}
-            ctx.guarded("graph", record, lambda: measure_graph(ctx, prep, lens, layout))
+            ctx.guarded("graph", record, functools.partial(measure_graph, ctx, prep, lens, layout))
             free_memory(ctx.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import cProfile
 import dataclasses
+import functools
 import pstats
 import time
 from pathlib import Path
@@ -19,7 +20,6 @@ from mla_constants import variant_name
 from .context import Context, error_text, free_memory, log
 from .counting import reps_for
 from .scenarios import mixed_decode_spec, planned_lens, with_config
-
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1]) + "/"
 
@@ -51,15 +51,17 @@ def time_plans(ctx: Context, state, rows: int, lens: torch.Tensor) -> dict:
     """Host time of ``state.plan`` (device idle at each call), after a first plan."""
     for _ in range(2):
         state.plan(rows, lens)
-    estimate = summarize(ctx.timer.host_times(lambda i: state.plan(rows, lens), 3, warmup=0))["median_s"]
+    estimate = summarize(ctx.timer.host_times(lambda i, state=state: state.plan(rows, lens), 3, warmup=0))["median_s"]
     reps = reps_for(estimate, target_s=ctx.sel.plan_target_s, lo=10, hi=200)
     plans_before, reused_before = state.plans, state.reused_plans
-    s = summarize(ctx.timer.host_times(lambda i: state.plan(rows, lens), reps, warmup=0))
+    s = summarize(ctx.timer.host_times(lambda i, state=state: state.plan(rows, lens), reps, warmup=0))
     return {**s, "flashinfer_plans": (state.plans - plans_before) - (state.reused_plans - reused_before),
             "kept_plans": state.reused_plans - reused_before}
 
 
-def measure_plan(ctx: Context, scenario, layout: str, rows: int, lens: torch.Tensor, max_rows: int | None = None) -> dict:
+def measure_plan(
+    ctx: Context, scenario, layout: str, rows: int, lens: torch.Tensor, max_rows: int | None = None
+) -> dict:
     """plan() host time without and with reuse_plan, buffers sized for ``max_rows`` (default
     ``rows``); a refused plan is recorded as such."""
     out = {}
@@ -103,7 +105,7 @@ def plan_while_busy(ctx: Context, scenario, layout: str, rows: int, lens: torch.
         state = plan_state(ctx, scenario, layout, rows, reuse)
         for _ in range(3):
             state.plan(rows, lens)
-        idle = summarize(ctx.timer.host_times(lambda i: state.plan(rows, lens), reps, warmup=0))
+        idle = summarize(ctx.timer.host_times(lambda i, state=state: state.plan(rows, lens), reps, warmup=0))
         busy = []
         for _ in range(reps):
             synchronize(ctx.device)
@@ -154,7 +156,7 @@ def run_plan_study(ctx: Context) -> None:
             for kv_dtype, rope, k_scale, heads in cells:
                 scenario = with_config(base, kv_dtype, rope, k_scale, heads)
                 record = plan_record(layout, rows, rows, heads, variant_name(kv_dtype, rope), lens, sel.topk)
-                ctx.guarded("plan", record, lambda: measure_plan(ctx, scenario, layout, rows, lens))
+                ctx.guarded("plan", record, functools.partial(measure_plan, ctx, scenario, layout, rows, lens))
                 free_memory(ctx.device)
     if not sel.plan_heads or not lens_by_rows:
         return
@@ -164,7 +166,7 @@ def run_plan_study(ctx: Context) -> None:
             continue
         scenario = with_config(base, kv0, rope0, k0, heads)
         record = plan_record("packed", rows, largest, heads, variant_name(kv0, rope0), lens, sel.topk)
-        ctx.guarded("plan", record, lambda: measure_plan(ctx, scenario, "packed", rows, lens, largest))
+        ctx.guarded("plan", record, functools.partial(measure_plan, ctx, scenario, "packed", rows, lens, largest))
         free_memory(ctx.device)
     probe = 256 if 256 in lens_by_rows else largest
     base, lens = lens_by_rows[probe]

@@ -85,9 +85,12 @@ def kernel_lines(data: dict) -> list[str]:
         lines.append(f"| {variant} | {kind} | {heads} | " + " | ".join(cells) + " |")
     best = max((r for r in recs if "median_s" in r), key=lambda r: r.get("fraction_of_roofline") or 0, default=None)
     if best and best.get("fraction_of_roofline"):
-        lines += ["", f"Closest to the roofline: {best['variant']} {best['kind']} rows {best['rows']} H {best['heads']} at "
-                  f"{100 * best['fraction_of_roofline']:.0f}% ({best['flops_per_s'] / 1e12:.0f} TFLOP/s, "
-                  f"{best['bytes_per_s'] / 1e12:.2f} TB/s). Per-shape rates, intensity and unique bytes: the JSON."]
+        lines += [
+            "",
+            f"Closest to the roofline: {best['variant']} {best['kind']} rows {best['rows']} H {best['heads']} at "
+            f"{100 * best['fraction_of_roofline']:.0f}% ({best['flops_per_s'] / 1e12:.0f} TFLOP/s, "
+            f"{best['bytes_per_s'] / 1e12:.2f} TB/s). Per-shape rates, intensity and unique bytes: the JSON.",
+        ]
     return lines + [""]
 
 
@@ -106,15 +109,21 @@ def plan_lines(data: dict) -> list[str]:
         return []
     rows = sorted({r["rows"] for r in recs})
     sized = lambda r: "rows" if r.get("max_rows", r["rows"]) == r["rows"] else r["max_rows"]  # noqa: E731
-    keys = sorted({(r["layout"], r["variant"], r["heads"], sized(r)) for r in recs},
-                  key=lambda k: (str(k[3]) != "rows", LAYOUT_ORDER.index(k[0]) if k[0] in LAYOUT_ORDER else 9, k[1], k[2]))
+    keys = sorted(
+        {(r["layout"], r["variant"], r["heads"], sized(r)) for r in recs},
+        key=lambda k: (str(k[3]) != "rows", LAYOUT_ORDER.index(k[0]) if k[0] in LAYOUT_ORDER else 9, k[1], k[2]),
+    )
     lines = ["## plan() host time, us: plan (kept with reuse_plan); device idle at each call", "",
              "| layout | variant | H | buffers for | " + " | ".join(f"rows {n}" for n in rows) + " |",
              "|---|---|---:|---:|" + "---:|" * len(rows)]
     for layout, variant, heads, size in keys:
         cells = []
         for n in rows:
-            hit = [r for r in recs if (r["layout"], r["variant"], r["heads"], sized(r), r["rows"]) == (layout, variant, heads, size, n)]
+            hit = [
+                r
+                for r in recs
+                if (r["layout"], r["variant"], r["heads"], sized(r), r["rows"]) == (layout, variant, heads, size, n)
+            ]
             cells.append(plan_cell(hit[0]) if hit else "-")
         lines.append(f"| {layout} | {variant} | {heads} | {size} | " + " | ".join(cells) + " |")
     rejected = next((r["rejected_at_plan"] for r in recs if "rejected_at_plan" in r), None)
@@ -166,7 +175,9 @@ def reference_lines(data: dict) -> list[str]:
              "|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in recs:
         if "median_s" not in r:
-            lines.append(f"| {r.get('rows')} | {r.get('heads')} | {r.get('mode')} | {_short(r.get('error', '-'), 80)} ||||")
+            lines.append(
+                f"| {r.get('rows')} | {r.get('heads')} | {r.get('mode')} | {_short(r.get('error', '-'), 80)} ||||"
+            )
             continue
         ker = kernels.get((r.get("kind"), r["rows"], r["heads"], r.get("variant")))
         rel = []
@@ -179,7 +190,10 @@ def reference_lines(data: dict) -> list[str]:
                      f"| {r['median_s'] * 1e3:.2f} | {_num(r['median_s'] / ker if ker else None, '{:.1f}')} "
                      f"| {_num(None if peak is None else peak / GIB)} | {r['output_bytes'] / GIB:.2f} "
                      f"| {', '.join(rel) or '-'} |")
-    lines += ["", "\\* float32 with bf16 x bf16 -> float32 products (tensor cores). rel L2 vs float64 on the same inputs."]
+    lines += [
+        "",
+        "\\* float32 with bf16 x bf16 -> float32 products (tensor cores). rel L2 vs float64 on the same inputs.",
+    ]
     tg = data.get("targets") or {}
     for key, t in tg.items():
         if "met" not in t:

@@ -90,7 +90,9 @@ class Sets:
     def inputs(self, i: int) -> AttentionInputs:
         j = i % self.count
         q = self.qs[j % len(self.qs)]
-        return AttentionInputs(q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=self.caches[j % len(self.caches)])
+        return AttentionInputs(
+            q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], kv_cache=self.caches[j % len(self.caches)]
+        )
 
     def out(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.outs[i % self.count]
@@ -125,12 +127,15 @@ class Prepared:
     def step_args(self, i: int):
         x = self.sets.inputs(i)
         out, lse = self.sets.out(i)
-        l = self.launch
-        return (l.topk_indices, l.block_table, l.req_id, x.q_nope, x.q_pe, x.ckv, x.kpe, out, lse)
+        launch = self.launch
+        return (launch.topk_indices, launch.block_table, launch.req_id, x.q_nope, x.q_pe, x.ckv, x.kpe, out, lse)
 
     def outputs_finite(self) -> bool:
         n = self.rows
-        return all(bool(torch.isfinite(o[:n].float()).all()) and bool(torch.isfinite(l[:n]).all()) for o, l in self.sets.outs)
+        return all(
+            bool(torch.isfinite(out[:n].float()).all()) and bool(torch.isfinite(lse[:n]).all())
+            for out, lse in self.sets.outs
+        )
 
 
 def prepare(ctx: Context, scenario, lens: torch.Tensor, caches, generator, layout: str = KERNEL_LAYOUT) -> Prepared:

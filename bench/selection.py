@@ -78,18 +78,26 @@ def describe_subset(sel: Selection) -> dict[str, str]:
     """What each section covers, in words (recorded in the JSON and the markdown)."""
     variants = ", ".join(variant_name(k, r) for k, r, _ in sel.variants)
     return {
-        "kernel": (f"variants {variants} (each its own JIT build; fp8 NoPE would be a fourth) x H {list(sel.heads)} "
-                   f"x decode rows {list(sel.decode_rows)} (one request per row, distinct KV) and prefill rows "
-                   f"{list(sel.prefill_rows)} (one request of that many query tokens, its rows share one KV pool; "
-                   f"a 1-row prefill is a decode row); topk {sel.topk}, kpool 1, every row selecting topk slots; "
-                   f"layout {KERNEL_LAYOUT}; the state plans one query row per token, so decode and prefill differ "
-                   "only in how much KV the rows share"),
-        "plan": (f"layouts {list(sel.plan_layouts)} x rows {list(sel.plan_rows)} x H {list(sel.plan_heads)} "
-                 f"({variant_name(*sel.variants[0][:2])}), plus {FP8_ROPE64} at H {list(sel.plan_fp8_heads)}; "
-                 "decode rows of mixed lengths (some shorter than topk); with and without reuse_plan"),
-        "graph": (f"decode rows {list(sel.graph_rows)} x H {list(sel.graph_heads)} x layouts {list(sel.graph_layouts)}, "
-                  f"{variant_name(*sel.variants[0][:2])}"),
-        "reference": (f"decode rows {list(sel.reference_rows)} x H {list(sel.reference_heads)}, "
-                      f"{variant_name(*sel.variants[0][:2])}, modes {list(REFERENCE_MODES)}, "
-                      f"memory_budget_bytes {REFERENCE_BUDGET_BYTES}"),
+        "kernel": (
+            f"variants {variants} (each its own JIT build; fp8 NoPE would be a fourth) x H {list(sel.heads)} "
+            f"x decode rows {list(sel.decode_rows)} (one request per row, distinct KV) and prefill rows "
+            f"{list(sel.prefill_rows)} (one request of that many query tokens, its rows share one KV pool; "
+            f"a 1-row prefill is a decode row); topk {sel.topk}, kpool 1, every row selecting topk slots; "
+            f"layout {KERNEL_LAYOUT}; the state plans one query row per token, so decode and prefill differ "
+            "only in how much KV the rows share"
+        ),
+        "plan": (
+            f"layouts {list(sel.plan_layouts)} x rows {list(sel.plan_rows)} x H {list(sel.plan_heads)} "
+            f"({variant_name(*sel.variants[0][:2])}), plus {FP8_ROPE64} at H {list(sel.plan_fp8_heads)}; "
+            "decode rows of mixed lengths (some shorter than topk); with and without reuse_plan"
+        ),
+        "graph": (
+            f"decode rows {list(sel.graph_rows)} x H {list(sel.graph_heads)} x layouts {list(sel.graph_layouts)}, "
+            f"{variant_name(*sel.variants[0][:2])}"
+        ),
+        "reference": (
+            f"decode rows {list(sel.reference_rows)} x H {list(sel.reference_heads)}, "
+            f"{variant_name(*sel.variants[0][:2])}, modes {list(REFERENCE_MODES)}, "
+            f"memory_budget_bytes {REFERENCE_BUDGET_BYTES}"
+        ),
     }

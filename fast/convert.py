@@ -91,7 +91,9 @@ def convert_topk_to_slots(
     if req_id.shape != (rows,):
         raise ValueError(f"req_id: expected [{rows}] (one per token row), got {tuple(req_id.shape)}")
     if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table: expected int32 [num_reqs, blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table: expected int32 [num_reqs, blocks], got {block_table.dtype} {tuple(block_table.shape)}"
+        )
     if not (unit_column_stride(topk_indices) and unit_column_stride(block_table)):
         raise ValueError("topk_indices and block_table need unit column stride")
     devices = {t.device for t in (topk_indices, block_table, req_id) + ((out,) if out is not None else ())}
@@ -103,7 +105,9 @@ def convert_topk_to_slots(
     if out is None:
         out = torch.empty_like(topk_indices)
     elif out.shape != (rows, width) or out.dtype != torch.int32 or not unit_column_stride(out):
-        raise ValueError(f"out: expected int32 [{rows}, {width}] with unit column stride, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out: expected int32 [{rows}, {width}] with unit column stride, got {out.dtype} {tuple(out.shape)}"
+        )
     counts = torch.empty(rows, dtype=torch.int32, device=topk_indices.device) if with_counts else out
     if rows:
         rows_per_program = _rows_per_program(topk_indices.device)

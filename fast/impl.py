@@ -82,7 +82,9 @@ class FastImpl:
         return _convert.request_ids(query_start_loc, num_rows)
 
     def convert(self, topk_indices, block_table, req_id, block_size, *, out=None, with_counts=False):
-        return _convert.convert_topk_to_slots(topk_indices, block_table, req_id, block_size, out=out, with_counts=with_counts)
+        return _convert.convert_topk_to_slots(
+            topk_indices, block_table, req_id, block_size, out=out, with_counts=with_counts
+        )
 
     def kv_indptr(self, layout, lens, max_rows, width):
         return _layouts.kv_indptr_host(layout, lens, max_rows, width)
@@ -116,7 +118,11 @@ def load_impl(spec: str) -> SparseMLAImpl:
         impl = factory()
     except Exception as exc:  # whatever the user's factory raises is named
         raise ValueError(f"--impl {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
-    missing = [m for m in ("kv_lens", "planned_lens", "request_ids", "convert", "kv_indptr", "write_kv_indices") if not callable(getattr(impl, m, None))]
+    missing = [
+        m
+        for m in ("kv_lens", "planned_lens", "request_ids", "convert", "kv_indptr", "write_kv_indices")
+        if not callable(getattr(impl, m, None))
+    ]
     if missing:
         raise ValueError(f"--impl {spec!r}: the object lacks {missing} (see fast.impl.SparseMLAImpl)")
     return impl

@@ -115,7 +115,9 @@ class SM90AttentionState:
         torch.clamp(self._arange, max=num_rows, out=self._qo_host)
         self._kv_len_host.zero_()
         self._kv_len_host[:num_rows] = lens.to(torch.int32)
-        self._kv_indptr_host.copy_(self.impl.kv_indptr(cfg.layout, self._kv_len_host[:num_rows], cfg.max_rows, cfg.width))
+        self._kv_indptr_host.copy_(
+            self.impl.kv_indptr(cfg.layout, self._kv_len_host[:num_rows], cfg.max_rows, cfg.width)
+        )
         self.wrapper.plan(
             qo_indptr=self._qo_host, kv_indptr=self._kv_indptr_host, kv_indices=self.kv_indices,
             kv_len_arr=self._kv_len_host, num_heads=cfg.num_heads, head_dim_ckv=KV_LORA_RANK,

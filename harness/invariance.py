@@ -53,7 +53,7 @@ def short_fillers(count: int) -> list[Row]:
 
 def placement_rows(target: Row, placement: str, fillers: int = FILLERS) -> tuple[list[Row], int]:
     """The batch of one placement and the target's index in it."""
-    mixed = [row for pair in zip(long_fillers(fillers), short_fillers(fillers)) for row in pair][:fillers]
+    mixed = [row for pair in zip(long_fillers(fillers), short_fillers(fillers), strict=True) for row in pair][:fillers]
     half = fillers // 2
     if placement == "alone":
         return [target], 0
@@ -105,8 +105,16 @@ def build_batch(rows: list[Row], target: int, config: KernelConfig, seed: int, m
     table[: len(rows)] = slots.clamp(min=0).to(torch.int32)
     keys = torch.tensor([row.key for row in rows] + [0] * (max_rows - len(rows)), dtype=torch.int64)
     q = query_rows(component_seed(seed, "invariance-q"), keys, config.num_heads, config.head_dim, device)
-    return Batch(rows, target, topk.to(device), table.to(device), torch.arange(max_rows, dtype=torch.int32, device=device),
-                 lens, slots, q)
+    return Batch(
+        rows,
+        target,
+        topk.to(device),
+        table.to(device),
+        torch.arange(max_rows, dtype=torch.int32, device=device),
+        lens,
+        slots,
+        q,
+    )
 
 
 def pool_cache(batches: list[Batch], config: KernelConfig, seed: int, device) -> torch.Tensor:
@@ -114,7 +122,9 @@ def pool_cache(batches: list[Batch], config: KernelConfig, seed: int, device) ->
     per-slot hash values, every other slot NaN (a read outside a selection shows)."""
     cache = nan_kv_buffer((POOL_SLOTS, 1, config.head_dim), config.kv_dtype, device)
     used = torch.unique(torch.cat([b.slots[b.slots != INVALID] for b in batches])).to(device)
-    cache[used, 0] = slot_values_on(component_seed(seed, "invariance-kv"), used, config.head_dim).to(config.torch_kv_dtype)
+    cache[used, 0] = slot_values_on(component_seed(seed, "invariance-kv"), used, config.head_dim).to(
+        config.torch_kv_dtype
+    )
     return cache
 
 

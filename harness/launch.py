@@ -58,7 +58,9 @@ def strided_plan_refused(features, step: Step) -> bool:
     refuses a strided plan whose planned rows are not all full width, with
     ``fast.flashinfer_compat.PAGE_COUNT_REFUSAL``."""
     width = step.scenario.spec.resolved_width
-    return step.layout == "strided" and bool(features.plan_checks_page_counts) and bool((step.planned_lens != width).any())
+    return (
+        step.layout == "strided" and bool(features.plan_checks_page_counts) and bool((step.planned_lens != width).any())
+    )
 
 
 def failure_context(step: Step, version: str) -> str:
@@ -126,7 +128,9 @@ def state_matches_step(state, step: Step) -> list[str]:
     problems = []
     indptr = state.planned_kv_indptr
     if not torch.equal(indptr[: n + 1], step.kv_indptr[: n + 1]):
-        problems.append(f"kv_indptr differs: state {indptr[: n + 1].tolist()[:8]} vs step {step.kv_indptr[: n + 1].tolist()[:8]}")
+        problems.append(
+            f"kv_indptr differs: state {indptr[: n + 1].tolist()[:8]} vs step {step.kv_indptr[: n + 1].tolist()[:8]}"
+        )
     if not torch.equal(state.planned_kv_len[:n], step.planned_lens):
         problems.append("kv_len differs from the planned lens")
     if bool((state.planned_kv_len[n:] != 0).any()):
@@ -142,7 +146,9 @@ def state_matches_step(state, step: Step) -> list[str]:
     return problems
 
 
-def references(step: Step, inputs: AttentionInputs) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def references(
+    step: Step, inputs: AttentionInputs
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(truth, lowp) over (b) for the planned rows: each ``(out, lse)``."""
     n = step.num_planned
     slots, mask = as_planned(step)
@@ -153,7 +159,9 @@ def references(step: Step, inputs: AttentionInputs) -> tuple[tuple[torch.Tensor,
     return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", **kw)
 
 
-def compare_with_references(step: Step, inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor) -> list[Comparison]:
+def compare_with_references(
+    step: Step, inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
+) -> list[Comparison]:
     note_step(step, inputs, out, lse)
     n = step.num_planned
     truth, lowp = references(step, inputs)
@@ -204,7 +212,9 @@ class StaticStep:
         self.table = torch.zeros((self.max_reqs, table_width), dtype=torch.int32, device=DEVICE)
         self.req = torch.zeros(self.max_rows, dtype=torch.int32, device=DEVICE)
         self.q = torch.zeros((self.max_rows, spec.num_heads, spec.head_dim), dtype=torch.bfloat16, device=DEVICE)
-        self.cache = torch.empty((self.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=DEVICE)
+        self.cache = torch.empty(
+            (self.num_blocks, spec.block_size, spec.head_dim), dtype=spec.torch_kv_dtype, device=DEVICE
+        )
         self.out, self.lse = nan_buffers(self.max_rows, spec.num_heads)
 
     @property
@@ -232,7 +242,17 @@ class StaticStep:
         self.lse.fill_(float("nan"))
 
     def args(self):
-        return (self.topk, self.table, self.req, self.q[..., :KV_LORA_RANK], self.q[..., KV_LORA_RANK:], self.ckv, self.kpe, self.out, self.lse)
+        return (
+            self.topk,
+            self.table,
+            self.req,
+            self.q[..., :KV_LORA_RANK],
+            self.q[..., KV_LORA_RANK:],
+            self.ckv,
+            self.kpe,
+            self.out,
+            self.lse,
+        )
 
 
 # --- one launch ---------------------------------------------------------------------------------

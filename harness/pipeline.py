@@ -162,8 +162,21 @@ def run_step_in_child(impl_spec: str, spec: BatchSpec, seed: int, layout: str, d
     kills its process (a segfault in a convert kernel, say) cannot take the session down:
     ``{"outcome": "ok" | "crashed" | "timeout" | "error", "stage", "detail"}``, the stage being
     the last one the child reached."""
-    cmd = [sys.executable, "-m", "harness.pipeline", "--impl", impl_spec, "--spec", json.dumps(dataclasses.asdict(spec)),
-           "--seed", str(seed), "--layout", layout, "--device", str(device)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness.pipeline",
+        "--impl",
+        impl_spec,
+        "--spec",
+        json.dumps(dataclasses.asdict(spec)),
+        "--seed",
+        str(seed),
+        "--layout",
+        layout,
+        "--device",
+        str(device),
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)
@@ -180,9 +193,17 @@ def run_step_in_child(impl_spec: str, spec: BatchSpec, seed: int, layout: str, d
         return {"outcome": "timeout", "stage": stage, "detail": f"no result within {timeout:.0f} s at stage {stage}"}
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-        return {"outcome": "crashed", "stage": stage,
-                "detail": f"the implementation under test killed its process ({name}) at stage {stage}" + (f": {tail}" if tail else "")}
-    return {"outcome": "error", "stage": stage, "detail": f"the child exited with {code} at stage {stage}" + (f": {tail}" if tail else "")}
+        return {
+            "outcome": "crashed",
+            "stage": stage,
+            "detail": f"the implementation under test killed its process ({name}) at stage {stage}"
+            + (f": {tail}" if tail else ""),
+        }
+    return {
+        "outcome": "error",
+        "stage": stage,
+        "detail": f"the child exited with {code} at stage {stage}" + (f": {tail}" if tail else ""),
+    }
 
 
 def child_main(argv=None) -> int:

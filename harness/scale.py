@@ -166,7 +166,7 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
     reached("plan")
     try:
         state.plan(n, step.planned_lens)
-    except Exception as exc:  # noqa: BLE001 - a refusal is an outcome
+    except Exception as exc:  # a refusal is an outcome
         result.update(outcome="refused", detail=f"{type(exc).__name__}: {str(exc)[:600]}",
                       refusal_is_value_error=isinstance(exc, ValueError))
         return result | {"seconds": times}
@@ -175,7 +175,7 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
         state.step(*launch.step_args(out, lse))
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         result.update(outcome="run-error", detail=f"{type(exc).__name__}: {str(exc)[:600]}")
         return result | {"seconds": times}
     reached("judge")
@@ -195,7 +195,9 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
     return result | {"seconds": times}
 
 
-def run_case_in_child(case: ScaleCase, impl_spec: str, seed: int = SCALE_SEED, timeout: float = CHILD_TIMEOUT_S) -> dict:
+def run_case_in_child(
+    case: ScaleCase, impl_spec: str, seed: int = SCALE_SEED, timeout: float = CHILD_TIMEOUT_S
+) -> dict:
     """:func:`check_scale_case` in a child process: its result, or ``crashed`` / ``timeout``
     with the last stage reached (and the regimes, once the scenario was built)."""
     cmd = [sys.executable, "-m", "harness.scale", "--case", case.id, "--impl", impl_spec, "--seed", str(seed)]

@@ -159,4 +159,11 @@ def matmul_ceiling(timer: Timer, n: int, reps: int, dtype: torch.dtype) -> dict:
     times, how = timer.device_times(lambda i: torch.matmul(a, b, out=c), reps)
     s = summarize(times)
     flops = 2 * n**3
-    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "flops": flops, "flops_per_s": flops / s["median_s"], **s, **how}
+    return {
+        "n": n,
+        "dtype": str(dtype).replace("torch.", ""),
+        "flops": flops,
+        "flops_per_s": flops / s["median_s"],
+        **s,
+        **how,
+    }

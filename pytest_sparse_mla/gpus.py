@@ -55,8 +55,8 @@ def first_block(num_items: int, workers: int) -> int:
 def spread(items: list, slow: list[bool], stride: int) -> list:
     """``items`` with the slow ones placed ``stride`` apart (one at the head of each worker's
     first block, the rest in the same rhythm), the others in their order between them."""
-    slow_items = [item for item, s in zip(items, slow) if s]
-    fast_items = [item for item, s in zip(items, slow) if not s]
+    slow_items = [item for item, s in zip(items, slow, strict=True) if s]
+    fast_items = [item for item, s in zip(items, slow, strict=True) if not s]
     between = max(stride - 1, 1)
     out: list = []
     while slow_items:
@@ -120,7 +120,11 @@ def gpu_identity() -> str:
     if torch is not None and torch.cuda.is_initialized():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         bus = getattr(props, "pci_bus_id", None)
-        return f"CUDA_VISIBLE_DEVICES={visible} -> {props.name}" + (f" (PCI bus {bus})" if bus is not None else "") + threads
+        return (
+            f"CUDA_VISIBLE_DEVICES={visible} -> {props.name}"
+            + (f" (PCI bus {bus})" if bus is not None else "")
+            + threads
+        )
     return f"CUDA_VISIBLE_DEVICES={visible} (CUDA not used)" + threads
 
 
@@ -188,11 +192,14 @@ class GpuReport:
         summary = ratio_summary(self.errors)
         if summary:
             terminalreporter.section("kernel error / working-precision error (compare_to_budget ratios)")
-            terminalreporter.write_line(f"{'kv':<22}{'cases':>6}{'out max':>10}{'(mean)':>9}{'out mean':>10}{'(mean)':>9}"
-                                        f"{'lse max':>10}{'(mean)':>9}{'rel L2':>10}")
+            terminalreporter.write_line(
+                f"{'kv':<22}{'cases':>6}{'out max':>10}{'(mean)':>9}{'out mean':>10}{'(mean)':>9}"
+                f"{'lse max':>10}{'(mean)':>9}{'rel L2':>10}"
+            )
             for name, s in summary.items():
                 terminalreporter.write_line(
-                    f"{name:<22}{s['cases']:>6}{s.get('out_max_ratio_worst', 0):>10.2f}{s.get('out_max_ratio_mean', 0):>9.2f}"
+                    f"{name:<22}{s['cases']:>6}"
+                    f"{s.get('out_max_ratio_worst', 0):>10.2f}{s.get('out_max_ratio_mean', 0):>9.2f}"
                     f"{s.get('out_mean_ratio_worst', 0):>10.2f}{s.get('out_mean_ratio_mean', 0):>9.2f}"
                     f"{s.get('lse_max_ratio_worst', 0):>10.2f}{s.get('lse_max_ratio_mean', 0):>9.2f}"
                     f"{s.get('out_rel_l2_worst', 0):>10.2e}"

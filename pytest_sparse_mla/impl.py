@@ -167,7 +167,10 @@ class GpuTierStatus:
             return "GPU tier: not run here (no NVIDIA GPU found)"
         if self.reason:
             return f"GPU tier: NOT RUN on this machine with {self.machine()}: {self.reason}"
-        return f"GPU tier: runs on {self.machine()}, sm_90, flashinfer installed (its import is checked when the GPU tests are collected)"
+        return (
+            f"GPU tier: runs on {self.machine()}, sm_90, flashinfer installed "
+            "(its import is checked when the GPU tests are collected)"
+        )
 
 
 def not_run_line(reason: str, status: GpuTierStatus | None) -> str:
@@ -205,7 +208,9 @@ def pytest_configure(config):
     if config.getoption("--require-gpu-tier") and status.reason:
         raise pytest.UsageError(require_gpu_tier_error(status))
     cuda_seen = cuda_seen_without_cuda(gpus)
-    chosen = resolve_device(config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED)
+    chosen = resolve_device(
+        config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED
+    )
     problem = device_problem(chosen, cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED,
                              default_impl=config.stash[IMPL_SPEC] == DEFAULT_IMPL_SPEC)
     if problem:
@@ -217,7 +222,9 @@ def pytest_report_header(config):
         return []
     status = config.stash[GPU_STATUS]
     cuda_seen = cuda_seen_without_cuda(status.gpus)
-    chosen = resolve_device(config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED)
+    chosen = resolve_device(
+        config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED
+    )
     spec = config.stash[IMPL_SPEC]
     lines = []
     if spec == DEFAULT_IMPL_SPEC:

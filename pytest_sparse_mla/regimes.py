@@ -98,7 +98,7 @@ class RegimeLog:
 # --- what a test declares -----------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def planned_row_regimes(spec) -> tuple[str, ...]:
     """The regimes of the rows a batch spec plans (the query rows handed to the kernel)."""
     from harness.scenario import build_scenario
@@ -244,8 +244,10 @@ class RegimeTally:
         rows, outcomes = self.counts()
         meanings = [*REGIMES.items(), (NO_REGIME, "tests that cover no context regime"),
                     *((EDGE_LABEL.format(edge), meaning) for edge, meaning in EDGE_FAMILIES.items())]
-        table = [(label, "-" if label == NO_REGIME else str(rows.get(label, 0)), outcomes.get(label, Counter()), meaning)
-                 for label, meaning in meanings]
+        table = [
+            (label, "-" if label == NO_REGIME else str(rows.get(label, 0)), outcomes.get(label, Counter()), meaning)
+            for label, meaning in meanings
+        ]
         width = max(len(label) for label, *_ in table) + 1
         head = (f"{'regime':<{width}}{'rows checked':>13}  | tests:{'passed':>7}{'failed':>8}{'xfailed':>9}"
                 f"{'skipped':>9}{'refused':>9}  meaning")
@@ -281,7 +283,9 @@ def regime_log(request) -> RegimeLog:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "regimes(*names): the context regimes a test covers (see pytest_sparse_mla.regimes)")
+    config.addinivalue_line(
+        "markers", "regimes(*names): the context regimes a test covers (see pytest_sparse_mla.regimes)"
+    )
     config.addinivalue_line("markers", "edge(*families): the edge families a test belongs to, of "
                             f"{', '.join(EDGE_FAMILIES)} (docs/edges.md; see pytest_sparse_mla.regimes)")
     config.stash[TALLY] = RegimeTally()

@@ -77,7 +77,10 @@ def replay_path_problem(path: str) -> str:
     if not Path(path).exists():
         return f"--replay={path}: no such file or folder"
     if not fixture_paths([path]):
-        return f"--replay={path}: no fixture (*.safetensors, *.recipe.json) under it; an empty replay would pass and check nothing"
+        return (
+            f"--replay={path}: no fixture (*.safetensors, *.recipe.json) under it; "
+            "an empty replay would pass and check nothing"
+        )
     return ""
 
 
@@ -243,7 +246,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("--replay"):
         texts = config.stash.get(REPLAYS, [])
         if texts and importlib.util.find_spec("matplotlib") is None:
-            terminalreporter.write_line("error heatmaps not written: matplotlib is not installed (pip install -e '.[plot]')")
+            terminalreporter.write_line(
+                "error heatmaps not written: matplotlib is not installed (pip install -e '.[plot]')"
+            )
         if texts:
             terminalreporter.section("fixture replay diagnostics")
             for text in texts:

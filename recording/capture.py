@@ -53,7 +53,7 @@ def bind_arguments(func, self_obj, args, kwargs, flat_names) -> dict:
         named.update(named.pop("kwargs", {}) or {})
         return named
     except (TypeError, ValueError):
-        named = dict(zip(flat_names, args))
+        named = dict(zip(flat_names, args, strict=False))
         named.update(kwargs)
         return named
 
@@ -61,7 +61,12 @@ def bind_arguments(func, self_obj, args, kwargs, flat_names) -> dict:
 def plan_record(named: dict) -> dict:
     """Host copies of what a plan call describes (flat or ``metadata=`` form)."""
     meta = named.get("metadata")
-    get = (lambda k: getattr(meta, k, None) if meta is not None and getattr(meta, k, None) is not None else named.get(k))
+
+    def get(k):
+        if meta is not None and getattr(meta, k, None) is not None:
+            return getattr(meta, k)
+        return named.get(k)
+
     tensors = {k: get(k) for k in ("qo_indptr", "kv_indptr", "kv_len_arr")}
     record = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
     # Production writes kv_indices after plan (the convert kernel fills the reserved buffer
@@ -82,7 +87,16 @@ def run_tensors(named: dict, result):
     else:
         out, lse = result, named.get("lse") if named.get("return_lse") else None
     scale = named.get("ckv_scale")
-    return q_nope, q_pe, ckv, kpe, out, lse, bool(named.get("return_lse_base_on_e")), 1.0 if scale is None else float(scale)
+    return (
+        q_nope,
+        q_pe,
+        ckv,
+        kpe,
+        out,
+        lse,
+        bool(named.get("return_lse_base_on_e")),
+        1.0 if scale is None else float(scale),
+    )
 
 
 def per_row_plan(plan: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +107,9 @@ def per_row_plan(plan: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     q_counts = (qo[1:] - qo[:-1]).clamp(min=0)
     req = torch.repeat_interleave(torch.arange(q_counts.numel()), q_counts)[:rows]
     starts = kv_indptr[req]
-    return torch.cat([starts, (starts[-1:] + kv_len[req][-1:]) if rows else torch.zeros(1, dtype=torch.int64)]), kv_len[req]
+    return torch.cat([starts, (starts[-1:] + kv_len[req][-1:]) if rows else torch.zeros(1, dtype=torch.int64)]), kv_len[
+        req
+    ]
 
 
 def record_pair(log: CaptureLog, plan: dict, named_run: dict, result) -> Path | None:
@@ -152,7 +168,10 @@ def add_captured_plan(fixture, plan: dict) -> None:
     fixture's kv_indices) and the plan arguments (metadata ``capture``)."""
     for key in ("qo_indptr", "kv_indptr", "kv_len_arr"):
         fixture.tensors[f"capture/{key}"] = plan[key].to(torch.int32).cpu()
-    args = {k: plan.get(k) for k in ("num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale", "lse_mode")}
+    args = {
+        k: plan.get(k)
+        for k in ("num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale", "lse_mode")
+    }
     for key in ("q_data_type", "kv_data_type"):
         args[key] = None if plan.get(key) is None else str(plan[key]).replace("torch.", "")
     indices = plan.get("kv_indices")

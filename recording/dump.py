@@ -63,5 +63,7 @@ def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, 
 def write_crash(directory, file_name: str, crash: dict, **meta) -> Path | None:
     """A recipe of a step whose stages killed their process (``crash`` as noted by
     :func:`recording.case_log.note_crash`); None where its spec and seed do not rebuild it."""
-    recipe = recipe_of_scenario(crash["scenario"], crash["layout"], crashed_at=crash["stage"], crash=crash["detail"], **meta)
+    recipe = recipe_of_scenario(
+        crash["scenario"], crash["layout"], crashed_at=crash["stage"], crash=crash["detail"], **meta
+    )
     return None if recipe is None else save_recipe(Path(directory) / f"{file_name}{RECIPE_SUFFIX}", recipe)

@@ -95,10 +95,18 @@ def content_digest(meta: dict, tensors: dict[str, torch.Tensor]) -> dict:
 def check_digest(path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     """The file holds what was written: each tensor and the metadata match the digest."""
     digest = meta.get("digest")
-    if not isinstance(digest, dict) or not isinstance(digest.get("tensors"), dict) or not isinstance(digest.get("metadata"), str):
-        raise FixtureError(f"{path}: metadata field 'digest' is missing or malformed (no content digest to check the file against)")
+    if (
+        not isinstance(digest, dict)
+        or not isinstance(digest.get("tensors"), dict)
+        or not isinstance(digest.get("metadata"), str)
+    ):
+        raise FixtureError(
+            f"{path}: metadata field 'digest' is missing or malformed (no content digest to check the file against)"
+        )
     if digest["metadata"] != metadata_digest(meta):
-        raise FixtureError(f"{path}: the metadata does not match its content digest: the file was changed after it was written")
+        raise FixtureError(
+            f"{path}: the metadata does not match its content digest: the file was changed after it was written"
+        )
     listed = digest["tensors"]
     for name in sorted(set(listed) - set(tensors)):
         raise FixtureError(f"{path}: tensor '{name}' is in the content digest but not in the file")
@@ -106,7 +114,9 @@ def check_digest(path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         raise FixtureError(f"{path}: tensor '{name}' is not in the content digest (added after the file was written)")
     for name, t in sorted(tensors.items()):
         if listed[name] != tensor_digest(t):
-            raise FixtureError(f"{path}: tensor '{name}' does not match its content digest: the file was changed after it was written")
+            raise FixtureError(
+                f"{path}: tensor '{name}' does not match its content digest: the file was changed after it was written"
+            )
 
 
 def fixture_tensors(fixture: Fixture) -> dict[str, torch.Tensor]:
@@ -167,7 +177,7 @@ def check_meta(path, meta) -> None:
     """Metadata is a JSON object whose known fields have their types."""
     if not isinstance(meta, dict):
         raise FixtureError(f"{path}: metadata is a JSON {_type_name(meta)}, expected an object")
-    for key, types in REQUIRED_META.items():
+    for key in REQUIRED_META:
         if key not in meta:
             raise FixtureError(f"{path}: metadata lacks '{key}'")
     for key, types in {**REQUIRED_META, **OPTIONAL_META}.items():
@@ -194,7 +204,9 @@ def check_dtypes(path, tensors: dict[str, torch.Tensor]) -> None:
         allowed = TENSOR_DTYPES.get(name.split("/", 1)[0])
         if allowed is not None and t.dtype not in allowed:
             want = ", ".join(str(d).replace("torch.", "") for d in allowed)
-            raise FixtureError(f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, expected one of {want}")
+            raise FixtureError(
+                f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, expected one of {want}"
+            )
 
 
 def _expected_shapes(meta: dict, t: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -216,7 +228,9 @@ def check_plan_tensors(path, t: dict[str, torch.Tensor]) -> None:
     if t["slot_ids"].dim() != 1:
         raise FixtureError(f"{path}: tensor 'slot_ids' has shape {tuple(t['slot_ids'].shape)}, expected one dimension")
     if t["kv_indices"].dim() != 1:
-        raise FixtureError(f"{path}: tensor 'kv_indices' has shape {tuple(t['kv_indices'].shape)}, expected one dimension")
+        raise FixtureError(
+            f"{path}: tensor 'kv_indices' has shape {tuple(t['kv_indices'].shape)}, expected one dimension"
+        )
     indptr, lens = t["kv_indptr"].to(torch.int64), t["kv_len"].to(torch.int64)
     if bool((lens < 0).any()):
         raise FixtureError(f"{path}: tensor 'kv_len' is negative at row {int((lens < 0).nonzero()[0])}")
@@ -235,7 +249,9 @@ def check_plan_tensors(path, t: dict[str, torch.Tensor]) -> None:
         bad = (x < -1) | (x >= m)
         if bool(bad.any()):
             at = tuple(bad.nonzero()[0].tolist())
-            raise FixtureError(f"{path}: tensor '{name}' holds slot {int(x[at])} at {at}, outside -1..{m - 1} (the {m} stored slots)")
+            raise FixtureError(
+                f"{path}: tensor '{name}' holds slot {int(x[at])} at {at}, outside -1..{m - 1} (the {m} stored slots)"
+            )
 
 
 def load_fixture(path: str | Path) -> Fixture:
@@ -252,7 +268,9 @@ def load_fixture(path: str | Path) -> Fixture:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
         size = path.stat().st_size
-        raise FixtureError(f"{path}: not a readable safetensors file ({size} bytes; truncated or another format): {exc}") from exc
+        raise FixtureError(
+            f"{path}: not a readable safetensors file ({size} bytes; truncated or another format): {exc}"
+        ) from exc
     if raw_meta is None:
         raise FixtureError(f"{path}: safetensors file without '{METADATA_KEY}' metadata (not a sparse-MLA fixture)")
     try:
@@ -283,9 +301,14 @@ def load_fixture(path: str | Path) -> Fixture:
             raise FixtureError(f"{path}: '{key}' recorded without '{lse_key}'")
         out, lse = tensors.pop(key), tensors.pop(lse_key)
         if tuple(out.shape) != tuple(tensors["q_nope"].shape):
-            raise FixtureError(f"{path}: tensor '{key}' has shape {tuple(out.shape)}, expected {tuple(tensors['q_nope'].shape)}")
+            raise FixtureError(
+                f"{path}: tensor '{key}' has shape {tuple(out.shape)}, expected {tuple(tensors['q_nope'].shape)}"
+            )
         if tuple(lse.shape) != tuple(tensors["q_nope"].shape[:2]):
-            raise FixtureError(f"{path}: tensor '{lse_key}' has shape {tuple(lse.shape)}, expected {tuple(tensors['q_nope'].shape[:2])}")
+            raise FixtureError(
+                f"{path}: tensor '{lse_key}' has shape {tuple(lse.shape)}, "
+                f"expected {tuple(tensors['q_nope'].shape[:2])}"
+            )
         outputs[version] = (out, lse)
     stray = [k for k in tensors if k.startswith("lse/")]
     if stray:
@@ -334,7 +357,11 @@ def build_fixture(
         width = int(lens.max()) if rows else 0
         cols = torch.arange(width)
         pos = indptr[:-1].unsqueeze(1) + cols
-        intended = torch.where(cols < lens.unsqueeze(1), indices[pos.clamp(max=max(used_end - 1, 0))], -1) if used_end else torch.full((rows, width), -1)
+        intended = (
+            torch.where(cols < lens.unsqueeze(1), indices[pos.clamp(max=max(used_end - 1, 0))], -1)
+            if used_end
+            else torch.full((rows, width), -1)
+        )
     intended = intended[:rows].cpu()
     # Only the planned spans are read: entries outside them are kept as -1.
     entry = torch.arange(used_end).unsqueeze(0)

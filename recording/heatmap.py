@@ -85,8 +85,14 @@ def write_heatmap(path: Path, grid: torch.Tensor, *, regimes: list[str], thresho
     handles = []
     for mask, colour, label in ((np.isnan(values), NAN_COLOUR, "NaN"), (np.isinf(values), INF_COLOUR, "Inf")):
         if mask.any():
-            ax.imshow(np.where(mask, 1.0, np.nan), aspect="auto", interpolation="nearest", cmap=ListedColormap([colour]),
-                      vmin=0.0, vmax=1.0)
+            ax.imshow(
+                np.where(mask, 1.0, np.nan),
+                aspect="auto",
+                interpolation="nearest",
+                cmap=ListedColormap([colour]),
+                vmin=0.0,
+                vmax=1.0,
+            )
             handles.append(Patch(facecolor=colour, label=f"{label} ({int(mask.sum())} cells)"))
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.55, 1.0), fontsize=8)
@@ -99,7 +105,9 @@ def write_heatmap(path: Path, grid: torch.Tensor, *, regimes: list[str], thresho
     bar = fig.colorbar(im, ax=ax)
     bar.set_label("max |out - ref(b)| over the 512 dims")
     bar.ax.axhline(threshold, color="cyan", linewidth=2)
-    ticks = [t for t in bar.get_ticks() if 0 <= t <= colour_limit(grid, threshold) and abs(t - threshold) > 0.06 * threshold]
+    ticks = [
+        t for t in bar.get_ticks() if 0 <= t <= colour_limit(grid, threshold) and abs(t - threshold) > 0.06 * threshold
+    ]
     bar.set_ticks([*ticks, threshold])
     bar.set_ticklabels([f"{t:.3g}" for t in ticks] + [f"budget {threshold:.3g}"])
     fig.savefig(path, dpi=100, bbox_inches="tight")
@@ -130,8 +138,13 @@ def write_heatmaps(report) -> list[str]:
         try:
             truth, _ = reference_outputs(planned, "planned", "float64")
             lowp, _ = reference_outputs(planned, "planned", "lowp")
-            write_heatmap(path, error_grid(out, truth), regimes=regimes, threshold=budget_threshold(truth, lowp, kv_dtype),
-                          title=f"{fx.name} [{version}] max |out - ref(b)|")
+            write_heatmap(
+                path,
+                error_grid(out, truth),
+                regimes=regimes,
+                threshold=budget_threshold(truth, lowp, kv_dtype),
+                title=f"{fx.name} [{version}] max |out - ref(b)|",
+            )
             lines.append(f"  heatmap [{version}]: {path}")
         except Exception as exc:  # the heatmap is a picture: it never decides anything
             lines.append(f"  WARNING: heatmap [{version}] not written to {path}: {type(exc).__name__}: {exc}")

@@ -95,7 +95,9 @@ def load_recipe(path) -> dict:
         if not isinstance(recipe.get(key), kind) or isinstance(recipe.get(key), bool):
             raise FixtureError(f"{path}: recipe field '{key}' is missing or not {kind.__name__}")
     if recipe.get("digest") != _file_digest(recipe):
-        raise FixtureError(f"{path}: the recipe does not match its content digest: the file was changed after it was written")
+        raise FixtureError(
+            f"{path}: the recipe does not match its content digest: the file was changed after it was written"
+        )
     return recipe
 
 
@@ -112,7 +114,9 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu"):
     except (TypeError, ValueError, KeyError) as exc:
         raise FixtureError(f"{path}: recipe field 'spec' does not build a scenario: {exc}") from exc
     if scenario_digest(scenario) != recipe["scenario_digest"]:
-        raise FixtureError(f"{path}: the spec and seed no longer rebuild the recorded scenario (scenario digest differs)")
+        raise FixtureError(
+            f"{path}: the spec and seed no longer rebuild the recorded scenario (scenario digest differs)"
+        )
     step = prepare_step(impl, scenario, recipe["layout"], device, max_rows=recipe["max_rows"])
     meta = {k: recipe[k] for k in ("name", "impl", "nodeid") if isinstance(recipe.get(k), str)}
     fx = fixture_from_step(step, build_attention_inputs(scenario), source="recipe", **meta)

@@ -24,7 +24,6 @@ from reference.oracle import sparse_mla_reference
 from .case_log import note_fixture
 from .fixture import Fixture, bitwise_equal, same_bits
 
-
 #: The version label of a re-run of the host stages only (recording.restage): no kernel ran.
 HOST_STAGES = "host stages"
 
@@ -37,7 +36,9 @@ class Rerun:
     how: str  # what ran: "pipeline through <impl>" or "as captured"
     out: torch.Tensor | None = None  # [rows, H, 512] (None when refused)
     lse: torch.Tensor | None = None  # [rows, H], natural log
-    plan: dict[str, torch.Tensor] | None = None  # kv_indptr / kv_indices / kv_len (local ids) it planned; None: as recorded
+    plan: dict[str, torch.Tensor] | None = (
+        None  # kv_indptr / kv_indices / kv_len (local ids) it planned; None: as recorded
+    )
     refused: str | None = None  # "ExceptionType: message" FlashInfer raised
     impl: str | None = None  # the implementation under test it ran through, if any
 
@@ -63,10 +64,14 @@ class Drift:
 
     def summary(self, regimes: list[str] | None = None) -> str:
         worst = ", ".join(
-            f"row {r} {d:.3g}" + (f" (regime {regimes[r]})" if regimes and r < len(regimes) else "") for r, d in self.worst_rows
+            f"row {r} {d:.3g}" + (f" (regime {regimes[r]})" if regimes and r < len(regimes) else "")
+            for r, d in self.worst_rows
         )
-        text = (f"of {self.what} vs [{self.against}]: {self.equal}/{self.total} elements bitwise equal ({100 * self.equal_share:.4f}%), "
-                f"max abs {self.max_abs:.3g}")
+        text = (
+            f"of {self.what} vs [{self.against}]: {self.equal}/{self.total} elements bitwise equal "
+            f"({100 * self.equal_share:.4f}%), "
+            f"max abs {self.max_abs:.3g}"
+        )
         return text + (f", worst rows {worst}" if worst else "")
 
 
@@ -99,7 +104,7 @@ class ReplayReport:
 
     @property
     def kernel_ok(self) -> bool:
-        return all(o.ok and l.ok for o, l in self.kernel.values())
+        return all(out_cmp.ok and lse_cmp.ok for out_cmp, lse_cmp in self.kernel.values())
 
     @property
     def plan_ok(self) -> bool:
@@ -126,7 +131,7 @@ class ReplayReport:
         elif self.rerun is not None and not self.refusal_expected:
             reasons.append(f"flashinfer {self.rerun.version} refused the re-run: {self.rerun.refused}")
         if not self.kernel_ok:
-            bad = [v for v, (o, l) in self.kernel.items() if not (o.ok and l.ok)]
+            bad = [v for v, (out_cmp, lse_cmp) in self.kernel.items() if not (out_cmp.ok and lse_cmp.ok)]
             reasons.append(f"kernel != as-planned reference beyond the error budget ({', '.join(bad)})")
         finding = self.fixture.meta.get("expect_finding")
         if finding and self.plan_ok:
@@ -152,7 +157,9 @@ class ReplayReport:
             lines.append(f"  bad input at row {r} (regime {self._regime(r)}): {why}")
         lines += self._plan_lines(self.violations, self.plan_mismatch_rows, fx, "")
         if self.poisoned_rows:
-            lines.append(f"  rows whose planned slots hold poison (NaN), left out of the kernel check: {self.poisoned_rows[:12]}")
+            lines.append(
+                f"  rows whose planned slots hold poison (NaN), left out of the kernel check: {self.poisoned_rows[:12]}"
+            )
         for version, why in self.refusals.items():
             lines.append(f"  [{version}] refused when recorded: {why}")
         rerun_label = self.rerun.label if self.rerun is not None else None
@@ -180,7 +187,11 @@ class ReplayReport:
         lines = [f"  {tag}invariant {v}" for v in violations[:8]]
         batch_rows = fx.meta.get("rows")
         for r in mismatch_rows[:8]:
-            where = f", row {batch_rows[r]} of the failing batch" if isinstance(batch_rows, list) and r < len(batch_rows) else ""
+            where = (
+                f", row {batch_rows[r]} of the failing batch"
+                if isinstance(batch_rows, list) and r < len(batch_rows)
+                else ""
+            )
             lines.append(
                 f"  {tag}plan != intent at row {r} (regime {self._regime(r)}{where}): kv_len {int(fx['kv_len'][r])}, "
                 f"valid {int(counts[r])}"
@@ -195,10 +206,14 @@ class ReplayReport:
         lines = [f"  {tag}{rerun.how}" + (f"; implementation under test: {rerun.impl}" if rerun.impl else "")]
         if rerun.refused:
             seen = [v for v, r in self.refusals.items() if first_line(r) == first_line(rerun.refused)]
-            lines.append(f"  {tag}REFUSED: {rerun.refused}" + (f" (as {', '.join(seen)} did when recorded)" if seen else ""))
+            lines.append(
+                f"  {tag}REFUSED: {rerun.refused}" + (f" (as {', '.join(seen)} did when recorded)" if seen else "")
+            )
             return lines
         if rerun.plan is not None:
-            lines += self._plan_lines(self.rerun_violations, self.rerun_plan_mismatch_rows, with_plan(self.fixture, rerun.plan), tag)
+            lines += self._plan_lines(
+                self.rerun_violations, self.rerun_plan_mismatch_rows, with_plan(self.fixture, rerun.plan), tag
+            )
         lines += self._kernel_lines([rerun.label] if rerun.label in self.kernel else [])
         lines += [f"  {tag}drift {d.summary(self.regimes)}" for d in self.drift]
         if self.agreement:
@@ -241,7 +256,11 @@ def bad_input_rows(fx: Fixture) -> dict[int, str]:
                 bad.setdefault(r, []).append(f"{name} holds NaN/Inf")
     slot_bad = ~(_finite_slots(fx["ckv"]) & _finite_slots(fx["kpe"]))
     intended = fx["intended"].to(torch.int64)
-    reads_bad = (intended >= 0) & slot_bad[intended.clamp(min=0)] if slot_bad.numel() else torch.zeros_like(intended, dtype=torch.bool)
+    reads_bad = (
+        (intended >= 0) & slot_bad[intended.clamp(min=0)]
+        if slot_bad.numel()
+        else torch.zeros_like(intended, dtype=torch.bool)
+    )
     for r in reads_bad.any(dim=1).nonzero().flatten().tolist():
         slot = int(intended[r][reads_bad[r]][0])
         bad.setdefault(r, []).append(f"intended KV slot {slot} (original id {int(fx['slot_ids'][slot])}) holds NaN/Inf")
@@ -267,7 +286,9 @@ def plan_checks(fx: Fixture, regimes: list[str] | None) -> tuple[list, list[int]
     return violations, (~same).nonzero().flatten().tolist()
 
 
-def kernel_checks(fx: Fixture, outputs: dict, excluded: torch.Tensor, device="cpu") -> dict[str, tuple[Comparison, Comparison]]:
+def kernel_checks(
+    fx: Fixture, outputs: dict, excluded: torch.Tensor, device="cpu"
+) -> dict[str, tuple[Comparison, Comparison]]:
     """Each ``(out, lse)`` against the reference over (b) within the budget; rows in
     ``excluded`` are zeroed on every side, so row numbers stay the fixture's."""
     truth_out, truth_lse = reference_outputs(fx, "planned", "float64", device)
@@ -295,7 +316,9 @@ def output_drift(new: torch.Tensor, old: torch.Tensor, against: str, k: int = 3,
     diff = torch.where(same, torch.zeros_like(diff), diff.nan_to_num(nan=float("inf")))
     per_row = diff.flatten(1).amax(dim=1) if diff.numel() else torch.zeros(new.shape[0], dtype=torch.float64)
     top = torch.topk(per_row, min(k, per_row.numel())) if per_row.numel() else None
-    worst = [(int(i), float(v)) for v, i in zip(top.values, top.indices) if v > 0] if top is not None else []
+    worst = (
+        [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True) if v > 0] if top is not None else []
+    )
     return Drift(against, int(same.sum()), same.numel(), float(diff.max()) if diff.numel() else 0.0, worst, what)
 
 
@@ -304,8 +327,8 @@ def agreeing_groups(outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> li
     groups: list[list[str]] = []
     for label, (out, lse) in outputs.items():
         for group in groups:
-            o, l = outputs[group[0]]
-            if bitwise_equal(out, o) and bitwise_equal(lse, l):
+            first_out, first_lse = outputs[group[0]]
+            if bitwise_equal(out, first_out) and bitwise_equal(lse, first_lse):
                 group.append(label)
                 break
         else:
@@ -327,15 +350,21 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
         report.poisoned_rows = _poisoned(fx, bad, device)
         report.kernel = kernel_checks(fx, outputs, bad | _row_mask(report.poisoned_rows, fx.num_rows), device)
     if rerun is not None and not rerun.refused and rerun.plan is not None:
-        report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(with_plan(fx, rerun.plan), report.regimes)
+        report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(
+            with_plan(fx, rerun.plan), report.regimes
+        )
     if rerun is not None and not rerun.refused and rerun.out is not None:
         planned = with_plan(fx, rerun.plan) if rerun.plan is not None else fx
         excluded = bad | _row_mask(_poisoned(planned, bad, device), fx.num_rows)
-        report.kernel.update(kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded, device))
+        report.kernel.update(
+            kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded, device)
+        )
         report.drift = [d for version, (out, lse) in fx.outputs.items()
                         for d in (output_drift(rerun.out.cpu(), out, version),
                                   output_drift(rerun.lse.cpu().float(), lse, version, what="lse"))]
-        report.agreement = agreeing_groups(dict(fx.outputs, **{rerun.label: (rerun.out.cpu(), rerun.lse.cpu().float())}))
+        report.agreement = agreeing_groups(
+            dict(fx.outputs, **{rerun.label: (rerun.out.cpu(), rerun.lse.cpu().float())})
+        )
     elif len(fx.outputs) > 1:
         report.agreement = agreeing_groups(fx.outputs)
     return report
@@ -344,7 +373,11 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
 def _poisoned(fx: Fixture, bad_inputs: torch.Tensor, device="cpu") -> list[int]:
     """Rows (with finite inputs) whose planned selection reads a NaN slot."""
     truth_out, _ = reference_outputs(fx, "planned", "float64", device)
-    nan_rows = torch.isnan(truth_out).flatten(1).any(dim=1).cpu() if truth_out.numel() else torch.zeros(fx.num_rows, dtype=torch.bool)
+    nan_rows = (
+        torch.isnan(truth_out).flatten(1).any(dim=1).cpu()
+        if truth_out.numel()
+        else torch.zeros(fx.num_rows, dtype=torch.bool)
+    )
     return (nan_rows & ~bad_inputs).nonzero().flatten().tolist()
 
 

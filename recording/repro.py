@@ -39,10 +39,10 @@ def working_precision_errors(fx: Fixture) -> dict[str, list[float]]:
     truth = reference_outputs(fx, "intended", "float64")
     lowp = reference_outputs(fx, "intended", "lowp")
     result = {}
-    for name, t, l in (("out", truth[0], lowp[0]), ("lse", truth[1], lowp[1])):
+    for name, t, lo in (("out", truth[0], lowp[0]), ("lse", truth[1], lowp[1])):
         t = t.double()
-        _, err_l, _ = element_errors(l.double(), t, l.double())  # |lowp - truth| where both are finite
-        finite = t.isfinite() & l.double().isfinite()
+        _, err_l, _ = element_errors(lo.double(), t, lo.double())  # |lowp - truth| where both are finite
+        finite = t.isfinite() & lo.double().isfinite()
         count = max(int(finite.sum()), 1)
         max_abs = float(t[t.isfinite()].abs().max()) if bool(t.isfinite().any()) else 0.0
         result[name] = [float(err_l.max()) if err_l.numel() else 0.0, float(err_l.sum()) / count, max_abs]
@@ -53,7 +53,9 @@ def repro_source(fx: Fixture, fixture_name: str) -> str:
     """The reproducer script's text for ``fx`` stored as ``fixture_name``."""
     meta = fx.meta
     kv_dtype = str(meta.get("kv_dtype", "bfloat16"))
-    case = {k: meta[k] for k in ("name", "layout", "impl", "nodeid", "regimes", "expect_finding") if meta.get(k) is not None}
+    case = {
+        k: meta[k] for k in ("name", "layout", "impl", "nodeid", "regimes", "expect_finding") if meta.get(k) is not None
+    }
     if isinstance(meta.get("shrunk"), dict):
         case["check"] = meta["shrunk"].get("check")
     factors = FACTORS["float8_e4m3fn" if "float8" in kv_dtype or kv_dtype == "uint8" else "bfloat16"]
@@ -72,9 +74,13 @@ def write_repro(fx: Fixture, fixture_path: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="write a standalone reproducer (torch + flashinfer + safetensors) for a fixture")
+    parser = argparse.ArgumentParser(
+        description="write a standalone reproducer (torch + flashinfer + safetensors) for a fixture"
+    )
     parser.add_argument("fixture")
-    parser.add_argument("-o", "--out", help="folder for the script and a copy of the fixture (default: beside the fixture)")
+    parser.add_argument(
+        "-o", "--out", help="folder for the script and a copy of the fixture (default: beside the fixture)"
+    )
     args = parser.parse_args(argv)
     try:
         fx = load_fixture(args.fixture)

@@ -153,7 +153,11 @@ def _rerun_captured(fx: Fixture, device) -> Rerun:
     how = "re-run exactly as captured: the recorded CSR arrays, plan arguments and kv_indices"
     cap = fx.meta.get("capture")
     if not isinstance(cap, dict) or "capture/qo_indptr" not in fx.tensors:
-        return Rerun(version, how, refused="not re-run: the fixture was captured without its CSR arrays (recorded outputs judged only)")
+        return Rerun(
+            version,
+            how,
+            refused="not re-run: the fixture was captured without its CSR arrays (recorded outputs judged only)",
+        )
     qo, kv_indptr, kv_len = (fx[f"capture/{k}"].to(torch.int32) for k in ("qo_indptr", "kv_indptr", "kv_len_arr"))
     indices = _captured_indices(fx, int(cap.get("kv_indices_len", 0)))
     rows = fx.num_rows
@@ -164,15 +168,26 @@ def _rerun_captured(fx: Fixture, device) -> Rerun:
     kv_dtype = getattr(torch, str(cap.get("kv_data_type") or fx.meta.get("kv_dtype", "bfloat16")).replace("torch.", ""))
     q_dtype = getattr(torch, str(cap.get("q_data_type") or "bfloat16").replace("torch.", ""))
     try:
-        wrapper.plan(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=buffers["kv_indices"], kv_len_arr=kv_len,
-                     num_heads=int(cap["num_heads"]), head_dim_ckv=int(cap["head_dim_ckv"]),
-                     head_dim_kpe=int(cap["head_dim_kpe"]), sm_scale=float(cap["sm_scale"]), kv_dtype=kv_dtype, q_dtype=q_dtype)
+        wrapper.plan(
+            qo_indptr=qo,
+            kv_indptr=kv_indptr,
+            kv_indices=buffers["kv_indices"],
+            kv_len_arr=kv_len,
+            num_heads=int(cap["num_heads"]),
+            head_dim_ckv=int(cap["head_dim_ckv"]),
+            head_dim_kpe=int(cap["head_dim_kpe"]),
+            sm_scale=float(cap["sm_scale"]),
+            kv_dtype=kv_dtype,
+            q_dtype=q_dtype,
+        )
     except Exception as exc:
         return Rerun(version, how + " (refused at plan)", refused=_refusal(exc))
     ckv, kpe = kv_views(fx, dev)
     out, lse = _nan_buffers(rows, fx, dev)
     try:
-        wrapper.run(fx["q_nope"].to(dev), fx["q_pe"].to(dev), ckv, kpe, out=out, lse=lse, k_scale=float(fx.meta["k_scale"]))
+        wrapper.run(
+            fx["q_nope"].to(dev), fx["q_pe"].to(dev), ckv, kpe, out=out, lse=lse, k_scale=float(fx.meta["k_scale"])
+        )
         _sync(dev)
     except Exception as exc:
         return Rerun(version, how + " (refused at run)", refused=_refusal(exc))
@@ -185,7 +200,9 @@ def _captured_indices(fx: Fixture, length: int) -> torch.Tensor:
     indices = fx["kv_indices"].to(torch.int32)
     indptr, lens = fx["kv_indptr"].to(torch.int64), fx["kv_len"].to(torch.int64)
     entry = torch.arange(indices.numel())
-    in_span = ((entry.unsqueeze(0) >= indptr[:-1].unsqueeze(1)) & (entry.unsqueeze(0) < (indptr[:-1] + lens).unsqueeze(1))).any(dim=0)
+    in_span = (
+        (entry.unsqueeze(0) >= indptr[:-1].unsqueeze(1)) & (entry.unsqueeze(0) < (indptr[:-1] + lens).unsqueeze(1))
+    ).any(dim=0)
     indices = torch.where(in_span, indices, torch.zeros_like(indices))
     if indices.numel() < max(length, 1):
         indices = torch.cat([indices, torch.zeros(max(length, 1) - indices.numel(), dtype=torch.int32)])

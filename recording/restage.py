@@ -34,7 +34,11 @@ def restage_fixture(fx: Fixture, impl, impl_spec: str | None = None, device="cpu
     stage = "kv_len"
     try:
         lens = lens_from_impl(fx, impl)
-        source = "its kv_len rule on the rebuilt scenario" if lens is not None else "the recorded kv_len (scenario not rebuilt)"
+        source = (
+            "its kv_len rule on the rebuilt scenario"
+            if lens is not None
+            else "the recorded kv_len (scenario not rebuilt)"
+        )
         lens = lens if lens is not None else fx["kv_len"].to(torch.int32)
         how = f"host stages re-run through the implementation under test: {source}, convert, layout {layout}, kv_indptr"
         stage = "convert"
@@ -48,7 +52,7 @@ def restage_fixture(fx: Fixture, impl, impl_spec: str | None = None, device="cpu
         indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=device)
         impl.write_kv_indices(layout, slots, lens_all.to(device), indptr[: max_rows + 1].to(device), indices)
         indices = indices.cpu()
-    except Exception as exc:  # noqa: BLE001 - the code under test raising is an outcome
+    except Exception as exc:  # the code under test raising is an outcome
         return Rerun(HOST, f"host stages re-run through the implementation under test (raised at {stage})",
                      refused=f"{type(exc).__name__} at {stage}: {exc}"[:400], impl=impl_spec)
     kv_len = lens[:n].to(torch.int32).cpu()

@@ -128,14 +128,25 @@ def subset_fixture(fx: Fixture, rows: list[int], heads: list[int] | None = None)
         for i, span in enumerate(spans):
             indices[i * width : i * width + span.numel()] = span
     else:
-        new_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[r], 0)]) if rows else torch.zeros(1, dtype=torch.int64)
+        new_indptr = (
+            torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[r], 0)])
+            if rows
+            else torch.zeros(1, dtype=torch.int64)
+        )
         indices = torch.cat(spans).to(torch.int32) if spans else torch.zeros(0, dtype=torch.int32)
     old_ids, (indices_local, intended_local) = remap_slots(indices, t["intended"][r])
     slot_ids = t["slot_ids"][old_ids] if t["slot_ids"].numel() else t["slot_ids"]
     tensors = dict(
         t,
-        q_nope=t["q_nope"][r][:, h], q_pe=t["q_pe"][r][:, h], ckv=t["ckv"][old_ids], kpe=t["kpe"][old_ids], slot_ids=slot_ids,
-        kv_indptr=new_indptr.to(torch.int32), kv_indices=indices_local, kv_len=lens[r].to(torch.int32), intended=intended_local,
+        q_nope=t["q_nope"][r][:, h],
+        q_pe=t["q_pe"][r][:, h],
+        ckv=t["ckv"][old_ids],
+        kpe=t["kpe"][old_ids],
+        slot_ids=slot_ids,
+        kv_indptr=new_indptr.to(torch.int32),
+        kv_indices=indices_local,
+        kv_len=lens[r].to(torch.int32),
+        intended=intended_local,
     )
     outputs = {v: (out[r][:, h], lse[r][:, h]) for v, (out, lse) in fx.outputs.items()}
     old_rows = meta.get("rows")

@@ -58,14 +58,20 @@ def finite_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.isinf(a) | torch.isinf(b)) & (a != b)
 
 
-def element_errors(a: torch.Tensor, t: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def element_errors(
+    a: torch.Tensor, t: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(err_kernel, err_lowp, both_finite)``: ``|a - t|`` where ``a`` and the truth ``t`` are
-    both finite (else 0), ``|l - t|`` where ``l`` and ``t`` are (else 0), and the first mask. The
+    both finite (else 0), ``|lo - t|`` where ``lo`` and ``t`` are (else 0), and the first mask. The
     means of the policy divide by the count of that mask."""
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
     t_finite = torch.isfinite(t)
     both = t_finite & torch.isfinite(a)
-    return torch.where(both, (a - t).abs(), zero), torch.where(t_finite & torch.isfinite(l), (l - t).abs(), zero), both
+    return (
+        torch.where(both, (a - t).abs(), zero),
+        torch.where(t_finite & torch.isfinite(lo), (lo - t).abs(), zero),
+        both,
+    )
 
 
 def error_floor(max_abs_truth, ulps: float = 0.0):
@@ -93,13 +99,13 @@ def _worst_rows_heads(err: torch.Tensor, k: int = 5) -> list[tuple[int, int, flo
     flat = per.flatten()
     values, indices = (x.tolist() for x in torch.topk(flat, min(k, flat.numel())))
     heads = per.shape[1]
-    return [(i // heads, i % heads, v) for v, i in zip(values, indices) if v > 0]
+    return [(i // heads, i % heads, v) for v, i in zip(values, indices, strict=True) if v > 0]
 
 
-def _error_sums(a: torch.Tensor, t: torch.Tensor, l: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+def _error_sums(a: torch.Tensor, t: torch.Tensor, lo: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
     """The comparison's summary numbers, computed where the tensors live and brought back in one
     transfer, and the kernel's absolute error (0 where it or the truth is not finite)."""
-    err, err_l, finite = element_errors(a, t, l)
+    err, err_l, finite = element_errors(a, t, lo)
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
     t_abs = torch.where(torch.isfinite(t), t.abs(), zero)
     t_fin = torch.where(finite, t, zero)
@@ -112,7 +118,7 @@ def _error_sums(a: torch.Tensor, t: torch.Tensor, l: torch.Tensor) -> tuple[dict
         torch.isnan(a).sum().to(t.dtype), finite_mismatch(a, t).sum().to(t.dtype), finite.sum().to(t.dtype), *maxima,
         err.sum(), err_l.sum(), err.norm(), t_fin.norm(),
     ]).tolist()
-    return dict(zip(names, values)), err
+    return dict(zip(names, values, strict=True)), err
 
 
 def compare_to_budget(
@@ -128,10 +134,12 @@ def compare_to_budget(
     Computed in float64 on ``truth``'s device; only the summary numbers and the worst rows
     come back to the host."""
     if actual.shape != truth.shape or lowp.shape != truth.shape:
-        raise ValueError(f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}")
+        raise ValueError(
+            f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}"
+        )
     max_factor, mean_factor = FACTORS[kv_dtype]
-    a, t, l = (x.detach().to(device=truth.device, dtype=torch.float64) for x in (actual, truth, lowp))
-    sums, err = _error_sums(a, t, l)
+    a, t, lo = (x.detach().to(device=truth.device, dtype=torch.float64) for x in (actual, truth, lowp))
+    sums, err = _error_sums(a, t, lo)
     problems = []
     if sums["nan"]:
         problems.append(f"{int(sums['nan'])} NaN (first at {_first_position(torch.isnan(a))})")

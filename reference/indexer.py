@@ -86,7 +86,10 @@ def indexer_rows(
 ) -> torch.Tensor:
     """``[len(ctx) + num_padded_rows, width]`` int32; padded rows are all -1."""
     rng = np.random.default_rng(seed)
-    rows = [indexer_row(int(c), bool(i), topk, kpool, width, rng) for c, i in zip(ctx.tolist(), identity.tolist())]
+    rows = [
+        indexer_row(int(c), bool(i), topk, kpool, width, rng)
+        for c, i in zip(ctx.tolist(), identity.tolist(), strict=True)
+    ]
     rows += [np.full(width, INVALID, dtype=np.int32)] * num_padded_rows
     if not rows:
         return torch.empty((0, width), dtype=torch.int32)

@@ -31,7 +31,9 @@ def _first_rows(mask: torch.Tensor, limit: int = 8) -> list[int]:
     return mask.nonzero().flatten()[:limit].tolist()
 
 
-def check_row_invariants(converted: torch.Tensor, lens: torch.Tensor, regimes: list[str] | None = None) -> list[Violation]:
+def check_row_invariants(
+    converted: torch.Tensor, lens: torch.Tensor, regimes: list[str] | None = None
+) -> list[Violation]:
     """Per planned row: valid count == len, and the valid entries are the first len columns."""
     n = lens.numel()
     rows = converted[:n].cpu()
@@ -43,7 +45,9 @@ def check_row_invariants(converted: torch.Tensor, lens: torch.Tensor, regimes: l
     out: list[Violation] = []
     label = (lambda r: f" (regime {regimes[r]})") if regimes else (lambda r: "")
     for r in _first_rows(counts != lens):
-        out.append(Violation("len==valid", r, f"planned len {int(lens[r])} != {int(counts[r])} valid entries{label(r)}"))
+        out.append(
+            Violation("len==valid", r, f"planned len {int(lens[r])} != {int(counts[r])} valid entries{label(r)}")
+        )
     hole = in_span & ~valid
     for r in _first_rows(hole.any(dim=1)):
         col = int(hole[r].nonzero()[0])
@@ -101,7 +105,9 @@ def planned_selection(
     return slots.to(torch.int64), lens
 
 
-def same_multisets(a_slots: torch.Tensor, a_mask: torch.Tensor, b_slots: torch.Tensor, b_mask: torch.Tensor) -> torch.Tensor:
+def same_multisets(
+    a_slots: torch.Tensor, a_mask: torch.Tensor, b_slots: torch.Tensor, b_mask: torch.Tensor
+) -> torch.Tensor:
     """Per row: the two selections hold the same multiset of slot ids."""
     big = torch.iinfo(torch.int64).max
     width = max(a_slots.shape[1], b_slots.shape[1])

@@ -58,7 +58,7 @@ def classify_row(ctx: int, topk: int, kpool: int, identity: bool) -> str:
 
 
 def classify_rows(ctx: torch.Tensor, identity: torch.Tensor, topk: int, kpool: int) -> list[str]:
-    return [classify_row(int(c), topk, kpool, bool(i)) for c, i in zip(ctx.tolist(), identity.tolist())]
+    return [classify_row(int(c), topk, kpool, bool(i)) for c, i in zip(ctx.tolist(), identity.tolist(), strict=True)]
 
 
 def request_ids_per_row(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE  # noqa: E402
-from reference.oracle import COMPUTE_MODES, sparse_mla_reference  # noqa: E402
+from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE
+from reference.oracle import COMPUTE_MODES, sparse_mla_reference
 
 # (label, kv dtype, rope dim, k_scale, sm_scale)
 VARIANTS = (
@@ -68,7 +68,7 @@ def case_inputs(seed: int, rows: int, heads: int, topk: int, num_slots: int, kv_
 
 def differences(old_result, new_result) -> list[str]:
     found = []
-    for what, a, b in zip(("out", "lse"), old_result, new_result):
+    for what, a, b in zip(("out", "lse"), old_result, new_result, strict=True):
         if a.dtype != b.dtype or a.shape != b.shape:
             found.append(f"{what}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}")
         elif bool(torch.isnan(a).any()) or bool(torch.isnan(b).any()):

@@ -212,7 +212,7 @@ def markdown_table(rows: list[dict]) -> str:
             "jit builds", "slowest cases", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        def n(key):
+        def n(key, r=r):
             return "-" if r[key] is None else str(r[key])
         gpu = "-" if r["gpu_total"] is None else f"{r['gpu_ran']}/{r['gpu_total']}"
         slow = ", ".join(f"{name.split('::')[-1][:50]} {t:.1f} s" for t, name in r["slowest"]) or "-"

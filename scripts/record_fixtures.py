@@ -58,32 +58,80 @@ class FixtureCase:
 
 
 CASES = [
-    FixtureCase("a-identity-fill-bf16", batch((1, 1), (5, 1), (255, 1), (256, 1), kpool=4, num_heads=16, **SMALL), focus=("A",)),
-    FixtureCase("h-kpool1-decode-bf16", batch((5, 1), (255, 1), (256, 1), (257, 1), (3000, 1), kpool=1, num_heads=32, **SMALL),
-                focus=("H",)),
-    FixtureCase("bdefg-pooled-decode-bf16", batch((8, 1), (256, 1), (258, 1), (260, 1), (263, 1), (2000, 1), kpool=4,
-                                                  num_heads=16, **SMALL), focus=("B", "D", "E", "F", "G")),
-    FixtureCase("c-compacted-fp8", batch((9, 1), (255, 1), (130, 1), (1001, 1), kpool=4, num_heads=64, **SMALL, **FP8),
-                focus=("C",)),
-    FixtureCase("c-packed-finding-bf16", batch((9, 1), (255, 1), (130, 1), (1001, 1), kpool=4, num_heads=16, **SMALL),
-                layout="packed", focus=("C",), finding=REGIME_C_FINDING.format(layout="packed")),
-    FixtureCase("nope-pooled-mixed-bf16", batch((3, 1), (256, 1), (261, 1), (900, 1), kpool=4, num_heads=32, **SMALL, **NOPE),
-                focus=("C", "D", "E", "G")),
-    FixtureCase("nope-spec-decode-straddling-bf16", batch((259, 4), (254, 4), (4000, 4), kpool=4, decode_threshold=4,
-                                                          num_heads=16, **SMALL, **NOPE), focus=("C", "D", "E", "G")),
+    FixtureCase(
+        "a-identity-fill-bf16", batch((1, 1), (5, 1), (255, 1), (256, 1), kpool=4, num_heads=16, **SMALL), focus=("A",)
+    ),
+    FixtureCase(
+        "h-kpool1-decode-bf16",
+        batch((5, 1), (255, 1), (256, 1), (257, 1), (3000, 1), kpool=1, num_heads=32, **SMALL),
+        focus=("H",),
+    ),
+    FixtureCase(
+        "bdefg-pooled-decode-bf16",
+        batch((8, 1), (256, 1), (258, 1), (260, 1), (263, 1), (2000, 1), kpool=4, num_heads=16, **SMALL),
+        focus=("B", "D", "E", "F", "G"),
+    ),
+    FixtureCase(
+        "c-compacted-fp8",
+        batch((9, 1), (255, 1), (130, 1), (1001, 1), kpool=4, num_heads=64, **SMALL, **FP8),
+        focus=("C",),
+    ),
+    FixtureCase(
+        "c-packed-finding-bf16",
+        batch((9, 1), (255, 1), (130, 1), (1001, 1), kpool=4, num_heads=16, **SMALL),
+        layout="packed",
+        focus=("C",),
+        finding=REGIME_C_FINDING.format(layout="packed"),
+    ),
+    FixtureCase(
+        "nope-pooled-mixed-bf16",
+        batch((3, 1), (256, 1), (261, 1), (900, 1), kpool=4, num_heads=32, **SMALL, **NOPE),
+        focus=("C", "D", "E", "G"),
+    ),
+    FixtureCase(
+        "nope-spec-decode-straddling-bf16",
+        batch((259, 4), (254, 4), (4000, 4), kpool=4, decode_threshold=4, num_heads=16, **SMALL, **NOPE),
+        focus=("C", "D", "E", "G"),
+    ),
     FixtureCase("h-topk2048-long-fp8-h64", batch((5000, 1), (131_072, 1), kpool=1, num_heads=64, **FP8), focus=("H",)),
-    FixtureCase("strided-seed-layout-bf16", batch((40, 1), (3000, 1), (256, 1), kpool=1, num_heads=16, **SMALL),
-                layout="strided", focus=("H",)),
-    FixtureCase("decode-prefill-to-mha-bf16", batch((3000, 1), (258, 1), (200, 24), kpool=4, num_heads=16, **SMALL),
-                focus=("F", "G", "E")),
-    FixtureCase("chunked-prefill-sparse-fp8", batch((12, 1), (700, 16), kpool=4, num_heads=32, **SMALL, **FP8),
-                focus=("B", "C", "G")),
-    FixtureCase("async-spec-decode-fp8", batch((259, 4), (255, 4), (2000, 4), kpool=4, decode_threshold=4,
-                                               async_scheduling=True, host_bound_slack=3, num_heads=16, **SMALL, **FP8),
-                focus=("C", "D", "E", "G")),
-    FixtureCase("graph-replay-smaller-bf16", batch((255, 1), (262, 1), (7, 1), kpool=4, num_heads=16, **SMALL),
-                graph_from=batch((3000, 1), (259, 1), (40, 1), (266, 8), (100, 6), kpool=4, num_heads=16, **SMALL),
-                focus=("C", "E", "G")),
+    FixtureCase(
+        "strided-seed-layout-bf16",
+        batch((40, 1), (3000, 1), (256, 1), kpool=1, num_heads=16, **SMALL),
+        layout="strided",
+        focus=("H",),
+    ),
+    FixtureCase(
+        "decode-prefill-to-mha-bf16",
+        batch((3000, 1), (258, 1), (200, 24), kpool=4, num_heads=16, **SMALL),
+        focus=("F", "G", "E"),
+    ),
+    FixtureCase(
+        "chunked-prefill-sparse-fp8",
+        batch((12, 1), (700, 16), kpool=4, num_heads=32, **SMALL, **FP8),
+        focus=("B", "C", "G"),
+    ),
+    FixtureCase(
+        "async-spec-decode-fp8",
+        batch(
+            (259, 4),
+            (255, 4),
+            (2000, 4),
+            kpool=4,
+            decode_threshold=4,
+            async_scheduling=True,
+            host_bound_slack=3,
+            num_heads=16,
+            **SMALL,
+            **FP8,
+        ),
+        focus=("C", "D", "E", "G"),
+    ),
+    FixtureCase(
+        "graph-replay-smaller-bf16",
+        batch((255, 1), (262, 1), (7, 1), kpool=4, num_heads=16, **SMALL),
+        graph_from=batch((3000, 1), (259, 1), (40, 1), (266, 8), (100, 6), kpool=4, num_heads=16, **SMALL),
+        focus=("C", "E", "G"),
+    ),
     FixtureCase("empty-batch-bf16", batch(kpool=4, num_heads=16, **SMALL)),
 ]
 
@@ -136,7 +184,12 @@ def record(case: FixtureCase, directory: Path, impl) -> str:
         else:
             inputs, out, lse = run_eager(impl, step, scenario)
     except ValueError as exc:  # e.g. the strided layout on FlashInfer >= 0.7
-        refused, inputs, out, lse = f"{type(exc).__name__}: {exc}"[:400], build_attention_inputs(scenario, DEVICE), None, None
+        refused, inputs, out, lse = (
+            f"{type(exc).__name__}: {exc}"[:400],
+            build_attention_inputs(scenario, DEVICE),
+            None,
+            None,
+        )
     fresh = fixture_from_step(
         step, inputs, outputs={version: (out, lse)} if out is not None else {}, name=case.name, focus=list(case.focus),
         graph_replay=case.graph_from is not None,
@@ -152,7 +205,9 @@ def record(case: FixtureCase, directory: Path, impl) -> str:
         if old is not None:
             for key, value in fresh.tensors.items():
                 if not bitwise_equal(old[key], value):
-                    raise SystemExit(f"{path}: input tensor {key!r} differs from the recorded one; delete the file to re-record")
+                    raise SystemExit(
+                        f"{path}: input tensor {key!r} differs from the recorded one; delete the file to re-record"
+                    )
             fresh.outputs = {**old.outputs, **fresh.outputs}
             fresh.meta["environment"] = old.meta.get("environment", {})
             fresh.meta["refused"] = old.meta.get("refused", {})
@@ -180,7 +235,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="fixtures")
     parser.add_argument("--only", nargs="*", help="case names")
-    parser.add_argument("--migrate", nargs="+", metavar="FILE", help="rewrite schema-1 fixtures with their content digest")
+    parser.add_argument(
+        "--migrate", nargs="+", metavar="FILE", help="rewrite schema-1 fixtures with their content digest"
+    )
     args = parser.parse_args()
     if args.migrate:
         return migrate(args.migrate)

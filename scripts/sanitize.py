@@ -62,7 +62,9 @@ def sanitizer_candidates() -> list[str]:
     places += sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"), reverse=True)
     places += sorted(glob.glob("/usr/local/cuda*/compute-sanitizer/compute-sanitizer"), reverse=True)
     for root in sys.path:
-        places += glob.glob(os.path.join(root, "nvidia", "cuda_sanitizer_api", "compute-sanitizer", "compute-sanitizer"))
+        places += glob.glob(
+            os.path.join(root, "nvidia", "cuda_sanitizer_api", "compute-sanitizer", "compute-sanitizer")
+        )
     return places
 
 
@@ -240,7 +242,9 @@ def run_problems(result: dict) -> list[str]:
     return problems
 
 
-def run_all(sanitizer: str, tools=TOOLS, variants=None, parallel: int = 3, timeout: float = RUN_TIMEOUT_S) -> list[dict]:
+def run_all(
+    sanitizer: str, tools=TOOLS, variants=None, parallel: int = 3, timeout: float = RUN_TIMEOUT_S
+) -> list[dict]:
     variants = list(variants or kernel_configs())
     pairs = [(tool, variant) for tool in tools for variant in variants]
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
@@ -249,10 +253,15 @@ def run_all(sanitizer: str, tools=TOOLS, variants=None, parallel: int = 3, timeo
 
 def report_markdown(sanitizer: str, results: list[dict]) -> str:
     version = next((r["driver"]["flashinfer"] for r in results if r.get("driver")), None)
-    lines = [f"## compute-sanitizer ({sanitizer}), FlashInfer {version}", "",
-             f"3 decode rows (regimes G, C, D), kpool {DRIVER_KPOOL}, H {DRIVER_HEADS}, compacted layout, "
-             "caching allocator off.", "",
-             "| tool | variant | errors | kinds (kernel) | API errors | rows not finite | s |", "|---|---|---:|---|---|---|---:|"]
+    lines = [
+        f"## compute-sanitizer ({sanitizer}), FlashInfer {version}",
+        "",
+        f"3 decode rows (regimes G, C, D), kpool {DRIVER_KPOOL}, H {DRIVER_HEADS}, compacted layout, "
+        "caching allocator off.",
+        "",
+        "| tool | variant | errors | kinds (kernel) | API errors | rows not finite | s |",
+        "|---|---|---:|---|---|---|---:|",
+    ]
     for r in results:
         kinds = "; ".join(f"{k} x{n}" for k, n in r["errors"].items()) or "-"
         api = "; ".join(f"{k} x{n}" for k, n in r["api_errors"].items()) or "-"

@@ -1,8 +1,8 @@
 """Faithful re-creations of production bugs (docs/findings.md#at-a-glance), as implementations
-that plug into the suite with ``--impl tests.bugs:<ClassName>`` (a class is its own factory). The suite must fail on each
-(``tests/cpu/test_suite_catches_bugs.py`` checks that it does). Most are CPU-visible; the last
-ones live in the attention state and are caught by the GPU tier's edge families
-(docs/edges.md), one per family."""
+that plug into the suite with ``--impl tests.bugs:<ClassName>`` (a class is its own factory).
+The suite must fail on each (``tests/cpu/test_suite_catches_bugs.py`` checks that it does).
+Most are CPU-visible; the last ones live in the attention state and are caught by the GPU
+tier's edge families (docs/edges.md), one per family."""
 
 from __future__ import annotations
 
@@ -90,7 +90,9 @@ class ConvertWithoutTableBound(FastImpl):
     def convert(self, topk_indices, block_table, req_id, block_size, *, out=None, with_counts=False):
         tok = topk_indices.to(torch.int64)
         flat = block_table.reshape(-1).to(torch.int64)
-        pos = req_id.to(torch.int64).unsqueeze(1) * block_table.shape[1] + torch.div(tok, block_size, rounding_mode="trunc")
+        pos = req_id.to(torch.int64).unsqueeze(1) * block_table.shape[1] + torch.div(
+            tok, block_size, rounding_mode="trunc"
+        )
         phys = flat[pos.clamp(0, max(flat.numel() - 1, 0))] if flat.numel() else torch.zeros_like(pos)
         slots = torch.where(tok >= 0, phys * block_size + tok % block_size, INVALID).to(torch.int32)
         if out is not None:

@@ -2,12 +2,13 @@
 and folders given with ``--replay`` (or, under the upgrade check, ``--baseline-fixtures``).
 Each fixture's recorded FlashInfer outputs are checked against the reference over the
 planned slots (b) within the error budget, and the plan against the intended selection (a);
-a fixture recorded from a known finding declares it (``expect_finding``) and must still show it. On an SM90 GPU with FlashInfer each fixture is
-also re-run on the installed FlashInfer (recording.rerun) unless ``--replay-recorded-only``;
-elsewhere its host stages are re-run through the implementation under test (recording.restage)
-and the plan is judged on what it plans now. A recipe (``*.recipe.json``) is rebuilt from its
-spec and seed through the implementation under test (its stages in a child process where they
-once killed theirs). A replay of no fixture fails (docs/replay.md).
+a fixture recorded from a known finding declares it (``expect_finding``) and must still show it.
+On an SM90 GPU with FlashInfer each fixture is also re-run on the installed FlashInfer
+(recording.rerun) unless ``--replay-recorded-only``; elsewhere its host stages are re-run
+through the implementation under test (recording.restage) and the plan is judged on what it
+plans now. A recipe (``*.recipe.json``) is rebuilt from its spec and seed through the
+implementation under test (its stages in a child process where they once killed theirs).
+A replay of no fixture fails (docs/replay.md).
 With ``--replay`` the error heatmaps are written after the verdict, which they never change.
 Under ``--record-baseline`` / ``--compare-baseline`` each re-run is recorded for the upgrade
 check (pytest_sparse_mla.baselines.note_fixture_replay)."""
@@ -97,14 +98,18 @@ def test_replay_fixture(fixture_path, request, regime_log):
     rerun, not_rerun = rerun_on_installed(request, fx)
     report = replay(fx, rerun=rerun)
     # A host-stage re-run ran no kernel: the upgrade check records it as not re-run.
-    note_fixture_replay(request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun)
+    note_fixture_replay(
+        request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun
+    )
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn
     if request.config.getoption("--replay"):
         text = "\n".join([text, *write_heatmaps(report)])
     request.node.user_properties.append((REPLAY_KEY, text))
-    mismatches = report.rerun_plan_mismatch_rows if report.rerun and report.rerun.plan is not None else report.plan_mismatch_rows
+    mismatches = (
+        report.rerun_plan_mismatch_rows if report.rerun and report.rerun.plan is not None else report.plan_mismatch_rows
+    )
     if fx.meta.get("expect_finding") or failures:
         regime_log.blame(report.regimes[r] for r in mismatches if r < len(report.regimes))
     if failures:

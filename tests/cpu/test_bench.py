@@ -9,8 +9,8 @@ import json
 import torch
 
 from bench import run
-from bench.scenarios import Sets
 from bench.report import disagreement_lines
+from bench.scenarios import Sets
 
 
 def tagged_sets(num_caches: int, num_qs: int) -> Sets:

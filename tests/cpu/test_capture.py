@@ -34,11 +34,12 @@ class StandInWrapper:
         mask = torch.arange(width) < kv_len[:rows, None]
         kv_indices = self.kv_indices.cpu()
         slots = torch.where(mask, kv_indices[pos.clamp(max=kv_indices.numel() - 1)], 0)
-        o, l = sparse_mla_reference(q_nope[:rows], q_pe[:rows], ckv_cache, kpe_cache, slots, mask=mask, sm_scale=sm_scale,
-                                    mode="float32")
+        o, lse_out = sparse_mla_reference(
+            q_nope[:rows], q_pe[:rows], ckv_cache, kpe_cache, slots, mask=mask, sm_scale=sm_scale, mode="float32"
+        )
         o = o.to(q_nope.dtype)
-        l = l if return_lse_base_on_e else lse_to_base2(l)
-        return (o, l) if return_lse else o
+        lse_out = lse_out if return_lse_base_on_e else lse_to_base2(lse_out)
+        return (o, lse_out) if return_lse else o
 
 
 def seed_style_program(impl, device, steps: list, max_rows: int, width: int) -> list[torch.Tensor]:
@@ -49,10 +50,25 @@ def seed_style_program(impl, device, steps: list, max_rows: int, width: int) -> 
     outputs = []
     for scenario, inputs in steps:
         n = scenario.num_rows
-        lens = impl.kv_lens(meta_on_device(scenario.meta, device), topk=scenario.spec.topk, kpool=scenario.spec.kpool, async_scheduling=False)
+        lens = impl.kv_lens(
+            meta_on_device(scenario.meta, device),
+            topk=scenario.spec.topk,
+            kpool=scenario.spec.kpool,
+            async_scheduling=False,
+        )
         qo = torch.arange(max_rows + 1, dtype=torch.int32).clamp(max=n)
-        wrapper.plan(qo, qo * width, kv_indices, torch.cat([lens, torch.full((max_rows - n,), width, dtype=torch.int32)]),
-                     scenario.spec.num_heads, 512, 64, 1, False, scenario.spec.sm_scale)
+        wrapper.plan(
+            qo,
+            qo * width,
+            kv_indices,
+            torch.cat([lens, torch.full((max_rows - n,), width, dtype=torch.int32)]),
+            scenario.spec.num_heads,
+            512,
+            64,
+            1,
+            False,
+            scenario.spec.sm_scale,
+        )
         rows = kv_indices[: max_rows * width].view(max_rows, width)
         req = impl.request_ids(scenario.meta.query_start_loc_cpu.to(device), max_rows)
         topk = torch.full((max_rows, width), -1, dtype=torch.int32, device=device)

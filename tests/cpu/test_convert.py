@@ -37,7 +37,9 @@ def on(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(device) for t in tensors)
 
 
-def mismatches(actual: torch.Tensor, expected: torch.Tensor, topk: torch.Tensor, req: torch.Tensor, limit: int = 6) -> str:
+def mismatches(
+    actual: torch.Tensor, expected: torch.Tensor, topk: torch.Tensor, req: torch.Tensor, limit: int = 6
+) -> str:
     bad = (actual != expected).nonzero().tolist()
     lines = [
         f"row {r} (request {int(req[r])}) column {c}: token {int(topk[r, c])} -> {int(actual[r, c])}, "
@@ -65,7 +67,8 @@ def assert_matches_rule(impl, topk, table, req, block_size, **kwargs):
         exp_counts = valid_counts(expected)
         bad = (counts != exp_counts).nonzero().flatten().tolist()
         assert counts.dtype == torch.int32 and not bad, (
-            f"valid counts differ on rows {bad[:8]}: got {counts[bad[:8]].tolist()}, expected {exp_counts[bad[:8]].tolist()}"
+            f"valid counts differ on rows {bad[:8]}: got {counts[bad[:8]].tolist()}, "
+            f"expected {exp_counts[bad[:8]].tolist()}"
         )
     return slots, counts
 
@@ -79,8 +82,14 @@ def random_case(seed: int, rows: int, width: int, num_reqs: int, table_width: in
     tok = rng.integers(0, span, size=(rows, width))
     kind = rng.random((rows, width))
     tok = np.where(kind < invalid_frac, -1, tok)
-    tok = np.where((kind >= invalid_frac) & (kind < invalid_frac + 0.05), rng.integers(span, 4 * span + 2, size=(rows, width)), tok)
-    tok = np.where((kind >= invalid_frac + 0.05) & (kind < invalid_frac + 0.08), rng.integers(INT32_MIN, 0, size=(rows, width)), tok)
+    tok = np.where(
+        (kind >= invalid_frac) & (kind < invalid_frac + 0.05), rng.integers(span, 4 * span + 2, size=(rows, width)), tok
+    )
+    tok = np.where(
+        (kind >= invalid_frac + 0.05) & (kind < invalid_frac + 0.08),
+        rng.integers(INT32_MIN, 0, size=(rows, width)),
+        tok,
+    )
     req = rng.integers(0, num_reqs, size=rows).astype(np.int32)
     return (torch.from_numpy(tok.astype(np.int32)), torch.from_numpy(table), torch.from_numpy(req))
 
@@ -113,7 +122,7 @@ def zoo_rows(width: int = 128):
     cols = np.linspace(0, width - 1, len(ZOO)).astype(int)
     topk = torch.full((3, width), -1, dtype=torch.int32)
     expected = torch.full((3, width), -1, dtype=torch.int32)
-    for col, (tok, s0, s1, _) in zip(cols, ZOO):
+    for col, (tok, s0, s1, _) in zip(cols, ZOO, strict=True):
         topk[:, col] = tok
         expected[0, col], expected[1, col], expected[2, col] = s0, s1, s0
     return topk, expected, cols
@@ -126,7 +135,7 @@ def test_invalid_index_zoo_maps_exactly(impl, device, width):
     assert req.tolist() == [0, 1, 0]
     slots, counts = impl.convert(*on(device, topk, ZOO_TABLE), req, BS, with_counts=True)
     slots, counts, req = slots.cpu(), counts.cpu(), req.cpu()
-    for col, (tok, _, _, why) in zip(cols, ZOO):
+    for col, (tok, _, _, why) in zip(cols, ZOO, strict=True):
         for row in range(3):
             assert int(slots[row, col]) == int(expected[row, col]), (
                 f"{why}: token {tok} on row {row} -> {int(slots[row, col])}, expected {int(expected[row, col])}"
@@ -268,7 +277,9 @@ def test_request_ids_repeat_over_query_start_loc_padding_maps_to_zero(impl, devi
     assert got.device == qsl.to(device).device, f"request ids on {got.device}, query_start_loc on {device}"
     got = got.cpu()
     want = request_ids_per_row(qsl, num_rows)
-    assert got.dtype == torch.int32 and got.tolist() == want.tolist(), f"qsl={qsl.tolist()}: {got.tolist()} != {want.tolist()}"
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist(), (
+        f"qsl={qsl.tolist()}: {got.tolist()} != {want.tolist()}"
+    )
     tokens = sum(q_lens)
     assert got[tokens:].tolist() == [0] * (num_rows - tokens)
 

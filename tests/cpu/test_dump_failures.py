@@ -6,18 +6,18 @@ same rows."""
 from __future__ import annotations
 
 import ast
-import re
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from recording.fixture import load_fixture
 from recording.recipe import load_recipe, rebuild_fixture
-from recording.repro import main as repro_main
 from recording.replay import replay
+from recording.repro import main as repro_main
 from tests.bugs import KpoolFromWrongSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,8 +77,13 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
 
 def test_passing_cases_and_runs_without_the_option_write_nothing(pytester, tmp_path):
     dump = tmp_path / "dumps"
-    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "-k", "test_kv_len_equals_valid_count and ctx2049",
-                        f"--dump-failures={dump}")
+    result = run_pytest(
+        pytester,
+        str(ROOT / "tests/cpu/test_kvlen_regimes.py"),
+        "-k",
+        "test_kv_len_equals_valid_count and ctx2049",
+        f"--dump-failures={dump}",
+    )
     assert result.ret == 0, "\n".join(result.outlines[-20:])
     assert not dump.exists()
     result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:KpoolFromWrongSpec",
@@ -90,7 +95,17 @@ def test_passing_cases_and_runs_without_the_option_write_nothing(pytester, tmp_p
 
 MAX_FIXTURE_BYTES = 2_000_000
 MAX_DUMP_BYTES = 20_000_000
-PROJECT_MODULES = {"fast", "harness", "recording", "reference", "pytest_sparse_mla", "mla_constants", "scripts", "bench", "tests"}
+PROJECT_MODULES = {
+    "fast",
+    "harness",
+    "recording",
+    "reference",
+    "pytest_sparse_mla",
+    "mla_constants",
+    "scripts",
+    "bench",
+    "tests",
+}
 
 
 def imported_modules(source: str) -> set[str]:
@@ -109,7 +124,9 @@ def test_cpu_journey_dump_shrink_replay_and_a_reproducer_of_nothing_of_the_proje
     dump = tmp_path / "dumps"
     bug = "--impl=tests.bugs:CompactionPlansPrefix"
     select = "test_plan_reads_the_intended_slots and compacted and kpool4 and (ctx3 or ctx5 or decode-mixed)"
-    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), bug, "-k", select, f"--dump-failures={dump}")
+    result = run_pytest(
+        pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), bug, "-k", select, f"--dump-failures={dump}"
+    )
     failed = result.parseoutcomes().get("failed", 0)
     assert result.ret == 1 and failed >= 3, "\n".join(result.outlines[-30:])
     fixtures = sorted(dump.glob("*.safetensors"))
@@ -121,11 +138,15 @@ def test_cpu_journey_dump_shrink_replay_and_a_reproducer_of_nothing_of_the_proje
         shrunk = fx.meta["shrunk"]
         assert path.stat().st_size <= MAX_FIXTURE_BYTES, f"{path.name}: {path.stat().st_size} bytes"
         assert shrunk["check"] == ["plan != intent"] and shrunk["candidates_tried"] >= 1, shrunk
-        assert shrunk["to"]["bytes"] < shrunk["from"]["bytes"] and shrunk["to"]["rows"] <= shrunk["from"]["rows"], shrunk
+        assert shrunk["to"]["bytes"] < shrunk["from"]["bytes"] and shrunk["to"]["rows"] <= shrunk["from"]["rows"], (
+            shrunk
+        )
         assert fx.num_rows == shrunk["to"]["rows"] and set(fx.meta["regimes"]) == {"C"}, fx.meta["regimes"]
         repro = path.with_name(path.name.removesuffix(".safetensors") + ".repro.py")
         extra = imported_modules(repro.read_text()) - set(sys.stdlib_module_names)
-        assert extra <= {"torch", "flashinfer", "safetensors"} and not extra & PROJECT_MODULES, f"{repro.name} imports {extra}"
+        assert extra <= {"torch", "flashinfer", "safetensors"} and not extra & PROJECT_MODULES, (
+            f"{repro.name} imports {extra}"
+        )
     # Replayed on this machine, the host stages run through the implementation under test:
     # the bug fails every fixture, the fixed code passes them all.
     result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}", bug)
@@ -138,7 +159,7 @@ def test_cpu_journey_dump_shrink_replay_and_a_reproducer_of_nothing_of_the_proje
 # A stand-in FlashInfer package for the reproducer, in the call forms of 0.6.18.post1 (flat) and
 # 0.7.4 (canonical): plans like FlashInfer under CUDA graphs and computes each row over the
 # slots its span reads in float32 (base-2 LSE unless asked for natural log).
-FAKE_MLA = '''
+FAKE_MLA = """
 import math
 import torch
 
@@ -146,13 +167,13 @@ import torch
 
 
 class BatchMLAPagedAttentionWrapper:
-    def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None, kv_len_arr=None,
-                 backend="auto"):
+    def __init__(self, workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
+                 kv_len_arr=None, backend="auto"):
         assert backend == "fa3" and use_cuda_graph
         self.kv_indices = kv_indices
 
-    def _plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-              sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+    def _plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+              causal, sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
         assert page_size == 1 and not causal and kv_indices is self.kv_indices
         self.plan_args = (kv_indptr.clone(), kv_len_arr.clone(), float(sm_scale), lse_mode)
 
@@ -165,28 +186,28 @@ class BatchMLAPagedAttentionWrapper:
             s = (q_nope[r].float() @ kv[idx].T + q_pe[r].float() @ kp[idx].T) * sm_scale
             out[r] = (torch.softmax(s, -1) @ kv[idx]).to(out.dtype)
             lse[r] = torch.logsumexp(s, -1) / (1.0 if base_e or lse_mode == "basee" else math.log(2.0))
-'''
-FLAT = '''
-    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-             sm_scale, q_data_type, kv_data_type, use_profiler=False):
-        self._plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-                   sm_scale, q_data_type, kv_data_type)
+"""
+FLAT = """
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        self._plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+                   causal, sm_scale, q_data_type, kv_data_type)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
             kv_len=None, page_table=None, ckv_scale=None, kpe_scale=None):
         self._run(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse, False, ckv_scale, kpe_scale)
-'''
-CANONICAL = '''
-    def plan(self, metadata=None, *, query_layout, kv_cache_layout, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
-             sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
+"""
+CANONICAL = """
+    def plan(self, metadata=None, *, query_layout, kv_cache_layout, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, lse_mode="base2"):
         assert query_layout == kv_cache_layout == "split"
-        self._plan(*metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type,
-                   lse_mode)
+        self._plan(*metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+                   kv_data_type, lse_mode)
 
     def run(self, query=None, kv_cache=None, *, out=None, lse=None, return_lse=False, return_lse_base_on_e=False,
             ckv_scale=None, kpe_scale=None):
         self._run(*query, *kv_cache, out, lse, return_lse, return_lse_base_on_e, ckv_scale, kpe_scale)
-'''
+"""
 METADATA = '''
 class MLAPlanMetadata(tuple):
     @classmethod
@@ -232,7 +253,9 @@ def test_an_implementation_that_kills_its_process_fails_one_test_and_leaves_a_re
     dump = tmp_path / "dumps"
     crash = "--impl=tests.bugs:ConvertReadsTheTableOfInvalidEntries"
     # In process: were the stages not run apart, the segfault would end this very test run.
-    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_convert.py"), crash, "-k", "empty_block_table", f"--dump-failures={dump}")
+    result = run_pytest(
+        pytester, str(ROOT / "tests/cpu/test_convert.py"), crash, "-k", "empty_block_table", f"--dump-failures={dump}"
+    )
     out = "\n".join(result.outlines)
     assert result.ret == 1 and "1 failed" in out, out[-2000:]
     assert "killed its process (SIGSEGV) at stage convert" in out, out[-2000:]
@@ -252,8 +275,10 @@ def test_a_changed_recipe_is_a_fixture_error(tmp_path):
     from recording.fixture import FixtureError
     from recording.recipe import recipe_of_scenario, save_recipe
 
-    path = save_recipe(tmp_path / "case.recipe.json", recipe_of_scenario(build_scenario(batch((9, 1), kpool=4, topk=256), 3),
-                                                                          "compacted", name="case"))
+    path = save_recipe(
+        tmp_path / "case.recipe.json",
+        recipe_of_scenario(build_scenario(batch((9, 1), kpool=4, topk=256), 3), "compacted", name="case"),
+    )
     assert load_recipe(path)["seed"] == 3
     path.write_text(path.read_text().replace('"seed": 3', '"seed": 4'))
     with pytest.raises(FixtureError, match="does not match its content digest"):
@@ -265,8 +290,14 @@ def test_a_step_too_large_to_build_at_failure_is_written_as_a_recipe(pytester, t
 
     monkeypatch.setattr(recording.dump, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
     dump = tmp_path / "dumps"
-    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:CompactionPlansPrefix",
-                        "-k", "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5", f"--dump-failures={dump}")
+    result = run_pytest(
+        pytester,
+        str(ROOT / "tests/cpu/test_kvlen_regimes.py"),
+        "--impl=tests.bugs:CompactionPlansPrefix",
+        "-k",
+        "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5",
+        f"--dump-failures={dump}",
+    )
     assert result.ret == 1, "\n".join(result.outlines[-20:])
     written = list(dump.iterdir())
     assert len(written) == 1 and written[0].name.endswith(".recipe.json"), written

@@ -54,26 +54,79 @@ MALFORMED = {
     "regimes-too-short": (None, lambda m: dict(m, regimes=["A"]), None, "field 'regimes' must list one regime"),
     "refused-as-list": (None, lambda m: dict(m, refused=["0.7.4"]), None, "field 'refused' is list"),
     "missing-layout": (None, lambda m: {k: v for k, v in m.items() if k != "layout"}, None, "metadata lacks 'layout'"),
-    "q-nope-int32": (with_tensor("q_nope", lambda t: t["q_nope"].to(torch.int32)), None, None, "tensor 'q_nope' has dtype int32"),
-    "kv-indices-float": (with_tensor("kv_indices", lambda t: t["kv_indices"].float()), None, None,
-                         "tensor 'kv_indices' has dtype float32"),
-    "out-int16": (with_tensor("out/0.7.4", lambda t: t["out/0.7.4"].view(torch.int16)), None, None,
-                  "tensor 'out/0.7.4' has dtype int16"),
-    "intended-wrong-shape": (with_tensor("intended", lambda t: t["intended"][:, :10]), None, None, "tensor 'intended' has shape"),
-    "kv-indptr-wrong-shape": (with_tensor("kv_indptr", lambda t: t["kv_indptr"][:-1]), None, None, "tensor 'kv_indptr' has shape"),
-    "out-wrong-shape": (with_tensor("out/0.7.4", lambda t: t["out/0.7.4"][:2]), None, None, "tensor 'out/0.7.4' has shape"),
-    "lse-wrong-shape": (with_tensor("lse/0.7.4", lambda t: t["lse/0.7.4"][:, :3]), None, None, "tensor 'lse/0.7.4' has shape"),
-    "kv-indices-past-stored-slots": (with_tensor("kv_indices", lambda t: t["kv_indices"] + t["slot_ids"].numel()), None, None,
-                                     "tensor 'kv_indices' holds slot"),
-    "kv-indices-below-minus-one": (with_tensor("kv_indices", lambda t: t["kv_indices"] - 5), None, None,
-                                   "tensor 'kv_indices' holds slot"),
-    "intended-past-stored-slots": (with_tensor("intended", lambda t: t["intended"] * 0 + 10_000), None, None,
-                                   "tensor 'intended' holds slot 10000"),
-    "kv-indices-shorter-than-indptr": (with_tensor("kv_indices", short_indices), None, None,
-                                       "tensor 'kv_indices' has 516 entries but kv_indptr/kv_len read up to entry 517"),
+    "q-nope-int32": (
+        with_tensor("q_nope", lambda t: t["q_nope"].to(torch.int32)),
+        None,
+        None,
+        "tensor 'q_nope' has dtype int32",
+    ),
+    "kv-indices-float": (
+        with_tensor("kv_indices", lambda t: t["kv_indices"].float()),
+        None,
+        None,
+        "tensor 'kv_indices' has dtype float32",
+    ),
+    "out-int16": (
+        with_tensor("out/0.7.4", lambda t: t["out/0.7.4"].view(torch.int16)),
+        None,
+        None,
+        "tensor 'out/0.7.4' has dtype int16",
+    ),
+    "intended-wrong-shape": (
+        with_tensor("intended", lambda t: t["intended"][:, :10]),
+        None,
+        None,
+        "tensor 'intended' has shape",
+    ),
+    "kv-indptr-wrong-shape": (
+        with_tensor("kv_indptr", lambda t: t["kv_indptr"][:-1]),
+        None,
+        None,
+        "tensor 'kv_indptr' has shape",
+    ),
+    "out-wrong-shape": (
+        with_tensor("out/0.7.4", lambda t: t["out/0.7.4"][:2]),
+        None,
+        None,
+        "tensor 'out/0.7.4' has shape",
+    ),
+    "lse-wrong-shape": (
+        with_tensor("lse/0.7.4", lambda t: t["lse/0.7.4"][:, :3]),
+        None,
+        None,
+        "tensor 'lse/0.7.4' has shape",
+    ),
+    "kv-indices-past-stored-slots": (
+        with_tensor("kv_indices", lambda t: t["kv_indices"] + t["slot_ids"].numel()),
+        None,
+        None,
+        "tensor 'kv_indices' holds slot",
+    ),
+    "kv-indices-below-minus-one": (
+        with_tensor("kv_indices", lambda t: t["kv_indices"] - 5),
+        None,
+        None,
+        "tensor 'kv_indices' holds slot",
+    ),
+    "intended-past-stored-slots": (
+        with_tensor("intended", lambda t: t["intended"] * 0 + 10_000),
+        None,
+        None,
+        "tensor 'intended' holds slot 10000",
+    ),
+    "kv-indices-shorter-than-indptr": (
+        with_tensor("kv_indices", short_indices),
+        None,
+        None,
+        "tensor 'kv_indices' has 516 entries but kv_indptr/kv_len read up to entry 517",
+    ),
     "negative-kv-len": (with_tensor("kv_len", lambda t: t["kv_len"] * -1), None, None, "tensor 'kv_len' is negative"),
-    "lse-without-out": (lambda t: {k: v for k, v in t.items() if k != "out/0.7.4"}, None, None,
-                        "tensor 'lse/0.7.4' recorded without its 'out/' tensor"),
+    "lse-without-out": (
+        lambda t: {k: v for k, v in t.items() if k != "out/0.7.4"},
+        None,
+        None,
+        "tensor 'lse/0.7.4' recorded without its 'out/' tensor",
+    ),
 }
 
 
@@ -99,7 +152,9 @@ def test_the_checked_in_fixtures_are_well_formed():
     assert len(paths) >= 14, f"fixtures/ holds {len(paths)} fixture files, the checked-in set has 14"
     for path in paths:
         fx = load_fixture(path)
-        assert "SPEC" not in json.dumps(fx.meta) and "\u00a7" not in json.dumps(fx.meta), f"{path}: cites a document this repo lacks"
+        assert "SPEC" not in json.dumps(fx.meta) and "\u00a7" not in json.dumps(fx.meta), (
+            f"{path}: cites a document this repo lacks"
+        )
         if fx.meta.get("expect_finding"):
             assert "docs/findings.md#" in fx.meta["expect_finding"], path
 

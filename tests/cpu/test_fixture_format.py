@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness import batch, build_attention_inputs, build_scenario
 from harness.pipeline import as_planned, intended, prepare_step
@@ -33,8 +32,17 @@ def stand_in_kernel(step, inputs):
     slots, mask = as_planned(step)
     n = step.num_planned
     mask = mask & (slots >= 0)
-    out, lse = sparse_mla_reference(inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots, mask=mask,
-                                    sm_scale=step.scenario.spec.sm_scale, k_scale=step.scenario.spec.k_scale, mode="lowp")
+    out, lse = sparse_mla_reference(
+        inputs.q_nope[:n],
+        inputs.q_pe[:n],
+        inputs.ckv,
+        inputs.kpe,
+        slots,
+        mask=mask,
+        sm_scale=step.scenario.spec.sm_scale,
+        k_scale=step.scenario.spec.k_scale,
+        mode="lowp",
+    )
     return out, lse
 
 
@@ -83,12 +91,14 @@ def test_replay_shows_the_regime_c_finding_of_the_packed_layout(impl, device):
 @pytest.fixture
 def good_file(impl, device, tmp_path) -> Path:
     step, inputs = small_step(impl, device, kpool=1)
-    return save_fixture(tmp_path / "good.safetensors", fixture_from_step(step, inputs, outputs={"v": stand_in_kernel(step, inputs)}))
+    return save_fixture(
+        tmp_path / "good.safetensors", fixture_from_step(step, inputs, outputs={"v": stand_in_kernel(step, inputs)})
+    )
 
 
 def rewrite(path: Path, tensors=None, meta=None) -> Path:
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(path), framework="pt") as f:
         old_meta = json.loads(f.metadata()[METADATA_KEY])
@@ -104,8 +114,14 @@ CORRUPTIONS = {
     "truncated": (lambda p: _overwrite(p, p.read_bytes()[: len(p.read_bytes()) // 2]), "truncated or another format"),
     "not-safetensors": (lambda p: _overwrite(p, b'{"hello": 1}'), "not a readable safetensors file"),
     "unknown-schema": (lambda p: rewrite(p, meta=lambda m: dict(m, schema_version=99)), "unknown schema version 99"),
-    "missing-tensor": (lambda p: rewrite(p, tensors=lambda t: {k: v for k, v in t.items() if k != "kv_len"}), r"missing tensors \['kv_len'\]"),
-    "shape-mismatch": (lambda p: rewrite(p, tensors=lambda t: dict(t, q_pe=t["q_pe"][:, :1].contiguous())), "tensor 'q_pe' has shape"),
+    "missing-tensor": (
+        lambda p: rewrite(p, tensors=lambda t: {k: v for k, v in t.items() if k != "kv_len"}),
+        r"missing tensors \['kv_len'\]",
+    ),
+    "shape-mismatch": (
+        lambda p: rewrite(p, tensors=lambda t: dict(t, q_pe=t["q_pe"][:, :1].contiguous())),
+        "tensor 'q_pe' has shape",
+    ),
     "no-metadata": (lambda p: _strip_metadata(p), "without 'sparse_mla_fixture' metadata"),
 }
 
@@ -150,8 +166,14 @@ def test_replay_option_runs_each_file_and_a_corrupt_one_affects_no_other(pyteste
 
 def test_dump_failures_writes_a_replayable_fixture(pytester, tmp_path):
     dump = tmp_path / "dumps"
-    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:CompactionPlansPrefix",
-                        "-k", "test_plan_reads_the_intended_slots and ctx1-kpool4-compacted", f"--dump-failures={dump}")
+    result = run_pytest(
+        pytester,
+        str(ROOT / "tests/cpu/test_kvlen_regimes.py"),
+        "--impl=tests.bugs:CompactionPlansPrefix",
+        "-k",
+        "test_plan_reads_the_intended_slots and ctx1-kpool4-compacted",
+        f"--dump-failures={dump}",
+    )
     assert result.ret == 1, "\n".join(result.outlines[-30:])
     files = list(dump.glob("*.safetensors"))
     assert len(files) == 1, "\n".join(result.outlines[-30:])

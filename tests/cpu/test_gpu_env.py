@@ -97,13 +97,17 @@ def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     threads = threads_per_worker(available_cores(), 2)
     probe = pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads))
-    result = pytester.runpytest_subprocess(str(probe), "-n", "2", "-p", "pytest_sparse_mla.gpus", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(
+        str(probe), "-n", "2", "-p", "pytest_sparse_mla.gpus", "-p", "no:cacheprovider"
+    )
     out = "\n".join(result.outlines)
     assert result.ret == 0, out[-2000:]
     result.assert_outcomes(passed=4)
     assert "GPU per xdist worker" in out, out[-2000:]
     for worker, device in (("gw0", "0"), ("gw1", "1")):
-        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} (CUDA not used); {threads} intra-op threads" in out, out[-2000:]
+        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} (CUDA not used); {threads} intra-op threads" in out, out[
+            -2000:
+        ]
 
 
 def test_slow_tests_lead_each_workers_first_block():
@@ -115,7 +119,9 @@ def test_slow_tests_lead_each_workers_first_block():
     out = spread(items, slow, stride)
     assert sorted(out) == sorted(items)
     assert [out[k * stride] for k in range(4)] == ["t5", "t6", "t7", "t30"]
-    assert [t for t in out if t not in ("t5", "t6", "t7", "t30")] == [t for t in items if t not in ("t5", "t6", "t7", "t30")]
+    assert [t for t in out if t not in ("t5", "t6", "t7", "t30")] == [
+        t for t in items if t not in ("t5", "t6", "t7", "t30")
+    ]
 
 
 def test_spreading_ends_with_few_tests_or_none_slow():

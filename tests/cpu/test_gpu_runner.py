@@ -19,12 +19,17 @@ GPU = f'<properties><property name="{runner.GPU_PROPERTY}" value="1"/></properti
 JUNIT = f"""<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="7">
  <testcase classname="tests.cpu.test_a" name="test_ok" time="0.50"/>
- <testcase classname="tests.cpu.test_a" name="test_bad[x]" time="2.25"><failure message="assert 0">boom</failure></testcase>
- <testcase classname="tests.cpu.test_a.TestGroup" name="test_err" time="0.10"><error message="fixture">e</error></testcase>
+ <testcase classname="tests.cpu.test_a" name="test_bad[x]" time="2.25">
+  <failure message="assert 0">boom</failure></testcase>
+ <testcase classname="tests.cpu.test_a.TestGroup" name="test_err" time="0.10">
+  <error message="fixture">e</error></testcase>
  <testcase classname="tests.gpu.test_b" name="test_kernel[1]" time="9.00">{GPU}</testcase>
- <testcase classname="tests.gpu.test_b" name="test_known[2]" time="3.00">{GPU}<skipped type="pytest.xfail" message="docs/findings.md#regime-c-packed"/></testcase>
- <testcase classname="tests.gpu.test_b" name="test_skipped" time="0.00">{GPU}<skipped type="pytest.skip" message="GPU tier: no GPU"/></testcase>
- <testcase classname="tests.cpu.test_c" name="test_plain_skip" time="0.00"><skipped type="pytest.skip" message="x"/></testcase>
+ <testcase classname="tests.gpu.test_b" name="test_known[2]" time="3.00">{GPU}
+  <skipped type="pytest.xfail" message="docs/findings.md#regime-c-packed"/></testcase>
+ <testcase classname="tests.gpu.test_b" name="test_skipped" time="0.00">{GPU}
+  <skipped type="pytest.skip" message="GPU tier: no GPU"/></testcase>
+ <testcase classname="tests.cpu.test_c" name="test_plain_skip" time="0.00">
+  <skipped type="pytest.skip" message="x"/></testcase>
 </testsuite></testsuites>"""
 
 
@@ -53,7 +58,9 @@ def _run(phase, wall, text=JUNIT, jit=None, release="0.7.4", code=1):
 
 
 def test_table_has_one_row_per_release_with_both_walls_and_the_problems():
-    green = JUNIT.replace('<failure message="assert 0">boom</failure>', "").replace('<error message="fixture">e</error>', "")
+    green = JUNIT.replace('<failure message="assert 0">boom</failure>', "").replace(
+        '<error message="fixture">e</error>', ""
+    )
     runs = [_run("cold", 118.4, jit=(3, 70.0)), _run("warm", 95.0, green, jit=(0, 0.0), code=0),
             runner.Run("0.6.18.post1", "install failed")]
     rows = runner.table_rows(runs)
@@ -73,7 +80,9 @@ def test_table_has_one_row_per_release_with_both_walls_and_the_problems():
 
 def test_a_run_where_every_gpu_test_skipped_is_a_problem():
     all_skipped = JUNIT.replace(f'{GPU}</testcase>', f'{GPU}<skipped type="pytest.skip" message="no GPU"/></testcase>')
-    all_skipped = all_skipped.replace('<failure message="assert 0">boom</failure>', "").replace('<error message="fixture">e</error>', "")
+    all_skipped = all_skipped.replace('<failure message="assert 0">boom</failure>', "").replace(
+        '<error message="fixture">e</error>', ""
+    )
     run = runner.Run("installed", "warm", 10.0, 0, runner.parse_junit(all_skipped))
     assert run.counts.gpu_ran == 1  # the xfailed one ran
     no_gpu = all_skipped.replace('type="pytest.xfail"', 'type="pytest.skip"')

@@ -122,7 +122,9 @@ def test_random_batches_plan_intended_slots_compacted(impl, device, spec, seed):
     """Random batches: kv_len == valid count, and the compacted plan reads the intended slots."""
     scenario = build_scenario(spec, seed)
     step = prepare_step(impl, scenario, "compacted", device)
-    assert torch.equal(step.counts[: scenario.num_rows].cpu(), valid_counts(scenario.intended_slots())[: scenario.num_rows])
+    assert torch.equal(
+        step.counts[: scenario.num_rows].cpu(), valid_counts(scenario.intended_slots())[: scenario.num_rows]
+    )
     assert torch.equal(step.lens.to(torch.int64), kv_len_rule(scenario.row_ctx, spec.topk, spec.kpool)), step.context()
     assert not step.violations, step.context() + "\n" + "\n".join(map(str, step.violations[:8]))
     bad = selection_mismatches(step)

@@ -22,7 +22,9 @@ def spec_decode_scenario(async_scheduling: bool, slack: int = 0):
 
 def host_lens(impl, meta, *, kpool: int = 4, async_scheduling: bool) -> torch.Tensor:
     lens = impl.kv_lens(meta, topk=TOPK, kpool=kpool, async_scheduling=async_scheduling)
-    assert lens.device.type == "cpu" and lens.dtype == torch.int32, f"kv_lens must be host int32, got {lens.dtype} on {lens.device}"
+    assert lens.device.type == "cpu" and lens.dtype == torch.int32, (
+        f"kv_lens must be host int32, got {lens.dtype} on {lens.device}"
+    )
     return lens
 
 

@@ -117,7 +117,7 @@ def naive_attention(p: Problem, mask: torch.Tensor, k_scale: float = 1.0):
             total = math.fsum(weights)
             lse[t, h] = top + math.log(total)
             acc = torch.zeros(D, dtype=torch.float64)
-            for w, j in zip(weights, selected):
+            for w, j in zip(weights, selected, strict=True):
                 acc += (w / total) * ckv[j]
             out[t, h] = acc
     return out, lse
@@ -238,7 +238,7 @@ def test_float64_mode_is_the_definition():
     """The entry point's float64 mode is sparse_mla_float64 on the checked inputs, bit for bit."""
     p, mask = naive_case()
     for a, b, what in zip(run(p, use_mask=mask), sparse_mla_float64(p.q_nope, p.q_pe, p.ckv, p.kpe, p.slots, mask,
-                                                                    sm_scale=p.sm_scale), ("out", "lse")):
+                                                                    sm_scale=p.sm_scale), ("out", "lse"), strict=True):
         assert_same(a, b, f"float64 {what}")
 
 
@@ -352,9 +352,9 @@ def test_unselected_entries_and_lens_vs_mask_do_not_matter(p, garbage):
     dirty = torch.where(p.mask, p.slots, torch.full_like(p.slots, garbage))
     for label, kwargs in (("lens", {}), ("mask", {"use_mask": p.mask})):
         for slots_label, slots in (("clean", p.slots), (f"garbage {garbage}", dirty)):
-            o, l = run(replace(p, slots=slots), **kwargs)
-            assert_same(o, out, f"out with {label}, {slots_label} unselected entries; {p.describe()}")
-            assert_same(l, lse, f"lse with {label}, {slots_label} unselected entries; {p.describe()}")
+            out_var, lse_var = run(replace(p, slots=slots), **kwargs)
+            assert_same(out_var, out, f"out with {label}, {slots_label} unselected entries; {p.describe()}")
+            assert_same(lse_var, lse, f"lse with {label}, {slots_label} unselected entries; {p.describe()}")
 
 
 @given(p=problems(), seed=st.integers(0, 2**31 - 1))
@@ -506,7 +506,7 @@ def test_joined_and_separate_buffers_agree_bitwise(mode):
     tensors (joined piece by piece) give the same bits."""
     p = random_problem(seed=21, t=5, h=3, k=12, num_slots=30)
     separate = replace(p, q_nope=p.q_nope.clone(), q_pe=p.q_pe.clone(), ckv=p.ckv.clone(), kpe=p.kpe.clone())
-    for a, b, what in zip(run(p, mode), run(separate, mode), ("out", "lse")):
+    for a, b, what in zip(run(p, mode), run(separate, mode), ("out", "lse"), strict=True):
         assert_same(b, a, f"{mode} {what}: separate buffers vs one buffer")
 
 
@@ -661,9 +661,16 @@ def test_full_partial_and_empty_selections_take_their_paths_to_the_same_answer(s
     p = random_problem(seed=18, t=3, h=2, k=4, num_slots=9, lens=lens)
     out, lse = run(p, use_mask=p.mask if select == "mask" else None)
     for row in range(3):
-        o, l = run(replace(p, q_nope=p.q_nope[row:row + 1], q_pe=p.q_pe[row:row + 1], slots=p.slots[row:row + 1],
-                           lens=p.lens[row:row + 1]))
-        assert torch.equal(lse[row], l[0]) and torch.equal(out[row], o[0]), f"row {row} of lens {lens}"
+        row_out, row_lse = run(
+            replace(
+                p,
+                q_nope=p.q_nope[row : row + 1],
+                q_pe=p.q_pe[row : row + 1],
+                slots=p.slots[row : row + 1],
+                lens=p.lens[row : row + 1],
+            )
+        )
+        assert torch.equal(lse[row], row_lse[0]) and torch.equal(out[row], row_out[0]), f"row {row} of lens {lens}"
 
 
 @pytest.mark.parametrize("lens, facts", [

@@ -64,7 +64,9 @@ def test_fewer_bf16_terms_stay_within_their_bound(count):
     x = x[x.abs() > 2.0**-120]  # the bound is relative; bf16 has float32's exponent range
     rest = (x.double() - sum(t.double() for t in bf16_terms(x.clone(), count))).abs()
     bound = 2.0 ** (-8 * count) * x.double().abs()
-    assert bool((rest <= bound).all()), f"worst {float((rest / x.double().abs()).max()):.3g} vs {2.0 ** (-8 * count):.3g}"
+    assert bool((rest <= bound).all()), (
+        f"worst {float((rest / x.double().abs()).max()):.3g} vs {2.0 ** (-8 * count):.3g}"
+    )
     if count == PROBABILITY_TERMS:
         assert float((rest / x.double().abs()).max()) > 2.0**-24, "the split is not exact: the bound is what it keeps"
 

@@ -68,12 +68,20 @@ def test_device_choice(choice, cuda, interpreted, expected):
     assert resolve_device(choice, cuda_available=cuda, interpreted=interpreted).type == expected
 
 
-@pytest.mark.parametrize(("gpus", "cuda_version", "hidden", "expected"), [
-    ([], "12.8", None, "no NVIDIA GPU found"),
-    (H200, None, None, "build without CUDA"),
-    (H200, "12.8", "", "hides every GPU"),
-    ([("NVIDIA A100-SXM4-80GB", "8.0")], "12.8", None, "GPU is sm_80 (NVIDIA A100-SXM4-80GB), the fa3 path needs sm_90"),
-])
+@pytest.mark.parametrize(
+    ("gpus", "cuda_version", "hidden", "expected"),
+    [
+        ([], "12.8", None, "no NVIDIA GPU found"),
+        (H200, None, None, "build without CUDA"),
+        (H200, "12.8", "", "hides every GPU"),
+        (
+            [("NVIDIA A100-SXM4-80GB", "8.0")],
+            "12.8",
+            None,
+            "GPU is sm_80 (NVIDIA A100-SXM4-80GB), the fa3 path needs sm_90",
+        ),
+    ],
+)
 def test_reason_without_cuda(monkeypatch, gpus, cuda_version, hidden, expected):
     monkeypatch.setattr(torch.version, "cuda", cuda_version)
     if hidden is None:
@@ -106,7 +114,9 @@ def test_a_visible_gpu_that_cannot_run_the_tier_is_said_plainly(pytester):
     result, out = nested_run(pytester, "-p", "no:xdist", gpus=H200)
     assert result.ret == 0, out[-3000:]
     assert "GPU tier: NOT RUN on this machine with 1 NVIDIA GPU (NVIDIA H200): torch" in out, out[:1500]
-    assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[-2000:]
+    assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[
+        -2000:
+    ]
 
 
 # --- --require-gpu-tier and --device --------------------------------------------------------------
@@ -133,7 +143,9 @@ def test_under_xdist_the_workers_reason_reaches_the_summary_and_require_gpu_tier
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
     assert "1 passed, 1 error" in out, out[-3000:]
     assert "--require-gpu-tier: the GPU tier cannot run: no CUDA GPU visible to torch" in out, out[-3000:]
-    assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[-2000:]
+    assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[
+        -2000:
+    ]
 
 
 def test_device_cuda_without_cuda_is_a_usage_error(pytester):

@@ -82,7 +82,9 @@ def test_a_folder_that_cannot_be_written_gives_a_warning_line_and_the_same_verdi
     finally:
         os.chmod(folder, 0o755)
     assert report.failures() == verdict and verdict
-    assert len(lines) == 2 and all(line.startswith("  WARNING: heatmap [") and "not written" in line for line in lines), lines
+    assert len(lines) == 2 and all(
+        line.startswith("  WARNING: heatmap [") and "not written" in line for line in lines
+    ), lines
 
 
 def run_pytest(pytester, *args: str):
@@ -102,7 +104,9 @@ def test_replay_run_in_a_read_only_folder_keeps_each_verdict(pytester, tmp_path)
         p.mkdir()
     os.chmod(folder, 0o555)
     try:
-        result = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), f"--replay={folder}", "--replay-recorded-only")
+        result = run_pytest(
+            pytester, str(ROOT / "tests/test_replay.py"), f"--replay={folder}", "--replay-recorded-only"
+        )
     finally:
         os.chmod(folder, 0o755)
     out = "\n".join(result.outlines + result.errlines)

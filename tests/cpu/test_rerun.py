@@ -46,8 +46,16 @@ class ReferenceWrapper:
         for key, value in dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_len_arr=kv_len_arr).items():
             self.buffers[key][: value.numel()].copy_(value)
         self._plan = (qo_indptr.clone(), kv_indptr.clone(), kv_len_arr.clone(), float(sm_scale))
-        ReferenceWrapper.plans.append(dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_len_arr=kv_len_arr.clone(),
-                                           num_heads=num_heads, sm_scale=sm_scale, kv_dtype=kv_dtype))
+        ReferenceWrapper.plans.append(
+            dict(
+                qo_indptr=qo_indptr.clone(),
+                kv_indptr=kv_indptr.clone(),
+                kv_len_arr=kv_len_arr.clone(),
+                num_heads=num_heads,
+                sm_scale=sm_scale,
+                kv_dtype=kv_dtype,
+            )
+        )
 
     def run(self, q_nope, q_pe, ckv, kpe, *, out, lse, k_scale=1.0):
         qo, indptr, lens, sm_scale = self._plan
@@ -60,10 +68,10 @@ class ReferenceWrapper:
         mask = (torch.arange(width) < row_lens[:, None]).to(device)
         slots = torch.where(mask, self.kv_indices[pos].long(), 0)
         mask = mask & (slots >= 0)
-        o, l = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots.clamp(min=0), mask=mask, sm_scale=sm_scale,
+        o, lse_rows = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots.clamp(min=0), mask=mask, sm_scale=sm_scale,
                                     k_scale=k_scale, mode="lowp")
         out[:rows].copy_(o)
-        lse[:rows].copy_(l)
+        lse[:rows].copy_(lse_rows)
 
 
 @pytest.fixture
@@ -92,7 +100,9 @@ def test_drift_counts_bitwise_equal_elements_and_names_the_worst_rows():
     drift = output_drift(new, old, "0.7.4")
     assert (drift.equal, drift.total, drift.max_abs) == (62, 64, 0.5)
     assert drift.worst_rows == [(2, 0.5), (0, 0.125)]
-    assert "62/64 elements bitwise equal" in drift.summary(["A", "B", "C", "D"]) and "row 2 0.5 (regime C)" in drift.summary(["A", "B", "C", "D"])
+    assert "62/64 elements bitwise equal" in drift.summary(
+        ["A", "B", "C", "D"]
+    ) and "row 2 0.5 (regime C)" in drift.summary(["A", "B", "C", "D"])
     nan = old.clone()
     nan[1, 0, 0] = float("nan")
     assert output_drift(nan, old, "x").max_abs == float("inf") and output_drift(nan, nan, "x").equal == 64
@@ -156,8 +166,16 @@ def test_a_refusal_is_an_outcome_of_its_own_expected_where_a_recorded_release_re
 # --- the GPU glue, driven on CPU -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["c-compacted-fp8", "c-packed-finding-bf16", "graph-replay-smaller-bf16", "h-kpool1-decode-bf16",
-                                  "empty-batch-bf16"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "c-compacted-fp8",
+        "c-packed-finding-bf16",
+        "graph-replay-smaller-bf16",
+        "h-kpool1-decode-bf16",
+        "empty-batch-bf16",
+    ],
+)
 def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, device, name):
     fx = load_fixture(FIXTURES / f"{name}.safetensors")
     rerun = rerun_fixture(fx, FastImpl(), "fast.impl:default_impl", device=device)
@@ -171,7 +189,9 @@ def test_a_pipeline_fixture_reruns_through_the_implementation(stand_in, device, 
 
 def test_a_wrong_layout_reruns_and_fails_on_the_regime_c_rows(stand_in, device):
     fx = load_fixture(FIXTURES / "c-compacted-fp8.safetensors")
-    report = replay(fx, rerun=rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device=device))
+    report = replay(
+        fx, rerun=rerun_fixture(fx, CompactionPlansPrefix(), "tests.bugs:CompactionPlansPrefix", device=device)
+    )
     assert report.plan_mismatch_rows == [], "the recorded plan was right"
     assert report.rerun_plan_mismatch_rows == regime_rows(fx, "C") and report.rerun_plan_mismatch_rows
     assert "plan != intent" in report.failures()
@@ -211,7 +231,9 @@ def test_a_captured_fixture_reruns_exactly_as_recorded(stand_in, impl, device, t
     assert "implementation under test" not in report.render()
 
 
-def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(stand_in, device, pytester, tmp_path, monkeypatch):
+def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(
+    stand_in, device, pytester, tmp_path, monkeypatch
+):
     """The debugging loop end to end, with the stand-in as FlashInfer: a wrong layout through
     --impl dumps its failing cases; --replay re-runs them through the same --impl and fails on
     the rows the tests named, and through the fixed implementation passes."""
@@ -220,19 +242,25 @@ def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(stand_
 
     dump = tmp_path / "dumps"
     run = lambda *args: pytester.runpytest_inprocess("-p", "no:cacheprovider", "--rootdir", str(ROOT), *args)  # noqa: E731
-    result = run(str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:CompactionPlansPrefix",
-                 "-k", "test_plan_reads_the_intended_slots and compacted and (ctx5-kpool4 or decode-mixed-lengths-kpool4)",
-                 f"--dump-failures={dump}")
+    result = run(
+        str(ROOT / "tests/cpu/test_kvlen_regimes.py"),
+        "--impl=tests.bugs:CompactionPlansPrefix",
+        "-k",
+        "test_plan_reads_the_intended_slots and compacted and (ctx5-kpool4 or decode-mixed-lengths-kpool4)",
+        f"--dump-failures={dump}",
+    )
     assert result.parseoutcomes().get("failed") == 2, "\n".join(result.outlines[-20:])
     files = sorted(dump.glob("*.safetensors"))
     assert len(files) == 2
     c_rows = {f.name: regime_rows(load_fixture(f), "C") for f in files}
     monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: None)
     monkeypatch.setattr(harness.launch, "DEVICE", device.type)
-    result = run(str(ROOT / "tests/test_replay.py"), f"--replay={dump}", "--impl=tests.bugs:CompactionPlansPrefix", "-rA")
+    result = run(
+        str(ROOT / "tests/test_replay.py"), f"--replay={dump}", "--impl=tests.bugs:CompactionPlansPrefix", "-rA"
+    )
     out = "\n".join(result.outlines)
     assert result.parseoutcomes().get("failed") == 2, out[-3000:]
-    for name, rows in c_rows.items():
+    for rows in c_rows.values():
         assert rows
         for r in rows:
             assert f"re-run] plan != intent at row {r} (regime C" in out, out[-3000:]

@@ -13,9 +13,18 @@ import harness.launch
 import scripts.sanitize as sanitize
 from tests.cpu.test_rerun import stand_in  # noqa: F401 - the fixture
 
-MEMCHECK_LOG = """========= COMPUTE-SANITIZER
+#: A kernel frame and an API error as compute-sanitizer writes them, each one line of the log.
+HOPPER_FRAME = (
+    "=========     at void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<Params>(Params)+0x1a40"
+    " in mla_hopper.cuh:412"
+)
+LAUNCH_FAILURE = (
+    '========= Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure"'
+    " on CUDA API call to cudaStreamSynchronize."
+)
+MEMCHECK_LOG = f"""========= COMPUTE-SANITIZER
 ========= Invalid __global__ read of size 16 bytes
-=========     at void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<Params>(Params)+0x1a40 in mla_hopper.cuh:412
+{HOPPER_FRAME}
 =========     by thread (96,0,0) in block (3,0,0)
 =========     Address 0x7f12a0001000 is out of bounds
 =========     and is 4096 bytes after the nearest allocation at 0x7f12a0000000 of size 4096 bytes
@@ -23,10 +32,10 @@ MEMCHECK_LOG = """========= COMPUTE-SANITIZER
 =========     Host Frame: [0x2d3f1f] in libcuda.so.1
 =========
 ========= Invalid __global__ read of size 16 bytes
-=========     at void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<Params>(Params)+0x1a40 in mla_hopper.cuh:412
+{HOPPER_FRAME}
 =========     by thread (97,0,0) in block (3,0,0)
 =========
-========= Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure" on CUDA API call to cudaStreamSynchronize.
+{LAUNCH_FAILURE}
 =========     Saved host backtrace up to driver entry point at error
 =========
 ========= ERROR SUMMARY: 3 errors
@@ -69,7 +78,10 @@ def run(summary, errors=None, driver=None, tool="memcheck"):
 def test_problems_are_errors_unfinished_runs_and_rows_not_finite():
     clean = {"variant": "bf16-rope64", "nonfinite_rows": [], "flashinfer": "0.7.4"}
     assert sanitize.run_problems(run(0, driver=clean)) == []
-    assert "2 errors: Invalid __global__ read | k x2" in sanitize.run_problems(run(2, {"Invalid __global__ read | k": 2}, clean))[0]
+    assert (
+        "2 errors: Invalid __global__ read | k x2"
+        in sanitize.run_problems(run(2, {"Invalid __global__ read | k": 2}, clean))[0]
+    )
     assert sanitize.run_problems(run(None, driver=None))[0].startswith("memcheck bf16-rope64: no error summary")
     assert "the driver did not finish" in sanitize.run_problems(run(0, driver=None))[0]
     assert "rows [1] not finite" in sanitize.run_problems(run(0, driver=dict(clean, nonfinite_rows=[1])))[0]

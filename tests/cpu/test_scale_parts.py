@@ -90,7 +90,9 @@ def test_32768_row_batch_is_built_as_specified(kpool):
     expected = {"B", "C", "D", "E", "F", "G"} if kpool == 4 else {"H"}
     assert set(scenario.row_regime) == expected
     counts = valid_counts(scenario.topk_indices)
-    assert torch.equal(counts.to(torch.int64), kv_len_rule(scenario.row_ctx, TOPK, kpool)), "a row's valid count is not its kv_len"
+    assert torch.equal(counts.to(torch.int64), kv_len_rule(scenario.row_ctx, TOPK, kpool)), (
+        "a row's valid count is not its kv_len"
+    )
     assert int(scenario.row_ctx.max()) == 131_072 and int(scenario.row_ctx.min()) == 1
 
 
@@ -224,13 +226,17 @@ def test_chunks_do_not_change_the_verdict():
     whole = judge_rows(out, lse, *inputs, sm_scale=0.1, chunk_rows=1000)
     for chunk in (1, 7):
         parts = judge_rows(out, lse, *inputs, sm_scale=0.1, chunk_rows=chunk)
-        assert torch.equal(parts.out.max_err, whole.out.max_err) and torch.equal(parts.lse.max_budget, whole.lse.max_budget)
+        assert torch.equal(parts.out.max_err, whole.out.max_err) and torch.equal(
+            parts.lse.max_budget, whole.lse.max_budget
+        )
         assert parts.bad_rows() == whole.bad_rows() == [11]
 
 
 def test_no_rows_give_an_empty_passing_report():
     inputs, out, lse = attention_problem(rows=3)
-    report = judge_rows(out[:0], lse[:0], *(x[:0] if i in (0, 1, 4, 5) else x for i, x in enumerate(inputs)), sm_scale=0.1)
+    report = judge_rows(
+        out[:0], lse[:0], *(x[:0] if i in (0, 1, 4, 5) else x for i, x in enumerate(inputs)), sm_scale=0.1
+    )
     assert report.ok and report.num_rows == 0 and report.worst_ratio() == 0.0
 
 
@@ -330,4 +336,7 @@ def test_a_scale_child_reports_a_refusal_at_plan(child_on_this_device):
     case = case_by_id("rows2-kpool4-bf16-rope64-h128")
     result = run_case_in_child(case, f"{__name__}:refusing_impl", timeout=240)
     assert result["outcome"] == "refused" and result["refusal_is_value_error"], result
-    assert result["detail"].startswith("ValueError: FA MLA needs 2 work items") and result["regimes"] == {"C": 1, "G": 1}
+    assert result["detail"].startswith("ValueError: FA MLA needs 2 work items") and result["regimes"] == {
+        "C": 1,
+        "G": 1,
+    }

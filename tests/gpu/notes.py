@@ -24,7 +24,11 @@ def record_errors(node, step: Step, comparisons: list[Comparison], label: str = 
         "heads": spec.num_heads,
         "layout": step.layout,
         "label": label,
-        **{f"{c.name}_{k}": getattr(c, k) for c in comparisons for k in ("max_ratio", "mean_ratio", "rel_l2", "max_err")},
+        **{
+            f"{c.name}_{k}": getattr(c, k)
+            for c in comparisons
+            for k in ("max_ratio", "mean_ratio", "rel_l2", "max_err")
+        },
     }
     node.user_properties.append((ERROR_KEY, entry))
 

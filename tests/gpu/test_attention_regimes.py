@@ -56,7 +56,9 @@ def run_case(gpu, case, layout, config, seed: int, *, scenario=None, label="") -
     scenario = scenario or build_scenario(config.apply(case.spec), seed)
     step = prepared(impl, scenario, layout)
     regime_log.record(step.regimes(), focus=case.focus or None)
-    regime_log.blame(step.regimes(sorted({v.row for v in step.violations if v.row is not None and v.row < step.num_planned})))
+    regime_log.blame(
+        step.regimes(sorted({v.row for v in step.violations if v.row is not None and v.row < step.num_planned}))
+    )
     assert step.num_planned == scenario.planned_rows, (
         f"{step.num_planned} rows planned but q has {scenario.planned_rows}; {failure_context(step, features.version)}"
     )
@@ -127,7 +129,9 @@ def test_async_optimistic_host_bound_is_caught(gpu):
     counts = valid_counts(scenario.intended_slots())[: scenario.planned_rows]
     wrong = (optimistic != step.planned_lens).nonzero().flatten().tolist()
     escaped = [r for r in wrong if int(optimistic[r]) == int(counts[r])]
-    assert not escaped, "rows with optimistic lengths escaped the len == valid invariant:\n" + describe_rows(step, escaped)
+    assert not escaped, "rows with optimistic lengths escaped the len == valid invariant:\n" + describe_rows(
+        step, escaped
+    )
 
 
 def permute_valid_entries(topk_indices: torch.Tensor, seed: int) -> torch.Tensor:

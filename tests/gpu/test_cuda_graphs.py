@@ -62,7 +62,7 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
     scenarios = [build_scenario(config.apply(c.spec), seed=21 + i) for i, c in enumerate(cases)]
     static = StaticStep(scenarios, impl)
     steps = [prepared(impl, s, layout, max_rows=static.max_rows) for s in scenarios]
-    for step, case in zip(steps, cases):
+    for step, case in zip(steps, cases, strict=True):
         regime_log.record(step.regimes(), focus=case.focus or None)
         assert_launchable(step, features.version)
     width = scenarios[0].spec.resolved_width
@@ -114,7 +114,9 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
         if not (torch.equal(replayed_out, eager_out) and torch.equal(replayed_lse, eager_lse)):
             diff = (replayed_out.float() - eager_out.float()).abs().nan_to_num(float("inf")).max().item()
             assert cluster != captured_cluster, f"graph replay != eager run of the same plan; {ctx}; max |diff| {diff}"
-            stale.append(f"replay {position}: {n} rows, cluster {cluster} vs captured {captured_cluster}, max |diff| {diff}")
+            stale.append(
+                f"replay {position}: {n} rows, cluster {cluster} vs captured {captured_cluster}, max |diff| {diff}"
+            )
             continue
         comparisons = compare_with_references(step, inputs[index], replayed_out, replayed_lse)
         record_errors(request.node, step, comparisons, label=f"graph-replay-{position}")

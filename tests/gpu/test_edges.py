@@ -73,8 +73,9 @@ FAR_BELOW = -32768.0
 #: the kernel's error there may pass the working-precision budget; measured on an H200, 0.7.4:
 #: out max error 2.07x the budget's reference in one case of four (docs/findings.md#score-precision-at-2-15).
 ALIGNMENT_OFFSET = 32768.0
-#: Beyond this many times the working-precision reference's error (the budget allows 2x) the rows at ALIGNMENT_OFFSET fail as any other row: the
-#: alignment costs a few units of 2**-8 per raw score, not orders of magnitude.
+#: Beyond this many times the working-precision reference's error (the budget allows 2x) the rows at
+#: ALIGNMENT_OFFSET fail as any other row: the alignment costs a few units of 2**-8 per raw score, not
+#: orders of magnitude.
 ALIGNMENT_CEILING = 4.0
 ALIGNMENT_FINDING = ("score precision at raw offsets of 2**15 (docs/findings.md#score-precision-at-2-15): only the "
                      "rows at +-32768 exceed the budget, at {worst:.2f}x lowp (budget 2x, ceiling {ceiling:g}x)")
@@ -90,11 +91,28 @@ def magnitude_cases() -> list[Case]:
     return [
         Case("offsets-across-batch-kpool1", batch(*[(c, 1) for c in across_kpool1], kpool=1, score_offsets=OFFSETS)),
         Case("offsets-across-batch-kpool4", batch(*[(c, 1) for c in across_kpool4], kpool=4, score_offsets=OFFSETS)),
-        Case("offsets-mixed-within-rows-kpool1", batch(*[(c, 1) for c in mixed], kpool=1, split_score_signs=True,
-                                                        score_offsets=(32768.0, -32768.0, 1024.0, -1024.0, 0.0))),
+        Case(
+            "offsets-mixed-within-rows-kpool1",
+            batch(
+                *[(c, 1) for c in mixed],
+                kpool=1,
+                split_score_signs=True,
+                score_offsets=(32768.0, -32768.0, 1024.0, -1024.0, 0.0),
+            ),
+        ),
         # every fourth row (each request's newest token) far below the rest of the batch
-        Case("rows-far-below-the-rest-spec-decode", batch((TOPK + 3, 4), (900, 4), (LONG_CTX, 4), (3000, 4), kpool=1,
-                                                          decode_threshold=4, score_offsets=(0.0, 0.0, 0.0, FAR_BELOW))),
+        Case(
+            "rows-far-below-the-rest-spec-decode",
+            batch(
+                (TOPK + 3, 4),
+                (900, 4),
+                (LONG_CTX, 4),
+                (3000, 4),
+                kpool=1,
+                decode_threshold=4,
+                score_offsets=(0.0, 0.0, 0.0, FAR_BELOW),
+            ),
+        ),
     ]
 
 
@@ -103,7 +121,9 @@ def magnitude_cases() -> list[Case]:
 #: wherever the probe finds the page-count check).
 MAGNITUDE_PARAMS = [
     pytest.param(case, layout, covering_config(index), id=f"{case.id}-{layout}-{covering_config(index).id}")
-    for case, (layout, index) in zip(magnitude_cases(), [("packed", 0), ("compacted", 1), ("compacted", 2), ("packed", 3)])
+    for case, (layout, index) in zip(
+        magnitude_cases(), [("packed", 0), ("compacted", 1), ("compacted", 2), ("packed", 3)], strict=True
+    )
 ]
 
 
@@ -164,7 +184,9 @@ def test_kernel_holds_at_any_score_offset(gpu, case, layout, config):
         failed += [(offset, c, rows) for c in comparisons if not c.ok]
     note_baseline(request, launched, every)
     regime_log.blame(step.regimes(sorted({r for _, _, rows in failed for r in rows})))
-    alignment_only = failed and all(abs(o) == ALIGNMENT_OFFSET and c.max_ratio <= ALIGNMENT_CEILING for o, c, _ in failed)
+    alignment_only = failed and all(
+        abs(o) == ALIGNMENT_OFFSET and c.max_ratio <= ALIGNMENT_CEILING for o, c, _ in failed
+    )
     if alignment_only:
         worst = max(c.max_ratio for _, c, _ in failed)
         raise ScorePrecisionAt2To15(ALIGNMENT_FINDING.format(worst=worst, ceiling=ALIGNMENT_CEILING) + f"; {ctx}\n"
@@ -195,8 +217,11 @@ def empty_row_contract(features) -> EmptyRowContract:
     """The contract for empty rows on the installed FlashInfer (``features``: its version and
     probed behaviour). The oracle's convention, 0 and -inf (docs/computation.md#empty-rows),
     which 0.6.18.post1, 0.7.0.post1 and 0.7.4 return on an H200 (docs/edges.md#rows-with-no-slot)."""
-    return EmptyRowContract(out=0.0, lse=float("-inf"),
-                            source="the oracle's convention, measured on an H200 with 0.6.18.post1, 0.7.0.post1 and 0.7.4")
+    return EmptyRowContract(
+        out=0.0,
+        lse=float("-inf"),
+        source="the oracle's convention, measured on an H200 with 0.6.18.post1, 0.7.0.post1 and 0.7.4",
+    )
 
 
 class EmptyRows:
@@ -229,8 +254,13 @@ EMPTIED = (0, 3, 5)
 
 
 @pytest.mark.edge("magnitude")
-@pytest.mark.parametrize(("layout", "config"), [pytest.param(layout, covering_config(index), id=f"{layout}-{covering_config(index).id}")
-                                                for layout, index in [("packed", 4), ("compacted", 5)]])
+@pytest.mark.parametrize(
+    ("layout", "config"),
+    [
+        pytest.param(layout, covering_config(index), id=f"{layout}-{covering_config(index).id}")
+        for layout, index in [("packed", 4), ("compacted", 5)]
+    ],
+)
 def test_rows_with_no_slot_hold_the_contract(gpu, layout, config):
     """Empty rows among normal rows: the empty rows hold the contract, the others match (b)."""
     impl, features, regime_log = gpu.impl, gpu.features, gpu.regime_log
@@ -349,7 +379,7 @@ def test_previous_steps_slots_change_nothing(gpu, layout, kind, config):
     base = attention_config(scenarios[0], layout, max_rows)
     reused = impl.make_attention_state(dataclasses.replace(base, reuse_plan=True), DEVICE)
 
-    for index, (case, scenario, step) in enumerate(zip(cases, scenarios, steps)):
+    for index, (case, scenario, step) in enumerate(zip(cases, scenarios, steps, strict=True)):
         n = step.num_planned
         after = f" after {cases[index - 1].name}" if index else ""
         ctx = f"edge stale-slots, step {index} ({case.name}{after}); {failure_context(step, features.version)}"

@@ -86,10 +86,18 @@ def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_pr
         out, lse = run_batch(state, batch, cache, config, max_rows, regime_log)
         report = judge_batch(batch, out, lse, cache, config)
         t = batch.target
-        rows[placement] = (out[t].clone(), lse[t].clone(), float(report.out.max_budget[t]), float(report.lse.max_budget[t]))
+        rows[placement] = (
+            out[t].clone(),
+            lse[t].clone(),
+            float(report.out.max_budget[t]),
+            float(report.lse.max_budget[t]),
+        )
         if not report.ok:
-            label = lambda r: f"row of key {batch.rows[r].key}, {batch.rows[r].length} slots" + (  # noqa: E731
-                ", the target" if r == t else "")
+            def label(r, batch=batch, t=t):
+                return f"row of key {batch.rows[r].key}, {batch.rows[r].length} slots" + (
+                    ", the target" if r == t else ""
+                )
+
             problems.append(f"{placement}: " + report.describe(label))
     alone_out, alone_lse, out_budget, lse_budget = rows["alone"]
     found = {}
@@ -105,6 +113,8 @@ def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_pr
         if found[placement]["out_max_abs_diff"] > out_budget or found[placement]["lse_max_abs_diff"] > lse_budget:
             problems.append(f"{placement}: the target row moved by more than its error budget from its output alone")
     record_property("invariance", {"flashinfer": features.version, "target": target_name, "placements": found})
-    summary = f"flashinfer {features.version}, target {target_name} ({target.length} slots), {config.id}\n{table(found)}"
+    summary = (
+        f"flashinfer {features.version}, target {target_name} ({target.length} slots), {config.id}\n{table(found)}"
+    )
     print(summary)
     assert not problems, summary + "\n" + "\n".join(problems)

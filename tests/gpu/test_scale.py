@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from harness.launch import DEVICE
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
+from harness.launch import DEVICE
 from harness.scale import check_scale_case, run_case_in_child, scale_cases
 from harness.scenario import component_seed, slot_values, slot_values_on
 from pytest_sparse_mla.impl import IMPL_SPEC
@@ -40,7 +40,10 @@ def record_regimes(regime_log, counts: dict) -> None:
 
 
 def failure_text(case, result: dict, version: str) -> str:
-    lines = [f"{case.id}: {result['outcome']} at stage {result.get('stage')}; flashinfer {version}", result.get("detail", "")]
+    lines = [
+        f"{case.id}: {result['outcome']} at stage {result.get('stage')}; flashinfer {version}",
+        result.get("detail", ""),
+    ]
     lines += [f"  {p}" for p in result.get("problems", [])]
     if result.get("wrote_past_planned_rows"):
         lines.append("  the kernel wrote rows past the planned rows")
