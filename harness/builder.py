@@ -67,7 +67,9 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
     row_is_decode = torch.arange(num_rows) < num_decode_tokens
     prefill_seq_lens = seq_lens[num_decodes:]
     decode_identity = decode_rows_use_identity(int(seq_lens.max()) if reqs else 0, spec.topk)
-    prefill_identity = prefill_rows_use_identity(int(prefill_seq_lens.max()) if num_decodes < len(reqs) else 0, spec.topk)
+    prefill_identity = prefill_rows_use_identity(
+        int(prefill_seq_lens.max()) if num_decodes < len(reqs) else 0, spec.topk
+    )
     identity = torch.where(row_is_decode, torch.tensor(decode_identity), torch.tensor(prefill_identity))
 
     rng = np.random.default_rng(component_seed(seed, "blocks"))
@@ -79,7 +81,7 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
         ctx, identity, spec.topk, spec.kpool, spec.resolved_width, component_seed(seed, "indexer"), spec.padded_rows
     )
     upper = seq_lens.clone()
-    spec_decode = torch.tensor([d and r.q_len > 1 for d, r in zip(is_decode, reqs)], dtype=torch.bool)
+    spec_decode = torch.tensor([d and r.q_len > 1 for d, r in zip(is_decode, reqs, strict=True)], dtype=torch.bool)
     upper[spec_decode] += spec.host_bound_slack
     positions = torch.zeros(num_rows + spec.padded_rows, dtype=torch.int64)
     positions[:num_rows] = ctx - 1

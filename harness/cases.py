@@ -61,18 +61,42 @@ def situation_cases(kpool: int, topk: int = TOPK, **config) -> list[Case]:
     k = f"kpool{kpool}"
     spec_decode = dict(decode_threshold=8)
     return [
-        Case(f"decode-mixed-lengths-{k}", batch((5, 1), (topk - 3, 1), (topk + 2, 1), (3 * topk + 1, 1), (LONG_CTX, 1),
-                                                 topk=topk, kpool=kpool, **config)),
-        Case(f"spec-decode-straddling-topk-{k}", batch((topk + 3, 8), (topk - 2, 8), (LONG_CTX, 8), topk=topk, kpool=kpool,
-                                                      **spec_decode, **config)),
-        Case(f"decode+prefill-to-mha-{k}", batch((LONG_CTX, 1), (topk + 5, 1), (300, 40), (topk, 24), topk=topk,
-                                                 kpool=kpool, **config)),
-        Case(f"decode+prefill-sparse-{k}", batch((9, 1), (topk + 1, 1), (topk + 40, 48), (700, 16), topk=topk,
-                                                 kpool=kpool, **config)),
-        Case(f"chunked-prefill-with-context-{k}", batch((3 * topk + 7, 64), (topk + 30, 40), topk=topk, kpool=kpool,
-                                                        **config)),
-        Case(f"async-spec-decode-{k}", batch((topk + 3, 4), (topk - 1, 4), (LONG_CTX, 4), topk=topk, kpool=kpool,
-                                             decode_threshold=4, async_scheduling=True, host_bound_slack=3, **config)),
+        Case(
+            f"decode-mixed-lengths-{k}",
+            batch(
+                (5, 1), (topk - 3, 1), (topk + 2, 1), (3 * topk + 1, 1), (LONG_CTX, 1), topk=topk, kpool=kpool, **config
+            ),
+        ),
+        Case(
+            f"spec-decode-straddling-topk-{k}",
+            batch((topk + 3, 8), (topk - 2, 8), (LONG_CTX, 8), topk=topk, kpool=kpool, **spec_decode, **config),
+        ),
+        Case(
+            f"decode+prefill-to-mha-{k}",
+            batch((LONG_CTX, 1), (topk + 5, 1), (300, 40), (topk, 24), topk=topk, kpool=kpool, **config),
+        ),
+        Case(
+            f"decode+prefill-sparse-{k}",
+            batch((9, 1), (topk + 1, 1), (topk + 40, 48), (700, 16), topk=topk, kpool=kpool, **config),
+        ),
+        Case(
+            f"chunked-prefill-with-context-{k}",
+            batch((3 * topk + 7, 64), (topk + 30, 40), topk=topk, kpool=kpool, **config),
+        ),
+        Case(
+            f"async-spec-decode-{k}",
+            batch(
+                (topk + 3, 4),
+                (topk - 1, 4),
+                (LONG_CTX, 4),
+                topk=topk,
+                kpool=kpool,
+                decode_threshold=4,
+                async_scheduling=True,
+                host_bound_slack=3,
+                **config,
+            ),
+        ),
         Case(f"empty-batch-{k}", batch(topk=topk, kpool=kpool, **config)),
     ]
 
@@ -129,8 +153,13 @@ class KernelConfig:
         return f"{self.variant}-h{self.num_heads}{scale}"
 
     def apply(self, spec: BatchSpec) -> BatchSpec:
-        return spec.replace(kv_dtype=self.kv_dtype, rope=self.rope, num_heads=self.num_heads,
-                            k_scale=self.k_scale, sm_scale=self.sm_scale)
+        return spec.replace(
+            kv_dtype=self.kv_dtype,
+            rope=self.rope,
+            num_heads=self.num_heads,
+            k_scale=self.k_scale,
+            sm_scale=self.sm_scale,
+        )
 
 
 #: The three kernel variants the tier builds: bf16 and fp8 KV with rope 64, bf16 NoPE.
@@ -159,8 +188,13 @@ def large_batch_cases() -> list[Case]:
     decodes = [(short[i % len(short)], 1) for i in range(58)] + [(LONG_CTX_128K, 1), (65_537, 1)]
     rows66 = batch(*decodes, (4_099, 6), topk=TOPK, kpool=4)
     seqs = [4, 9, 2047, 2048, 2049, 2050, 2051, 3000, 4096, 9000, 20_001]
-    rows132 = batch(*[(seqs[i % len(seqs)] + i, 4) for i in range(33)], topk=TOPK, kpool=1, decode_threshold=4,
-                    min_block_id=MIN_BLOCK_ID_PAST_2_23)
+    rows132 = batch(
+        *[(seqs[i % len(seqs)] + i, 4) for i in range(33)],
+        topk=TOPK,
+        kpool=1,
+        decode_threshold=4,
+        min_block_id=MIN_BLOCK_ID_PAST_2_23,
+    )
     return [
         Case("batch66-kpool4-ctx128k", rows66, ("A", "B", "C", "D", "E", "F", "G")),
         Case("batch132-kpool1-spec4-slots-past-2p23", rows132, ("H",)),
@@ -172,8 +206,20 @@ def graph_replay_sequence(kpool: int, topk: int = TOPK, **config) -> list[Case]:
     other lengths and slots, larger again, then empty."""
     k = f"kpool{kpool}"
     return [
-        Case(f"graph-max-{k}", batch((LONG_CTX, 1), (topk + 3, 1), (40, 1), (topk + 9, 8), (900, 12), (5, 2),
-                                     topk=topk, kpool=kpool, **config)),
+        Case(
+            f"graph-max-{k}",
+            batch(
+                (LONG_CTX, 1),
+                (topk + 3, 1),
+                (40, 1),
+                (topk + 9, 8),
+                (900, 12),
+                (5, 2),
+                topk=topk,
+                kpool=kpool,
+                **config,
+            ),
+        ),
         Case(f"graph-smaller-{k}", batch((topk - 1, 1), (topk + kpool, 1), (7, 1), topk=topk, kpool=kpool, **config)),
         Case(f"graph-mid-{k}", batch((3 * topk + 1, 1), (topk, 1), (topk + 2, 10), topk=topk, kpool=kpool, **config)),
         Case(f"graph-empty-{k}", batch(topk=topk, kpool=kpool, **config)),

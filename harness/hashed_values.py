@@ -51,14 +51,15 @@ def slot_values(seed: int, slots: np.ndarray, head_dim: int) -> np.ndarray:
     its first 512 values, whether the cache has rope or not), and integer arithmetic makes
     them the same on any machine."""
     chunks = -(-head_dim // _LANES)
-    counters = np.asarray(slots, dtype=_U64)[:, None] * _U64(_MAX_HEAD_DIM // _LANES) + np.arange(1, chunks + 1, dtype=_U64)
+    counters = np.asarray(slots, dtype=_U64)[:, None] * _U64(_MAX_HEAD_DIM // _LANES) + np.arange(
+        1, chunks + 1, dtype=_U64
+    )
     with np.errstate(over="ignore"):
         counters *= _GOLDEN
         counters += _U64(seed)
         bits = _splitmix64(counters)
     lanes = bits.astype("<u8", copy=False).view("<u2")  # lane 0 = the low 16 bits, whatever the byte order
     return _normal_table()[lanes[:, :head_dim]]
-
 
 
 _HASH_ELEMENTS = 1 << 23  # 64-bit hash values per chunk on the device (64 MiB)
@@ -124,4 +125,3 @@ def query_rows(seed: int, keys: torch.Tensor, num_heads: int, head_dim: int, dev
     out = torch.empty((keys.numel(), width), dtype=torch.bfloat16, device=device)
     fill_hashed_normals(out, seed, keys.reshape(-1), -(-width // _LANES))
     return out.view(keys.numel(), num_heads, head_dim)
-

@@ -148,7 +148,9 @@ def classify(spec: BatchSpec, layout: str) -> Assignment:
         "drafts": _drafts_class(spec),
         "layout": layout,
         "variant": _variant_class(spec),
-        "heads": str(spec.num_heads) if str(spec.num_heads) in DIMENSIONS["heads"].classes else f"outside:{spec.num_heads}",
+        "heads": str(spec.num_heads)
+        if str(spec.num_heads) in DIMENSIONS["heads"].classes
+        else f"outside:{spec.num_heads}",
         "slot_ids": _slot_class(spec),
     }
 
@@ -158,6 +160,7 @@ def classify(spec: BatchSpec, layout: str) -> Assignment:
 
 def _conflict(a: Assignment) -> bool:
     """Whether a (partial) assignment is impossible, from the dimensions it fixes."""
+
     def has(**kv):
         return all(a.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in kv.items())
 
@@ -283,15 +286,17 @@ def coverage_of(assignments) -> Coverage:
     assignments = [dict(a) for a in assignments]
     reached = {d.name: sorted({a[d.name] for a in assignments if a.get(d.name) in d.classes}) for d in SPACE}
     missed = {d.name: [c for c in d.classes if c not in reached[d.name]] for d in SPACE}
-    outside = {d.name: sorted({a[d.name] for a in assignments if d.name in a and a[d.name] not in d.classes})
-               for d in SPACE}
+    outside = {
+        d.name: sorted({a[d.name] for a in assignments if d.name in a and a[d.name] not in d.classes}) for d in SPACE
+    }
     seen_pairs = set()
     for a in assignments:
         seen_pairs |= pairs_of({k: v for k, v in a.items() if k in DIMENSIONS and v in DIMENSIONS[k].classes})
     universe = pair_universe()
     missing = sorted(universe - seen_pairs)
-    return Coverage(reached, missed, {k: v for k, v in outside.items() if v}, len(universe & seen_pairs),
-                    len(universe), missing)
+    return Coverage(
+        reached, missed, {k: v for k, v in outside.items() if v}, len(universe & seen_pairs), len(universe), missing
+    )
 
 
 # --- realisation: an assignment -> a concrete case --------------------------------------------
@@ -390,19 +395,33 @@ def realize(assignment, ch: Chooser) -> InputCase:
     requests = _requests(a, ch, topk, kpool, threshold)
     async_ = a["scheduling"] == "async"
     source = a["context_source"]
-    with_host_bound = True if source == "host-bound" or a["drafts"] != "none-pending" else (
-        async_ and ch.pick((True, False)))
+    with_host_bound = (
+        True if source == "host-bound" or a["drafts"] != "none-pending" else (async_ and ch.pick((True, False)))
+    )
     with_positions = source != "seq-lens"
-    slack = {"none-pending": 0, "partly-rejected": ch.integer(1, drafts - 1) if drafts > 1 else 0,
-             "all-rejected": drafts}[a["drafts"]]
+    slack = {
+        "none-pending": 0,
+        "partly-rejected": ch.integer(1, drafts - 1) if drafts > 1 else 0,
+        "all-rejected": drafts,
+    }[a["drafts"]]
     kv_dtype, rope, k_scale = VARIANT_KNOBS[a["variant"]]
     spec = BatchSpec(
-        requests=tuple(requests), topk=topk, kpool=kpool, block_size=block_size, rope=rope, kv_dtype=kv_dtype,
-        k_scale=k_scale, num_heads=int(a["heads"]), sm_scale=DEEPSEEK_V32_SM_SCALE if rope else GLM_NOPE_SM_SCALE,
-        async_scheduling=async_, host_bound_slack=slack if async_ else 0, decode_threshold=threshold,
+        requests=tuple(requests),
+        topk=topk,
+        kpool=kpool,
+        block_size=block_size,
+        rope=rope,
+        kv_dtype=kv_dtype,
+        k_scale=k_scale,
+        num_heads=int(a["heads"]),
+        sm_scale=DEEPSEEK_V32_SM_SCALE if rope else GLM_NOPE_SM_SCALE,
+        async_scheduling=async_,
+        host_bound_slack=slack if async_ else 0,
+        decode_threshold=threshold,
         padded_rows=ch.integer(1, 7) if a["padded_rows"] == "some" else 0,
         min_block_id=SLOT_IDS_PAST // block_size + 1 if a["slot_ids"] == "past-2^23" else 1,
-        with_host_bound=with_host_bound, with_positions=with_positions,
+        with_host_bound=with_host_bound,
+        with_positions=with_positions,
     )
     return InputCase(spec, a["layout"], tuple(sorted(a.items())))
 

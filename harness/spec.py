@@ -174,7 +174,7 @@ class Scenario:
         bs = self.spec.block_size
         parts = [
             (blocks.to(torch.int64).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[: r.seq_len]
-            for blocks, r in zip(self.allocations, self.spec.requests)
+            for blocks, r in zip(self.allocations, self.spec.requests, strict=True)
         ]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 

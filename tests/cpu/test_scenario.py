@@ -59,7 +59,9 @@ def test_same_spec_and_seed_give_identical_tensors(kpool, kv_dtype):
     spec = small_spec(kpool=kpool, kv_dtype=kv_dtype)
     first, second = scenario_tensors(spec, 17), scenario_tensors(spec, 17)
     for name, tensor in first.items():
-        assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), f"{name} differs between builds"
+        assert tensor.dtype == second[name].dtype and torch.equal(tensor, second[name]), (
+            f"{name} differs between builds"
+        )
 
 
 @pytest.mark.parametrize("kpool", [1, 4])
@@ -104,7 +106,7 @@ def block_table_problems(sc) -> list[str]:
         problems.append("a physical block is allocated twice")
     if owned.numel() and (int(owned.min()) < spec.min_block_id or int(owned.max()) >= sc.num_blocks):
         problems.append(f"allocated blocks outside [{spec.min_block_id}, {sc.num_blocks})")
-    for i, (blocks, req) in enumerate(zip(sc.allocations, spec.requests)):
+    for i, (blocks, req) in enumerate(zip(sc.allocations, spec.requests, strict=True)):
         n = blocks.numel()
         if n != math.ceil(req.seq_len / spec.block_size):
             problems.append(f"request {i}: {n} blocks for seq_len {req.seq_len}")
@@ -146,11 +148,18 @@ def test_min_block_id_pushes_slot_ids_past_2_pow_23():
     assert not block_table_problems(sc)
 
 
-@given(spec=st.builds(
-    lambda seqs, bs, slack, spare: batch(*[(s, 1) for s in seqs], topk=128, kpool=4, block_size=bs,
-                                         table_slack=slack, spare_blocks=spare),
-    st.lists(st.integers(1, 2000), min_size=1, max_size=5), st.sampled_from((1, 16, 64)),
-    st.integers(1, 4), st.integers(0, 5)), seed=st.integers(0, 2**31 - 1))
+@given(
+    spec=st.builds(
+        lambda seqs, bs, slack, spare: batch(
+            *[(s, 1) for s in seqs], topk=128, kpool=4, block_size=bs, table_slack=slack, spare_blocks=spare
+        ),
+        st.lists(st.integers(1, 2000), min_size=1, max_size=5),
+        st.sampled_from((1, 16, 64)),
+        st.integers(1, 4),
+        st.integers(0, 5),
+    ),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_block_table_layout_on_random_batches(spec, seed):
     sc = build_scenario(spec, seed)
     problems = block_table_problems(sc)
@@ -221,9 +230,11 @@ def test_every_valid_indexer_entry_reads_finite_kv_of_its_own_request(kpool):
     for t in range(sc.num_rows):
         row = slots[t][slots[t] != INVALID].to(torch.int64)
         own = sc.allocations[int(req[t])]
-        assert bool(torch.isin(torch.div(row, bs, rounding_mode="floor"), own).all()), f"row {t} reads another request's block"
+        assert bool(torch.isin(torch.div(row, bs, rounding_mode="floor"), own).all()), (
+            f"row {t} reads another request's block"
+        )
         assert bool(finite[row].all()), f"row {t} (regime {sc.row_regime[t]}) selects a NaN slot"
-    padded = sc.topk_indices[sc.num_rows:]
+    padded = sc.topk_indices[sc.num_rows :]
     assert padded.shape[0] == sc.spec.padded_rows and bool((padded == INVALID).all()), "padded rows are not all -1"
 
 
@@ -263,9 +274,9 @@ def indexer_row_problems(row: np.ndarray, ctx: int, identity: bool, topk: int, k
         return problems
     complete, r = divmod(ctx, kpool)
     selectable = topk // kpool
-    if not np.array_equal(row[topk: topk + r], np.arange(complete * kpool, ctx)):
+    if not np.array_equal(row[topk : topk + r], np.arange(complete * kpool, ctx)):
         problems.append(f"columns {topk}..{topk + r - 1} do not hold the tail {complete * kpool}..{ctx - 1}")
-    if valid[topk + r:].any():
+    if valid[topk + r :].any():
         problems.append("valid entries past the tail")
     groups = row[:topk].reshape(selectable, kpool)
     used = groups[:, 0] != INVALID
@@ -282,7 +293,9 @@ def indexer_row_problems(row: np.ndarray, ctx: int, identity: bool, topk: int, k
         problems.append(f"P={complete} < S={selectable}: the first P pool slots do not hold pools 0..P-1")
     has_hole = complete < selectable and r != 0
     if bool(valid_is_prefix(torch.from_numpy(row).unsqueeze(0))[0]) == has_hole:
-        problems.append(f"valid entries {'form' if has_hole else 'do not form'} a prefix (P={complete}, S={selectable}, r={r})")
+        problems.append(
+            f"valid entries {'form' if has_hole else 'do not form'} a prefix (P={complete}, S={selectable}, r={r})"
+        )
     return problems
 
 
@@ -318,8 +331,14 @@ def random_specs(draw) -> BatchSpec:
     for s in draw(st.lists(ctx, max_size=2)):
         q = draw(st.integers(spec_k + 2, max(spec_k + 2, min(s, 40))))
         prefills.append(Request(max(s, q), q))
-    return BatchSpec(requests=tuple(decodes + prefills), topk=topk, kpool=kpool, decode_threshold=spec_k + 1,
-                     block_size=16, padded_rows=draw(st.integers(0, 2)))
+    return BatchSpec(
+        requests=tuple(decodes + prefills),
+        topk=topk,
+        kpool=kpool,
+        decode_threshold=spec_k + 1,
+        block_size=16,
+        padded_rows=draw(st.integers(0, 2)),
+    )
 
 
 @given(spec=random_specs(), seed=st.integers(0, 2**31 - 1))
@@ -355,16 +374,19 @@ def test_identity_fill_predicates(pairs, decode_identity, prefill_identity, kpoo
         if want:
             assert sc.row_regime[t] == "A", f"{kind} row {t}: identity row labelled {sc.row_regime[t]}"
             assert np.array_equal(sc.topk_indices[t, :ctx].numpy(), np.arange(ctx)), f"{kind} row {t}"
-    prefill_seq = torch.tensor([r.seq_len for r in sc.spec.requests[sc.meta.num_decodes:]])
+    prefill_seq = torch.tensor([r.seq_len for r in sc.spec.requests[sc.meta.num_decodes :]])
     assert sc.prefills_to_mha == route_prefills_to_mha(prefill_seq, 256) == bool(prefill_identity)
     assert not scenario_row_problems(sc)
 
 
-@pytest.mark.parametrize(("ctx", "kpool", "regime", "prefix"), [
-    (10, 4, "C", False),  # r = 2: pools 0, 1, a hole up to topk, tail 8, 9
-    (12, 4, "B", True),
-    (10, 1, "H", True),
-])
+@pytest.mark.parametrize(
+    ("ctx", "kpool", "regime", "prefix"),
+    [
+        (10, 4, "C", False),  # r = 2: pools 0, 1, a hole up to topk, tail 8, 9
+        (12, 4, "B", True),
+        (10, 1, "H", True),
+    ],
+)
 def test_short_row_beside_a_long_request_takes_the_pooled_path(ctx, kpool, regime, prefix):
     sc = build_scenario(batch((ctx, 1), (LONG_CTX, 1), topk=TOPK, kpool=kpool), seed=13)
     row = sc.topk_indices[0]
@@ -373,24 +395,39 @@ def test_short_row_beside_a_long_request_takes_the_pooled_path(ctx, kpool, regim
     complete, r = divmod(ctx, kpool)
     if kpool > 1:
         assert row[: complete * kpool].tolist() == list(range(complete * kpool))
-        assert bool((row[complete * kpool: TOPK] == INVALID).all())
-        assert row[TOPK: TOPK + r].tolist() == list(range(complete * kpool, ctx))
+        assert bool((row[complete * kpool : TOPK] == INVALID).all())
+        assert row[TOPK : TOPK + r].tolist() == list(range(complete * kpool, ctx))
     assert not scenario_row_problems(sc)
 
 
 # --- regimes --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("ctx", "kpool", "identity", "regime"), [
-    (1, 4, True, "A"), (2048, 4, True, "A"), (100, 1, True, "A"),
-    (4, 4, False, "B"), (1000, 4, False, "B"), (2044, 4, False, "B"),
-    (1, 4, False, "C"), (1001, 4, False, "C"), (2047, 4, False, "C"),
-    (2048, 4, False, "D"),
-    (2049, 4, False, "E"), (2051, 4, False, "E"),
-    (2052, 4, False, "F"), (4096, 4, False, "F"),
-    (2053, 4, False, "G"), (LONG_CTX, 4, False, "G"),
-    (1, 1, False, "H"), (2048, 1, False, "H"), (2049, 1, False, "H"), (LONG_CTX, 1, False, "H"),
-])
+@pytest.mark.parametrize(
+    ("ctx", "kpool", "identity", "regime"),
+    [
+        (1, 4, True, "A"),
+        (2048, 4, True, "A"),
+        (100, 1, True, "A"),
+        (4, 4, False, "B"),
+        (1000, 4, False, "B"),
+        (2044, 4, False, "B"),
+        (1, 4, False, "C"),
+        (1001, 4, False, "C"),
+        (2047, 4, False, "C"),
+        (2048, 4, False, "D"),
+        (2049, 4, False, "E"),
+        (2051, 4, False, "E"),
+        (2052, 4, False, "F"),
+        (4096, 4, False, "F"),
+        (2053, 4, False, "G"),
+        (LONG_CTX, 4, False, "G"),
+        (1, 1, False, "H"),
+        (2048, 1, False, "H"),
+        (2049, 1, False, "H"),
+        (LONG_CTX, 1, False, "H"),
+    ],
+)
 def test_classifier_labels_hand_picked_rows(ctx, kpool, identity, regime):
     got = classify_row(ctx, TOPK, kpool, identity)
     assert got == regime, f"ctx {ctx} kpool {kpool} identity {identity}: {got}, expected {regime}"
@@ -448,8 +485,10 @@ BAD_SPECS = {
     "q_len negative": (dict(requests=(Request(3, -1),)), "q_len"),
     "unknown kv dtype": (dict(requests=(Request(10, 1),), kv_dtype="uint8"), "kv_dtype"),
     "score offset not a bf16 q": (dict(requests=(Request(10, 1),), score_offsets=(30000.0,)), "not a bf16 value"),
-    "score offset not a bf16 q at k_scale": (dict(requests=(Request(10, 1),), kv_dtype="float8_e4m3fn", k_scale=0.3,
-                                                  score_offsets=(256.0,)), "not a bf16 value"),
+    "score offset not a bf16 q at k_scale": (
+        dict(requests=(Request(10, 1),), kv_dtype="float8_e4m3fn", k_scale=0.3, score_offsets=(256.0,)),
+        "not a bf16 value",
+    ),
     "score offset not finite": (dict(requests=(Request(10, 1),), score_offsets=(float("inf"),)), "not a bf16 value"),
     "split signs without offsets": (dict(requests=(Request(10, 1),), split_score_signs=True), "needs score_offsets"),
 }
@@ -459,8 +498,18 @@ def test_requests_without_query_rows_sit_anywhere_and_own_no_row():
     """A request with no query row this step (docs/input-space.md#batch-composition) may sit
     between others: it owns no row, the rows after it keep their own request and context, and
     the engine's decode prefix ends at the first request with more rows than the threshold."""
-    spec = BatchSpec(requests=(Request(300, 1), Request(50, 0), Request(7, 1), Request(900, 20), Request(0, 0),
-                               Request(400, 12), Request(0, 0)), topk=128)
+    spec = BatchSpec(
+        requests=(
+            Request(300, 1),
+            Request(50, 0),
+            Request(7, 1),
+            Request(900, 20),
+            Request(0, 0),
+            Request(400, 12),
+            Request(0, 0),
+        ),
+        topk=128,
+    )
     scenario = build_scenario(spec, seed=4)
     assert scenario.num_rows == 1 + 1 + 20 + 12
     assert scenario.request_ids()[:4].tolist() == [0, 2, 3, 3]
@@ -492,8 +541,9 @@ VARIANT_IDS = ["bf16-rope64", "fp8-rope64-k0.5", "bf16-nope"]
 
 
 def offset_spec(kv_dtype="bfloat16", rope=True, k_scale=1.0, kpool=4, offsets=OFFSETS, split=False) -> BatchSpec:
-    return small_spec(kv_dtype=kv_dtype, rope=rope, k_scale=k_scale, kpool=kpool, score_offsets=offsets,
-                      split_score_signs=split)
+    return small_spec(
+        kv_dtype=kv_dtype, rope=rope, k_scale=k_scale, kpool=kpool, score_offsets=offsets, split_score_signs=split
+    )
 
 
 def joined_q(inputs) -> torch.Tensor:
@@ -505,14 +555,23 @@ def float64_over(sc, inputs, mask=None):
     slots = sc.intended_slots()[: sc.num_rows].to(torch.int64)
     mask = slots != INVALID if mask is None else mask
     n = sc.num_rows
-    return sparse_mla_reference(inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots, mask=mask,
-                                sm_scale=sc.spec.sm_scale, k_scale=sc.spec.k_scale, mode="float64")
+    return sparse_mla_reference(
+        inputs.q_nope[:n],
+        inputs.q_pe[:n],
+        inputs.ckv,
+        inputs.kpe,
+        slots,
+        mask=mask,
+        sm_scale=sc.spec.sm_scale,
+        k_scale=sc.spec.k_scale,
+        mode="float64",
+    )
 
 
 def float64_tolerance(largest_score: float) -> float:
     """A few float64 roundings of the largest scaled score, the scale of the oracle's rounding
     error in an output or LSE built from scores that large (2**-52 relative)."""
-    return 64 * 2.0 ** -52 * max(abs(largest_score), 1.0)
+    return 64 * 2.0**-52 * max(abs(largest_score), 1.0)
 
 
 @pytest.mark.parametrize(("kv_dtype", "rope", "k_scale"), VARIANTS, ids=VARIANT_IDS)
@@ -531,7 +590,9 @@ def test_score_offsets_are_carried_exactly_by_one_coordinate(kv_dtype, rope, k_s
     q, q_plain = joined_q(inputs), joined_q(plain)
     assert torch.equal(bits(q[..., others]), bits(q_plain[..., others])), "q changed outside the offset coordinate"
     cache, cache_plain = inputs.kv_cache.view(sc.num_slots, -1), plain.kv_cache.view(sc.num_slots, -1)
-    assert torch.equal(bits(cache[:, others]), bits(cache_plain[:, others])), "the cache changed outside the offset coordinate"
+    assert torch.equal(bits(cache[:, others]), bits(cache_plain[:, others])), (
+        "the cache changed outside the offset coordinate"
+    )
 
     readable = sc.readable_slots()
     keys = cache[readable, coord].double() * k_scale
@@ -540,11 +601,13 @@ def test_score_offsets_are_carried_exactly_by_one_coordinate(kv_dtype, rope, k_s
     assert split == bool((signs < 0).any()), "split signs must flip some selected slots, and only then"
     poisoned = torch.ones(sc.num_slots, dtype=torch.bool)
     poisoned[readable] = False
-    assert bool(torch.isnan(cache[poisoned, coord].float()).all()), "a poisoned slot holds a number in the offset coordinate"
+    assert bool(torch.isnan(cache[poisoned, coord].float()).all()), (
+        "a poisoned slot holds a number in the offset coordinate"
+    )
 
     offsets = sc.row_score_offsets()
     expected = torch.tensor([OFFSETS[r % len(OFFSETS)] for r in range(sc.num_rows)], dtype=torch.float64)
-    assert torch.equal(offsets[: sc.num_rows], expected) and bool((offsets[sc.num_rows:] == 0).all())
+    assert torch.equal(offsets[: sc.num_rows], expected) and bool((offsets[sc.num_rows :] == 0).all())
     realised = q[:, :, coord].double() * (SCORE_OFFSET_KEY * k_scale)
     assert torch.equal(realised, offsets.unsqueeze(1).expand_as(realised)), "q does not carry the row offsets exactly"
 
@@ -563,8 +626,12 @@ def test_offsets_shift_the_float64_lse_and_leave_the_output(kv_dtype, rope, k_sc
     assert bool(torch.isfinite(out).all() and torch.isfinite(lse).all()), "a non-finite float64 result"
     out_err = (out - zero_out).abs().amax(dim=(1, 2))
     lse_err = (lse - zero_lse - shift.unsqueeze(1)).abs().amax(dim=1)
-    assert float(out_err.max()) <= tol, f"output moved with the offset: rows {out_err.gt(tol).nonzero().flatten().tolist()}"
-    assert float(lse_err.max()) <= tol, f"LSE not shifted by sm_scale * offset: rows {lse_err.gt(tol).nonzero().flatten().tolist()}"
+    assert float(out_err.max()) <= tol, (
+        f"output moved with the offset: rows {out_err.gt(tol).nonzero().flatten().tolist()}"
+    )
+    assert float(lse_err.max()) <= tol, (
+        f"LSE not shifted by sm_scale * offset: rows {lse_err.gt(tol).nonzero().flatten().tolist()}"
+    )
     assert float(shift.abs().max()) > 4000, "test setup: the largest offset does not reach |s| > 4000"
 
 
@@ -573,7 +640,10 @@ def test_split_signs_leave_the_row_to_its_dominant_half():
     side weighs exp(-2 * 1024 * sm_scale) < 1e-120, so the float64 output is the zero-offset
     output over the dominant side alone, and the LSE its LSE plus sm_scale * |offset|."""
     spec = offset_spec(kpool=4, split=True)
-    sc, zero_sc = build_scenario(spec, 31), build_scenario(spec.replace(score_offsets=(0.0,), split_score_signs=False), 31)
+    sc, zero_sc = (
+        build_scenario(spec, 31),
+        build_scenario(spec.replace(score_offsets=(0.0,), split_score_signs=False), 31),
+    )
     out, lse = float64_over(sc, build_attention_inputs(sc))
     slots = sc.intended_slots()[: sc.num_rows].to(torch.int64)
     valid = slots != INVALID
