@@ -136,6 +136,26 @@ def freed_memory_kept():
         libc.malloc_trim(0)
 
 
+#: Where pytest keeps the last failure (``sys.last_exc`` too from Python 3.12 on).
+LAST_FAILURE = ("last_type", "last_value", "last_traceback", "last_exc")
+
+
+@contextmanager
+def nested_failures_released():
+    """The last failure's traceback as it was before: pytest keeps the last failing test's in
+    ``sys.last_traceback`` (for post-mortem debugging), and a nested in-process session's would
+    keep that test's frames, with their tensors, alive in this process."""
+    before = {name: getattr(sys, name) for name in LAST_FAILURE if hasattr(sys, name)}
+    try:
+        yield
+    finally:
+        for name in LAST_FAILURE:
+            if name in before:
+                setattr(sys, name, before[name])
+            elif hasattr(sys, name):
+                delattr(sys, name)
+
+
 @contextmanager
 def process_share_of_threads():
     """torch's intra-op threads set to this process's share of the cores (``OMP_NUM_THREADS``,

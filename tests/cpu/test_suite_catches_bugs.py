@@ -108,7 +108,8 @@ def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, si
     common = (str(ROOT / path), *selection, "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT))
     if simulated and simulated_sm90.can_simulate_in_process():
         simulated_sm90.simulate_in_process(monkeypatch)
-        with simulated_sm90.freed_memory_kept(), simulated_sm90.process_share_of_threads():
+        with (simulated_sm90.freed_memory_kept(), simulated_sm90.process_share_of_threads(),
+              simulated_sm90.nested_failures_released()):
             return pytester.runpytest_inprocess(*common, *args)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if simulated:
