@@ -1,18 +1,39 @@
-"""A pytest plugin (``-p tests.simulated_sm90``) that makes a process without a GPU run the GPU
-tier's tests as if on an SM90 machine with FlashInfer: the GPU gate opens, FlashInfer's wrapper
-is the CPU stand-in of ``tests/cpu/test_rerun.py`` (plans like FlashInfer under CUDA graphs, reads
-kv_indices at run, computes with the low-precision reference) and returns base-2 LSE where the
-state asks for FlashInfer's own, and the features are the stand-in's. Run it with
-``SPARSE_MLA_DEVICE=cpu TRITON_INTERPRET=1``. It checks what the tests do around the kernel
-(plans, buffers, comparisons, the re-created bugs of the attention state), never FlashInfer.
+"""A simulated SM90 machine: a process without a GPU runs the GPU tier's tests as if on an SM90
+machine with FlashInfer: the GPU gate opens, FlashInfer's wrapper is the CPU stand-in of
+``tests/cpu/test_rerun.py`` (plans like FlashInfer under CUDA graphs, reads kv_indices at run,
+computes with the low-precision reference) and returns base-2 LSE where the state asks for
+FlashInfer's own, and the features are the stand-in's. It checks what the tests do around the
+kernel (plans, buffers, comparisons, the re-created bugs of the attention state), never
+FlashInfer.
+
+Two ways in:
+
+- as a pytest plugin of a process of its own (``-p tests.simulated_sm90``, with
+  ``SPARSE_MLA_DEVICE=cpu TRITON_INTERPRET=1``): the patches are made at configure time and
+  stay for the process;
+- in a running process whose convert kernel runs in Triton's interpreter (a nested in-process
+  session, ``tests/cpu/test_suite_catches_bugs.py``): :func:`simulate_in_process` makes the
+  same patches through pytest's ``monkeypatch``, so they are undone after the test, and points
+  the tests at the CPU (``SPARSE_MLA_DEVICE=cpu``, read where ``harness.launch`` is imported:
+  it and the GPU tier's test modules are imported afresh by the nested session).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+# Imported by Triton's interpreter at its first kernel: imported here, before any nested
+# session, whose module snapshot would drop them (their native objects then reported as leaked
+# at exit).
+import triton.compiler.code_generator  # noqa: F401
+import triton.language.extra.libdevice  # noqa: F401
 
+import fast.convert
 import fast.flashinfer_compat as compat
 import fast.sm90 as sm90
 import harness.availability
@@ -21,6 +42,10 @@ from tests.cpu.test_rerun import ReferenceWrapper
 
 FEATURES = SimpleNamespace(version="simulated-sm90", plan_checks_page_counts=False, run_checks_cache_coverage=False,
                            run_checks_query_shape=False, describe=lambda: "simulated SM90 (reference stand-in)")
+
+#: Modules that read the device at import (``harness.launch.DEVICE``, and the GPU tier's tests
+#: that import it by name): imported afresh by a nested session on the simulated machine.
+DEVICE_BOUND_MODULES = ("harness.launch", "tests.gpu")
 
 
 class StandInWrapper(ReferenceWrapper):
@@ -37,10 +62,112 @@ class StandInWrapper(ReferenceWrapper):
             lse.mul_(LOG2_E)
 
 
+def patches() -> list[tuple[object, str, object]]:
+    """``(module, attribute, value)`` of everything the simulated machine replaces."""
+    return [
+        (harness.availability, "sm90_flashinfer_unavailable_reason", lambda: None),
+        (sm90, "MLAWrapper", StandInWrapper),
+        (compat, "MLAWrapper", StandInWrapper),
+        (compat, "detect_features", lambda device=None: FEATURES),
+        (sm90, "WORKSPACE_BYTES", 1024),
+        (torch.cuda, "is_current_stream_capturing", lambda: False),  # a CPU-only torch build
+    ]
+
+
 def pytest_configure(config):
-    harness.availability.sm90_flashinfer_unavailable_reason = lambda: None
-    sm90.MLAWrapper = StandInWrapper
-    compat.MLAWrapper = StandInWrapper
-    compat.detect_features = lambda device=None: FEATURES
-    sm90.WORKSPACE_BYTES = 1024
-    torch.cuda.is_current_stream_capturing = lambda: False  # a CPU-only torch build
+    for module, name, value in patches():
+        setattr(module, name, value)
+
+
+def can_simulate_in_process() -> bool:
+    """The convert kernel of this process runs on CPU tensors (Triton's interpreter was chosen
+    when ``fast.convert`` was imported)."""
+    return fast.convert.INTERPRETED
+
+
+def simulate_in_process(monkeypatch) -> None:
+    """This process becomes the simulated machine until ``monkeypatch`` is undone: the patches,
+    the CPU as the tests' device, and the modules that read the device at import dropped, so
+    that a nested session imports them afresh (the session's own module snapshot, and
+    ``monkeypatch``, put the old ones back)."""
+    if not can_simulate_in_process():
+        raise RuntimeError("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
+    for module, name, value in patches():
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
+    for name in list(sys.modules):
+        if any(name == m or name.startswith(m + ".") for m in DEVICE_BOUND_MODULES):
+            monkeypatch.delitem(sys.modules, name)
+
+
+# --- glibc's malloc: freed memory kept for reuse ---------------------------------------------
+
+#: mallopt parameters (malloc.h) and the largest value an ``int`` takes.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+GLIBC_DEFAULT_THRESHOLD = 128 * 1024
+KEEP_THRESHOLD = (1 << 31) - 1
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc
+        return None
+
+
+@contextmanager
+def freed_memory_kept():
+    """glibc's malloc keeps freed memory for reuse instead of returning it, so that the
+    references' large temporaries are not mapped and zeroed afresh on every call (what
+    ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` do for a process of its own); on
+    exit glibc's default thresholds come back and the kept memory is returned. Elsewhere a no-op."""
+    libc = _libc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, KEEP_THRESHOLD)
+    libc.mallopt(M_TRIM_THRESHOLD, KEEP_THRESHOLD)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
+        libc.malloc_trim(0)
+
+
+#: Where pytest keeps the last failure (``sys.last_exc`` too from Python 3.12 on).
+LAST_FAILURE = ("last_type", "last_value", "last_traceback", "last_exc")
+
+
+@contextmanager
+def nested_failures_released():
+    """The last failure's traceback as it was before: pytest keeps the last failing test's in
+    ``sys.last_traceback`` (for post-mortem debugging), and a nested in-process session's would
+    keep that test's frames, with their tensors, alive in this process."""
+    before = {name: getattr(sys, name) for name in LAST_FAILURE if hasattr(sys, name)}
+    try:
+        yield
+    finally:
+        for name in LAST_FAILURE:
+            if name in before:
+                setattr(sys, name, before[name])
+            elif hasattr(sys, name):
+                delattr(sys, name)
+
+
+@contextmanager
+def process_share_of_threads():
+    """torch's intra-op threads set to this process's share of the cores (``OMP_NUM_THREADS``,
+    which the suite's xdist workers get, else every core), as a process of its own would start
+    with; the CPU tier's fixtures run tests with one."""
+    before = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or cores)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
