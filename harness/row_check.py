@@ -49,7 +49,9 @@ class RowErrors:
 
     @property
     def bad(self) -> torch.Tensor:
-        return (self.nan > 0) | (self.inf_bad > 0) | (self.max_err > self.max_budget) | (self.mean_err > self.mean_budget)
+        return (
+            (self.nan > 0) | (self.inf_bad > 0) | (self.max_err > self.max_budget) | (self.mean_err > self.mean_budget)
+        )
 
     @property
     def severity(self) -> torch.Tensor:
@@ -58,9 +60,11 @@ class RowErrors:
         return torch.where((self.nan > 0) | (self.inf_bad > 0), torch.full_like(ratio, float("inf")), ratio)
 
     def describe(self, r: int) -> str:
-        parts = [f"{self.name} max err {float(self.max_err[r]):.3g} vs budget {float(self.max_budget[r]):.3g}",
-                 f"mean err {float(self.mean_err[r]):.3g} vs {float(self.mean_budget[r]):.3g}",
-                 f"worst head {int(self.worst_head[r])}"]
+        parts = [
+            f"{self.name} max err {float(self.max_err[r]):.3g} vs budget {float(self.max_budget[r]):.3g}",
+            f"mean err {float(self.mean_err[r]):.3g} vs {float(self.mean_budget[r]):.3g}",
+            f"worst head {int(self.worst_head[r])}",
+        ]
         if int(self.nan[r]):
             parts.append(f"{int(self.nan[r])} NaN")
         if int(self.inf_bad[r]):
@@ -68,33 +72,46 @@ class RowErrors:
         return ", ".join(parts)
 
     @staticmethod
-    def empty(name: str) -> "RowErrors":
+    def empty(name: str) -> RowErrors:
         ints, floats = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
         return RowErrors(name, ints, ints, floats, floats, floats, floats, ints)
 
     @staticmethod
-    def cat(parts: list["RowErrors"]) -> "RowErrors":
+    def cat(parts: list[RowErrors]) -> RowErrors:
         fields = ("nan", "inf_bad", "max_err", "max_budget", "mean_err", "mean_budget", "worst_head")
         return RowErrors(parts[0].name, *(torch.cat([getattr(p, f) for p in parts]).cpu() for f in fields))
 
 
-def row_errors(name: str, actual: torch.Tensor, truth: torch.Tensor, lowp: torch.Tensor, kv_dtype: str = "bfloat16",
-               ulps: float = 0.0) -> RowErrors:
+def row_errors(
+    name: str,
+    actual: torch.Tensor,
+    truth: torch.Tensor,
+    lowp: torch.Tensor,
+    kv_dtype: str = "bfloat16",
+    ulps: float = 0.0,
+) -> RowErrors:
     """The policy of :func:`reference.budget.compare_to_budget` for every row (dim 0) of
     ``actual [N, H, ...]`` on its own, computed in float64 on ``truth``'s device; ``ulps`` raises
     the row's floor by that many float32 ulps of the row's largest finite ``|truth|``."""
     if actual.shape != truth.shape or lowp.shape != truth.shape:
-        raise ValueError(f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}")
+        raise ValueError(
+            f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}"
+        )
     n = truth.shape[0]
-    a, t, l = (x.detach().to(device=truth.device, dtype=torch.float64).reshape(n, truth.shape[1] if truth.dim() > 1 else 1, -1)
-               for x in (actual, truth, lowp))
-    err, err_l, both = element_errors(a, t, l)
+    a, t, lo = (
+        x.detach().to(device=truth.device, dtype=torch.float64).reshape(n, truth.shape[1] if truth.dim() > 1 else 1, -1)
+        for x in (actual, truth, lowp)
+    )
+    err, err_l, both = element_errors(a, t, lo)
     count = both.flatten(1).sum(dim=1).clamp(min=1).to(torch.float64)
     per_head = err.amax(dim=2)  # [N, H]
     max_err = per_head.amax(dim=1)
-    max_abs_t = torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).flatten(1).amax(dim=1)
-    max_budget, mean_budget = allowed_errors(err_l.flatten(1).amax(dim=1), err_l.flatten(1).sum(dim=1) / count,
-                                             max_abs_t, kv_dtype, ulps)
+    max_abs_t = (
+        torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).flatten(1).amax(dim=1)
+    )
+    max_budget, mean_budget = allowed_errors(
+        err_l.flatten(1).amax(dim=1), err_l.flatten(1).sum(dim=1) / count, max_abs_t, kv_dtype, ulps
+    )
     return RowErrors(
         name=name,
         nan=torch.isnan(a).flatten(1).sum(dim=1),
@@ -152,7 +169,9 @@ class RowReport:
         lines = [f"{len(bad)} of {self.num_rows} rows beyond the error budget (worst first):"]
         for r in bad[:limit]:
             where = label(r)
-            lines.append(f"  row {r}{' (' + where + ')' if where else ''}: {self.out.describe(r)}; {self.lse.describe(r)}")
+            lines.append(
+                f"  row {r}{' (' + where + ')' if where else ''}: {self.out.describe(r)}; {self.lse.describe(r)}"
+            )
         if len(bad) > limit:
             lines.append(f"  ... and {len(bad) - limit} more rows")
         return "\n".join(lines)
@@ -162,8 +181,21 @@ def rows_per_chunk(num_heads: int, head_dim: int = 512, elements: int = CHUNK_EL
     return max(1, elements // max(1, num_heads * head_dim))
 
 
-def judge_rows(out, lse, q_nope, q_pe, ckv, kpe, slots, mask, *, sm_scale: float, k_scale: float = 1.0,
-               kv_dtype: str = "bfloat16", chunk_rows: int | None = None) -> RowReport:
+def judge_rows(
+    out,
+    lse,
+    q_nope,
+    q_pe,
+    ckv,
+    kpe,
+    slots,
+    mask,
+    *,
+    sm_scale: float,
+    k_scale: float = 1.0,
+    kv_dtype: str = "bfloat16",
+    chunk_rows: int | None = None,
+) -> RowReport:
     """Every row of the kernel's ``out [N,H,512]`` and ``lse [N,H]`` against the float64 truth and
     the low-precision yardstick over ``slots``/``mask`` (the as-planned selection), a chunk of
     rows at a time on the tensors' device."""
@@ -187,8 +219,9 @@ def judge_rows(out, lse, q_nope, q_pe, ckv, kpe, slots, mask, *, sm_scale: float
 # --- selections on the device ------------------------------------------------------------------
 
 
-def planned_selection_on(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len: torch.Tensor, num_rows: int,
-                         device) -> tuple[torch.Tensor, torch.Tensor]:
+def planned_selection_on(
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len: torch.Tensor, num_rows: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(b) as :func:`reference.invariants.planned_selection` computes it, on ``device``: ``(slots
     [num_rows, max_len] int64, mask)``, the first ``kv_len[t]`` entries from ``kv_indptr[t]`` on."""
     indptr = kv_indptr[:num_rows].to(device=device, dtype=torch.int64)

@@ -13,8 +13,8 @@ no ``-p`` is needed.
   regime and per edge family;
 - ``coverage``: ``--input-coverage``, the input-space coverage line and table
   (docs/input-space.md#measuring-coverage);
-- ``gpus``: slow tests spread over the xdist workers, per-worker GPU pinning, the GPU each xdist worker used, and the kernel
-  error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
+- ``gpus``: slow tests spread over the xdist workers, per-worker GPU pinning, the GPU each xdist
+  worker used, and the kernel error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
   a file).
 
 Hooks of the same kind run last-registered first, so the end-of-run lines come in the reverse

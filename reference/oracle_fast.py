@@ -57,7 +57,7 @@ def joined_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     adjacent = (
         a.dtype == b.dtype and a.device == b.device and a.shape[:-1] == b.shape[:-1] and a.stride() == b.stride()
         and a.stride(-1) == 1 and b.storage_offset() == a.storage_offset() + a.shape[-1]
-        and all(st >= a.shape[-1] + b.shape[-1] for st, n in zip(a.stride()[:-1], a.shape[:-1]) if n > 1)
+        and all(st >= a.shape[-1] + b.shape[-1] for st, n in zip(a.stride()[:-1], a.shape[:-1], strict=True) if n > 1)
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     )
     if not adjacent:

@@ -27,10 +27,11 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+
 # Imported by Triton's interpreter at its first kernel: imported here, before any nested
 # session, whose module snapshot would drop them (their native objects then reported as leaked
 # at exit).
-import triton.compiler.code_generator  # noqa: F401
+import triton.compiler.code_generator
 import triton.language.extra.libdevice  # noqa: F401
 
 import fast.convert
@@ -91,7 +92,9 @@ def simulate_in_process(monkeypatch) -> None:
     that a nested session imports them afresh (the session's own module snapshot, and
     ``monkeypatch``, put the old ones back)."""
     if not can_simulate_in_process():
-        raise RuntimeError("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
+        raise RuntimeError(
+            "the simulated machine runs in this process only with the convert kernel in Triton's interpreter"
+        )
     for module, name, value in patches():
         monkeypatch.setattr(module, name, value)
     monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")

@@ -21,17 +21,56 @@ CONVERT = "tests/cpu/test_convert.py"
 
 # (docs/findings.md anchor of the bug, re-creation, tests that must catch it, -k selection, message the failure shows)
 BUG_CASES = [
-    ("kpool-wrong-cache-spec", "KpoolFromWrongSpec", KVLEN, "test_kv_len_equals_valid_count and kpool4", r"kv_len != valid count on \d+ rows"),
-    ("prefills-to-mha-still-planned", "PrefillsStillPlanned", KVLEN, "test_kv_len_equals_valid_count and to-mha", r"rows planned but q has \d+ rows"),
-    ("regime-c-compacted", "CompactionPlansPrefix", KVLEN, "test_plan_reads_the_intended_slots and compacted and kpool4",
-     r"planned slots != intended slots .*regime C"),
-    ("packed-clamp-with-a-wrong-length", "PackedWithMaxTailLength", KVLEN, "test_plan_reads_the_intended_slots and packed and kpool4",
-     r"\[len==valid\] row \d+: planned len \d+ != \d+ valid entries"),
-    ("ctx-off-by-one", "ContextIsPosition", KVLEN, "test_kv_len_equals_valid_count", r"kv_len != valid count on \d+ rows"),
-    ("optimistic-async-bounds", "OptimisticBoundAsExact", KVLEN, "test_kv_len_equals_valid_count and async",
-     r"kv_len != valid count on \d+ rows"),
+    (
+        "kpool-wrong-cache-spec",
+        "KpoolFromWrongSpec",
+        KVLEN,
+        "test_kv_len_equals_valid_count and kpool4",
+        r"kv_len != valid count on \d+ rows",
+    ),
+    (
+        "prefills-to-mha-still-planned",
+        "PrefillsStillPlanned",
+        KVLEN,
+        "test_kv_len_equals_valid_count and to-mha",
+        r"rows planned but q has \d+ rows",
+    ),
+    (
+        "regime-c-compacted",
+        "CompactionPlansPrefix",
+        KVLEN,
+        "test_plan_reads_the_intended_slots and compacted and kpool4",
+        r"planned slots != intended slots .*regime C",
+    ),
+    (
+        "packed-clamp-with-a-wrong-length",
+        "PackedWithMaxTailLength",
+        KVLEN,
+        "test_plan_reads_the_intended_slots and packed and kpool4",
+        r"\[len==valid\] row \d+: planned len \d+ != \d+ valid entries",
+    ),
+    (
+        "ctx-off-by-one",
+        "ContextIsPosition",
+        KVLEN,
+        "test_kv_len_equals_valid_count",
+        r"kv_len != valid count on \d+ rows",
+    ),
+    (
+        "optimistic-async-bounds",
+        "OptimisticBoundAsExact",
+        KVLEN,
+        "test_kv_len_equals_valid_count and async",
+        r"kv_len != valid count on \d+ rows",
+    ),
     ("convert-block-column-out-of-range", "ConvertWithoutTableBound", CONVERT, "", r"FAILED \S*test_convert\.py::"),
-    ("convert-request-id-rows-mismatch", "ConvertAcceptsMismatchedReqIds", CONVERT, "", r"FAILED \S*test_convert\.py::"),
+    (
+        "convert-request-id-rows-mismatch",
+        "ConvertAcceptsMismatchedReqIds",
+        CONVERT,
+        "",
+        r"FAILED \S*test_convert\.py::",
+    ),
 ]
 
 
@@ -48,8 +87,12 @@ def run_suite(pytester, impl: str, path: str, select: str):
 def test_suite_fails_on_recreated_bug(pytester, entry, bug, path, select, message):
     result = run_suite(pytester, f"tests.bugs:{bug}", path, select)
     output = "\n".join(result.outlines + result.errlines)
-    assert result.ret == 1, f"docs/findings.md#{entry}: the suite did not fail on tests.bugs:{bug} (exit {result.ret})\n{output[-3000:]}"
-    assert re.search(message, output, flags=re.S), f"docs/findings.md#{entry}: expected /{message}/ in\n{output[-3000:]}"
+    assert result.ret == 1, (
+        f"docs/findings.md#{entry}: the suite did not fail on tests.bugs:{bug} (exit {result.ret})\n{output[-3000:]}"
+    )
+    assert re.search(message, output, flags=re.S), (
+        f"docs/findings.md#{entry}: expected /{message}/ in\n{output[-3000:]}"
+    )
 
 
 def test_bad_impl_spec_is_a_clear_usage_error(pytester):
@@ -57,8 +100,10 @@ def test_bad_impl_spec_is_a_clear_usage_error(pytester):
     output = "\n".join(result.outlines + result.errlines)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith("ERROR: ")]
-    assert errors == ["ERROR: --impl 'tests.bugs:NoSuchThing': cannot load the factory: "
-                      "module 'tests.bugs' has no attribute 'NoSuchThing'"], output[-3000:]
+    assert errors == [
+        "ERROR: --impl 'tests.bugs:NoSuchThing': cannot load the factory: "
+        "module 'tests.bugs' has no attribute 'NoSuchThing'"
+    ], output[-3000:]
 
 
 EDGES = "tests/gpu/test_edges.py"
@@ -72,22 +117,42 @@ INVARIANCE_CASE = "short-bf16-nope-h16"
 
 # (docs/findings.md anchor, re-creation, GPU test file, -k selection, message the failure shows)
 GPU_BUG_CASES = [
-    ("plan-kept-for-the-same-row-count", "PlanKeptForTheSameRowCount", EDGES,
-     "test_previous_steps_slots_change_nothing and packed-short", r"edge stale-slots.*kv_len differs from the planned lens"),
-    ("lse-base-changed-through-exp", "LseBaseChangedThroughExp", EDGES,
-     "test_kernel_holds_at_any_score_offset and offsets-across-batch-kpool1",
-     r"lse\[offset 32768\]: .*inf mismatches"),
+    (
+        "plan-kept-for-the-same-row-count",
+        "PlanKeptForTheSameRowCount",
+        EDGES,
+        "test_previous_steps_slots_change_nothing and packed-short",
+        r"edge stale-slots.*kv_len differs from the planned lens",
+    ),
+    (
+        "lse-base-changed-through-exp",
+        "LseBaseChangedThroughExp",
+        EDGES,
+        "test_kernel_holds_at_any_score_offset and offsets-across-batch-kpool1",
+        r"lse\[offset 32768\]: .*inf mismatches",
+    ),
     # Exactly the rows past the grid fail, the first of them named: the 512 rows the grid covers
     # pass the family's checks.
-    ("step-kernels-on-the-captured-grid", "StepKernelsOnTheCapturedGrid", SCALE, SCALE_PAST_THE_GRID,
-     r"rows1024-\S+: wrong at stage done.*\b512 of 1024 rows beyond the error budget \(worst first\):\n"
-     r"E?\s+row (51[2-9]|5[2-9]\d|[6-9]\d\d|10[01]\d|102[0-3]) \(request \d+, regime"),
+    (
+        "step-kernels-on-the-captured-grid",
+        "StepKernelsOnTheCapturedGrid",
+        SCALE,
+        SCALE_PAST_THE_GRID,
+        r"rows1024-\S+: wrong at stage done.*\b512 of 1024 rows beyond the error budget \(worst first\):\n"
+        r"E?\s+row (51[2-9]|5[2-9]\d|[6-9]\d\d|10[01]\d|102[0-3]) \(request \d+, regime",
+    ),
     # The `last` placement fails, its rows named, and no other placement does: those are
     # planned afresh and pass the family's checks.
-    ("plan-kept-for-a-reordered-batch", "PlanKeptForAReorderedBatch", INVARIANCE, INVARIANCE_CASE,
-     r"(?m)\A(?!.*^E\s+(?:alone|first|among-long|among-short): )"
-     r".*^E\s+last: \d+ of 256 rows beyond the error budget \(worst first\):\nE?\s+row \d+ \(row of key \d+, \d+ slots"
-     r".*^E\s+last: the target row moved by more than its error budget"),
+    (
+        "plan-kept-for-a-reordered-batch",
+        "PlanKeptForAReorderedBatch",
+        INVARIANCE,
+        INVARIANCE_CASE,
+        r"(?m)\A(?!.*^E\s+(?:alone|first|among-long|among-short): )"
+        r".*^E\s+last: \d+ of 256 rows beyond the error budget \(worst first\):"
+        r"\nE?\s+row \d+ \(row of key \d+, \d+ slots"
+        r".*^E\s+last: the target row moved by more than its error budget",
+    ),
 ]
 GPU_BUG_IDS = [c[1] for c in GPU_BUG_CASES]
 
@@ -116,8 +181,11 @@ def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, si
     common = (str(ROOT / path), *selection, "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT))
     if simulated and (path, select) not in LARGE_BATCH_RUNS and simulated_sm90.can_simulate_in_process():
         simulated_sm90.simulate_in_process(monkeypatch)
-        with (simulated_sm90.freed_memory_kept(), simulated_sm90.process_share_of_threads(),
-              simulated_sm90.nested_failures_released()):
+        with (
+            simulated_sm90.freed_memory_kept(),
+            simulated_sm90.process_share_of_threads(),
+            simulated_sm90.nested_failures_released(),
+        ):
             return pytester.runpytest_inprocess(*common, *args)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if simulated:
@@ -134,8 +202,12 @@ def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, si
 
 def assert_caught(result, entry: str, bug: str, message: str) -> None:
     output = "\n".join(result.outlines + result.errlines)
-    assert result.ret == 1, f"docs/findings.md#{entry}: the suite did not fail on tests.bugs:{bug} (exit {result.ret})\n{output[-3000:]}"
-    assert re.search(message, output, flags=re.S), f"docs/findings.md#{entry}: expected /{message}/ in\n{output[-3000:]}"
+    assert result.ret == 1, (
+        f"docs/findings.md#{entry}: the suite did not fail on tests.bugs:{bug} (exit {result.ret})\n{output[-3000:]}"
+    )
+    assert re.search(message, output, flags=re.S), (
+        f"docs/findings.md#{entry}: expected /{message}/ in\n{output[-3000:]}"
+    )
 
 
 @pytest.mark.gpu
@@ -150,7 +222,9 @@ def test_gpu_families_fail_on_recreated_bug(pytester, monkeypatch, entry, bug, p
 @pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
 @pytest.mark.parametrize(("entry", "bug", "path", "select", "message"), GPU_BUG_CASES, ids=GPU_BUG_IDS)
-def test_gpu_families_fail_on_recreated_bug_on_a_simulated_machine(pytester, monkeypatch, entry, bug, path, select, message):
+def test_gpu_families_fail_on_recreated_bug_on_a_simulated_machine(
+    pytester, monkeypatch, entry, bug, path, select, message
+):
     result = run_gpu_family(pytester, monkeypatch, path, select, "-x", f"--impl=tests.bugs:{bug}", simulated=True)
     assert_caught(result, entry, bug, message)
 
@@ -165,4 +239,5 @@ def test_gpu_families_pass_on_the_project_path_on_a_simulated_machine(pytester, 
     output = "\n".join(result.outlines + result.errlines)
     outcomes = result.parseoutcomes()
     assert result.ret == 0 and outcomes.get("passed") and set(outcomes) <= {"passed", "deselected"}, (
-        f"{path} on a simulated machine:\n{output[-3000:]}")
+        f"{path} on a simulated machine:\n{output[-3000:]}"
+    )
