@@ -71,6 +71,13 @@ def resolve_device(choice: str, *, cuda_available: bool, interpreted: bool) -> t
     return torch.device(choice)
 
 
+def run_device(config) -> torch.device:
+    """The device the run hands the implementation under test its inputs on (``--device``
+    resolved here; call it in a test process, after its GPU pinning)."""
+    return resolve_device(config.getoption("--device"), cuda_available=torch.cuda.is_available(),
+                          interpreted=fast_convert.INTERPRETED)
+
+
 def device_problem(device: torch.device, *, cuda_available: bool, interpreted: bool, default_impl: bool) -> str | None:
     """Why production code cannot run on ``device`` here, or None."""
     if device.type == "cuda" and not cuda_available:
@@ -137,7 +144,7 @@ def device(pytestconfig) -> torch.device:
     run on the host and compare after ``.cpu()``."""
     interpreted = fast_convert.INTERPRETED
     cuda_available = torch.cuda.is_available()  # after this worker's GPU pinning
-    chosen = resolve_device(pytestconfig.getoption("--device"), cuda_available=cuda_available, interpreted=interpreted)
+    chosen = run_device(pytestconfig)
     problem = device_problem(chosen, cuda_available=cuda_available, interpreted=interpreted,
                              default_impl=pytestconfig.stash[IMPL_SPEC] == DEFAULT_IMPL_SPEC)
     if problem:

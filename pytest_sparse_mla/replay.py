@@ -169,7 +169,7 @@ class FailureDump:
         from recording.dump import write_failure
         from recording.environment import runtime_environment
 
-        from .impl import IMPL_SPEC
+        from .impl import IMPL_SPEC, run_device
 
         safe = self._safe_name()
         if not fixture.meta.get("name"):
@@ -183,7 +183,7 @@ class FailureDump:
             env = runtime_environment()
             fixture.meta["environment"] = {version: env for version in fixture.outputs}
         impl = load_impl(impl_spec or DEFAULT_IMPL_SPEC)  # loaded and checked at start-up already
-        return str(write_failure(self.directory, safe, fixture, impl, step))
+        return str(write_failure(self.directory, safe, fixture, impl, step, device=run_device(self.node.config)))
 
 
 DUMP = pytest.StashKey[FailureDump]()

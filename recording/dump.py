@@ -41,13 +41,15 @@ def write_step_recipe(directory, file_name: str, step, **meta) -> Path | None:
     return None if recipe is None else save_recipe(Path(directory) / f"{file_name}{RECIPE_SUFFIX}", recipe)
 
 
-def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, shrink: bool = True) -> Path:
+def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, shrink: bool = True,
+                  device="cpu") -> Path:
     """Shrink ``fixture`` (the failing case, as built from the noted ``step`` where there is
     one) and write it into ``directory`` as ``name.safetensors`` with ``name.repro.py``, or as
-    ``name.recipe.json``; returns the path written."""
+    ``name.recipe.json``; returns the path written. The shrink runs ``impl`` on ``device``
+    (the run's)."""
     directory = Path(directory)
     started = time.perf_counter()
-    small = shrink_fixture(fixture, impl) if shrink else fixture
+    small = shrink_fixture(fixture, impl, device) if shrink else fixture
     if isinstance(small.meta.get("shrunk"), dict):
         small.meta["shrunk"]["seconds"] = round(time.perf_counter() - started, 3)
     if fixture_bytes(small) > MAX_FIXTURE_BYTES and step is not None:

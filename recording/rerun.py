@@ -20,6 +20,8 @@ import json
 
 import torch
 
+from reference.rules import convert_rule
+
 from .environment import flashinfer_version
 from .fixture import Fixture
 from .replay import Rerun
@@ -57,35 +59,36 @@ def kv_views(fx: Fixture, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lens_from_impl(fx: Fixture, impl) -> torch.Tensor | None:
-    """The implementation's planned lens on the scenario rebuilt from the fixture's spec and
-    seed, or None where the fixture has none or it rebuilds other indexer rows."""
+    """The implementation's planned lens of the fixture's rows on the scenario rebuilt from its
+    spec and seed, or None where the fixture has none or the rebuilt rows are not the stored
+    ones. Only the fixture's rows are converted and compared (a shrunk fixture keeps a few
+    rows of a batch that may hold thousands)."""
     spec, seed = fx.meta.get("spec"), fx.meta.get("seed")
     if not isinstance(spec, dict) or not isinstance(seed, int):
         return None
     try:
-        intended, lens = _rebuilt_intent_and_lens(json.dumps(spec, sort_keys=True), seed, impl)
+        rebuilt = _rebuilt_rows_and_lens(json.dumps(spec, sort_keys=True), seed, impl)
     except (TypeError, ValueError, KeyError):
         return None
-    n = fx.num_rows
+    topk, table, req, block_size, lens = rebuilt
     rows = source_rows(fx)
-    if rows.numel() and int(rows.max()) >= intended.shape[0]:
+    if "rows" not in fx.meta and lens.numel() != fx.num_rows:
+        return None  # the implementation plans another number of rows: the recorded lens are judged
+    if rows.numel() and int(rows.max()) >= min(topk.shape[0], lens.numel()):
         return None
-    rebuilt = intended[rows] if rows.numel() else intended[:0]
+    intended = convert_rule(topk[rows], table, req[rows], block_size).to(torch.int64)
     local = fx["intended"].to(torch.int64)
     stored = torch.where(local >= 0, fx["slot_ids"][local.clamp(min=0)] if fx["slot_ids"].numel() else local, -1)
-    if rebuilt.shape != stored.shape or not torch.equal(rebuilt, stored):
-        return None
-    if "rows" not in fx.meta and lens.numel() != n:
-        return None  # the implementation plans another number of rows: the recorded lens are judged
-    if rows.numel() and int(rows.max()) >= lens.numel():
+    if intended.shape != stored.shape or not torch.equal(intended, stored):
         return None
     return lens[rows]
 
 
 @functools.lru_cache(maxsize=4)
-def _rebuilt_intent_and_lens(spec_json: str, seed: int, impl) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rebuilt scenario's intended rows and the implementation's planned lens (kept for the
-    few scenarios a shrink or a replay asks about again and again)."""
+def _rebuilt_rows_and_lens(spec_json: str, seed: int, impl):
+    """The rebuilt scenario's indexer rows, block table, request ids and block size, and the
+    implementation's planned lens (kept for the few scenarios a shrink or a replay asks about
+    again and again; the KV cache is never built)."""
     from harness.pipeline import spec_from_dict
     from harness.scenario import build_scenario
 
@@ -93,7 +96,7 @@ def _rebuilt_intent_and_lens(spec_json: str, seed: int, impl) -> tuple[torch.Ten
     s, meta = scenario.spec, scenario.meta
     lens = impl.planned_lens(meta, impl.kv_lens(meta, topk=s.topk, kpool=s.kpool, async_scheduling=s.async_scheduling),
                              topk=s.topk).to(torch.int32).cpu()
-    return scenario.intended_slots().to(torch.int64), lens
+    return scenario.topk_indices, scenario.block_table, scenario.request_ids(), s.block_size, lens
 
 
 def source_rows(fx: Fixture) -> torch.Tensor:

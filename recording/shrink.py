@@ -38,17 +38,11 @@ def fixture_bytes(fx: Fixture) -> int:
     return sum(t.numel() * t.element_size() for t in fixture_tensors(fx).values())
 
 
-def judge(fx: Fixture, impl) -> ReplayReport:
-    """The replay verdict of ``fx`` with its host stages re-run through ``impl`` (when given);
-    the references on the GPU where there is one (a failing batch of the GPU tier is large)."""
-    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+def judge(fx: Fixture, impl, device="cpu") -> ReplayReport:
+    """The replay verdict of ``fx`` with its host stages re-run through ``impl`` (when given)
+    on ``device``, the run's device; the references there too (a failing batch of the GPU tier
+    is large)."""
     return replay(fx, rerun=restage_fixture(fx, impl, device=device) if impl is not None else None, device=device)
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("SPARSE_MLA_DEVICE") == "cpu"
 
 
 def plan_report_rows(report: ReplayReport) -> tuple[list, list[int]]:
@@ -176,12 +170,13 @@ def row_candidates(fx: Fixture, by_check: dict[str, list[int]]) -> list[list[int
     return candidates
 
 
-def shrink_fixture(fx: Fixture, impl=None) -> Fixture:
+def shrink_fixture(fx: Fixture, impl=None, device="cpu") -> Fixture:
     """The smallest candidate of ``fx`` that fails the same checks (``fx`` itself when none
-    does, or when nothing fails), with ``shrunk`` recorded in its metadata."""
+    does, or when nothing fails), with ``shrunk`` recorded in its metadata; the implementation
+    runs on ``device`` (the run's)."""
     if fx.tensors.get("capture/qo_indptr") is not None or fx.num_rows == 0:
         return fx  # a captured plan is the program's: its rows are not independent here
-    report = judge(fx, impl)
+    report = judge(fx, impl, device)
     signature = failure_signature(report)
     if not signature:
         return fx
@@ -191,7 +186,7 @@ def shrink_fixture(fx: Fixture, impl=None) -> Fixture:
     for rows in row_candidates(fx, failing_rows_by_check(report)):
         tried += 1
         candidate = subset_fixture(fx, rows)
-        candidate_report = judge(candidate, impl)
+        candidate_report = judge(candidate, impl, device)
         if failure_signature(candidate_report) == signature:
             best, best_report = candidate, candidate_report
             break
@@ -201,7 +196,7 @@ def shrink_fixture(fx: Fixture, impl=None) -> Fixture:
         keep += [h for h in range(heads) if h not in keep][: MIN_HEADS - len(keep)]
         tried += 1
         candidate = subset_fixture(best, list(range(best.num_rows)), sorted(keep))
-        if failure_signature(judge(candidate, impl)) == signature:
+        if failure_signature(judge(candidate, impl, device)) == signature:
             best = candidate
     after = dict(rows=best.num_rows, heads=int(best.meta["num_heads"]), bytes=fixture_bytes(best))
     best.meta["shrunk"] = {"check": sorted(signature), "from": before, "to": after, "candidates_tried": tried}

@@ -16,6 +16,7 @@ check (pytest_sparse_mla.baselines.note_fixture_replay)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -87,16 +88,34 @@ def load_case(path, request):
     return rebuild_fixture(path, recipe, request.getfixturevalue("impl"), request.getfixturevalue("device"))
 
 
+class StageClock:
+    """Seconds each stage of one fixture's replay took, for its diagnostics."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def timed(self, stage: str, call, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
+
+    def line(self) -> str:
+        return "seconds: " + ", ".join(f"{stage} {s:.2f}" for stage, s in self.seconds.items())
+
+
 @pytest.mark.replay
 def test_replay_fixture(fixture_path, request, regime_log):
     if isinstance(fixture_path, str):
         pytest.fail(fixture_path, pytrace=False)
+    clock = StageClock()
     try:
-        fx = load_case(fixture_path, request)
+        fx = clock.timed("load", load_case, fixture_path, request)
     except FixtureError as exc:
         pytest.fail(str(exc), pytrace=False)
-    rerun, not_rerun = rerun_on_installed(request, fx)
-    report = replay(fx, rerun=rerun)
+    rerun, not_rerun = clock.timed("re-run", rerun_on_installed, request, fx)
+    report = clock.timed("judge", replay, fx, rerun=rerun)
     # A host-stage re-run ran no kernel: the upgrade check records it as not re-run.
     note_fixture_replay(
         request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun
@@ -105,7 +124,8 @@ def test_replay_fixture(fixture_path, request, regime_log):
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn
     if request.config.getoption("--replay"):
-        text = "\n".join([text, *write_heatmaps(report)])
+        text = "\n".join([text, *clock.timed("heatmaps", write_heatmaps, report)])
+    text += "\n  " + clock.line()
     request.node.user_properties.append((REPLAY_KEY, text))
     mismatches = (
         report.rerun_plan_mismatch_rows if report.rerun and report.rerun.plan is not None else report.plan_mismatch_rows

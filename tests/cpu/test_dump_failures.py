@@ -43,7 +43,7 @@ def failure_blocks(lines: list[str]) -> dict[str, list[str]]:
     return blocks
 
 
-def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_path):
+def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_path, device):
     dump = tmp_path / "dumps"
     result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:KpoolFromWrongSpec",
                         "-k", "test_kv_len_equals_valid_count and (ctx2049 or ctx4097 or decode-mixed or ctx5-kpool4)",
@@ -63,7 +63,7 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
         if match.group(1).endswith(".recipe.json"):
             recipe = load_recipe(match.group(1))
             assert recipe["impl"] == "tests.bugs:KpoolFromWrongSpec" and recipe["nodeid"].endswith(name)
-            fx = rebuild_fixture(match.group(1), recipe, KpoolFromWrongSpec())
+            fx = rebuild_fixture(match.group(1), recipe, KpoolFromWrongSpec(), device)
             original = list(range(fx.num_rows))
         else:
             fx = load_fixture(match.group(1))

@@ -53,7 +53,8 @@ def check_case(impl, device, case, seed):
     assert torch.equal(step.lens.to(torch.int64), truth), f"kv_len != the rule; {where}"
     counts = step.counts[: scenario.num_rows].cpu()
     assert torch.equal(counts, valid_counts(scenario.intended_slots())[: scenario.num_rows]), f"valid counts; {where}"
-    assert step.num_planned == scenario.planned_rows, f"{step.num_planned} rows planned, q has {scenario.planned_rows}; {where}"
+    assert step.num_planned == scenario.planned_rows, (
+        f"{step.num_planned} rows planned, q has {scenario.planned_rows}; {where}")
     bad = set(selection_mismatches(step))
     c_rows = {r for r, g in enumerate(scenario.row_regime[: step.num_planned]) if g == "C"}
     if case.layout == "compacted":
@@ -61,7 +62,8 @@ def check_case(impl, device, case, seed):
         assert not bad, f"planned != intended slots; {where}\n" + describe_rows(step, sorted(bad))
     else:
         # docs/findings.md#regime-c-planned-as-a-prefix: exactly the regime C rows are wrong.
-        assert bad == c_rows, f"mismatches beyond the regime C finding; {where}\n" + describe_rows(step, sorted(bad ^ c_rows))
+        assert bad == c_rows, (
+            f"mismatches beyond the regime C finding; {where}\n" + describe_rows(step, sorted(bad ^ c_rows)))
 
 
 @given(case=input_cases(), seed=st.integers(0, 2**31 - 1))
@@ -126,9 +128,10 @@ class EvolvingBatch(RuleBasedStateMachine):
         width = BatchSpec(requests=(), topk=TOPK_SMALL, kpool=kpool).resolved_width
         self.width = width
         # The buffers an attention state reserves once; stale contents stay between steps.
-        self.slots = torch.full((MAX_ROWS, width), 12345, dtype=torch.int32)
-        self.kv_len = torch.full((MAX_ROWS,), 7, dtype=torch.int32)
-        self.kv_indices = torch.full((indices_capacity(MAX_ROWS, width),), 54321, dtype=torch.int32)
+        dev = self.device
+        self.slots = torch.full((MAX_ROWS, width), 12345, dtype=torch.int32, device=dev)
+        self.kv_len = torch.full((MAX_ROWS,), 7, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.full((indices_capacity(MAX_ROWS, width),), 54321, dtype=torch.int32, device=dev)
 
     def rows(self) -> int:
         return sum(0 if idle else q for _, q, idle in self.requests)
@@ -181,26 +184,28 @@ class EvolvingBatch(RuleBasedStateMachine):
 
 
 def run_step_in_reused_buffers(state, scenario):
-    impl = state.impl
+    impl, dev = state.impl, state.device
     spec, meta = scenario.spec, scenario.meta
     rows = scenario.topk_indices.shape[0]
     topk = torch.full((MAX_ROWS, state.width), -1, dtype=torch.int32)
     topk[:rows] = scenario.topk_indices
     table = scenario.block_table if scenario.block_table.shape[0] else torch.zeros((1, 1), dtype=torch.int32)
-    req = impl.request_ids(meta.query_start_loc_cpu, MAX_ROWS)
-    out = state.kv_indices[: MAX_ROWS * state.width].view(MAX_ROWS, state.width) if state.layout == "strided" else state.slots
+    topk, table = topk.to(dev), table.to(dev)
+    req = impl.request_ids(meta.query_start_loc_cpu, MAX_ROWS).to(dev)
+    strided = state.layout == "strided"
+    out = state.kv_indices[: MAX_ROWS * state.width].view(MAX_ROWS, state.width) if strided else state.slots
     impl.convert(topk, table, req, spec.block_size, out=out)
     lens = impl.kv_lens(meta, topk=spec.topk, kpool=spec.kpool, async_scheduling=spec.async_scheduling)
     planned = impl.planned_lens(meta, lens, topk=spec.topk).to(torch.int32)
     n = planned.numel()
     state.kv_len.zero_()
-    state.kv_len[:n] = planned
+    state.kv_len[:n] = planned.to(dev)
     indptr = impl.kv_indptr(state.layout, planned, MAX_ROWS, state.width)
     if state.layout != "strided":
-        impl.write_kv_indices(state.layout, out, state.kv_len, indptr, state.kv_indices)
+        impl.write_kv_indices(state.layout, out, state.kv_len, indptr.to(dev), state.kv_indices)
     where = f"step {state.steps} layout={state.layout} {scenario.describe()}"
     assert torch.equal(lens.to(torch.int64), kv_len_rule(scenario.row_ctx, spec.topk, spec.kpool)), f"kv_len; {where}"
-    b_slots, b_lens = planned_selection(indptr, state.kv_indices, planned, n)
+    b_slots, b_lens = planned_selection(indptr.cpu(), state.kv_indices.cpu(), planned.cpu(), n)
     a_slots, a_mask = intended_selection(scenario.intended_slots(), n)
     b_mask = torch.arange(b_slots.shape[1]).unsqueeze(0) < b_lens.unsqueeze(1)
     same = same_multisets(a_slots, a_mask, b_slots, b_mask)
@@ -216,9 +221,10 @@ EvolvingBatch.TestCase.settings = settings(max_examples=12, stateful_step_count=
                                            phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
-def test_evolving_batch_in_reused_buffers(impl):
-    """Steps of one batch planned into the same buffers: every step reads what it intends."""
-    EvolvingBatch.impl = impl
+def test_evolving_batch_in_reused_buffers(impl, device):
+    """Steps of one batch planned into the same buffers (on the run's device): every step
+    reads what it intends."""
+    EvolvingBatch.impl, EvolvingBatch.device = impl, device
     EvolvingBatch.TestCase().runTest()
 
 

@@ -166,10 +166,23 @@ def lacking():
 """
 
 
+#: GPU_TEST on this machine as it is: the device is whichever ``--device=auto`` picks here.
+USAGE_TEST = """
+import pytest
+
+@pytest.mark.gpu
+def test_needs_the_gpu():
+    pass
+
+def test_runs_anywhere(device):
+    assert device.type in ("cpu", "cuda")
+"""
+
+
 def usage_run(pytester, *args: str, xdist: bool = False):
-    """A nested run of GPU_TEST's CPU test with ``args``; in a subprocess under xdist."""
+    """A nested run of USAGE_TEST's CPU test with ``args`` on this machine; in a subprocess under xdist."""
     pytester.makeconftest("pytest_plugins = ('pytest_sparse_mla',)\n")
-    pytester.makepyfile(test_gating=GPU_TEST, bad_impls=BAD_IMPLS)
+    pytester.makepyfile(test_gating=USAGE_TEST, bad_impls=BAD_IMPLS)
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
     pytester.syspathinsert()
     if xdist:

@@ -267,3 +267,27 @@ def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(
     assert "implementation under test: tests.bugs:CompactionPlansPrefix" in out
     result = run(str(ROOT / "tests/test_replay.py"), f"--replay={dump}")
     assert result.ret == 0, "\n".join(result.outlines[-40:])
+
+
+def test_a_shrunk_fixture_converts_only_its_own_rows_of_the_rebuilt_batch(monkeypatch):
+    """The lens of a shrunk fixture come from the kv_len rule on the rebuilt batch, but only
+    the fixture's rows of it are converted and compared (a batch may hold thousands)."""
+    import recording.rerun as rerun_module
+    from recording.shrink import subset_fixture
+
+    fx = load_fixture(FIXTURES / "bdefg-pooled-decode-bf16.safetensors")
+    keep = [r for r, g in enumerate(fx.meta["regimes"]) if g in ("E", "G")][:1]
+    small = subset_fixture(fx, keep)
+    converted = []
+    real = rerun_module.convert_rule
+
+    def counting(topk, *args):
+        converted.append(topk.shape[0])
+        return real(topk, *args)
+
+    monkeypatch.setattr(rerun_module, "convert_rule", counting, raising=False)
+    rerun_module._rebuilt_rows_and_lens.cache_clear()
+    lens = rerun_module.lens_from_impl(small, KpoolFromWrongSpec())
+    assert converted == [1], f"rows converted per call: {converted} (the fixture has 1 of {fx.num_rows})"
+    full = rerun_module.lens_from_impl(fx, KpoolFromWrongSpec())
+    assert lens is not None and full is not None and torch.equal(lens, full[keep])
