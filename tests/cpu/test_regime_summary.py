@@ -232,8 +232,8 @@ def run_suite(pytester, name: str, suite: str, xdist: bool = False) -> tuple[dic
     (folder / "conftest.py").write_text('pytest_plugins = ("pytest_sparse_mla",)\n')
     (folder / f"{name}.py").write_text(suite)
     workers = ("-n", "2") if xdist else ("-p", "no:xdist")
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *workers, "-q", "--rootdir", str(folder),
-                                          str(folder))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", *workers, "-q", "--rootdir",
+                                          str(folder), str(folder))
     out = result.stdout.str()
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out + result.stderr.str()
     return summary_table(out), out
