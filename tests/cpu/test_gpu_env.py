@@ -88,8 +88,9 @@ def test_worker_environment(i):
 def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
     """Under xdist with two visible devices the workers split between them, each with its
     share of the cores, and the run ends with a table naming each worker's device and
-    threads (no GPU needed: the pinning happens before CUDA). The nested run loads only the
-    plugin module under test and a probe file that imports no torch."""
+    threads (no GPU needed: the pinning happens before CUDA). The nested run's controller is
+    this process; its workers, processes of their own, load only the plugin module under test
+    and a probe file that imports no torch."""
     root = Path(__file__).resolve().parents[2]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
@@ -97,7 +98,7 @@ def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     threads = threads_per_worker(available_cores(), 2)
     probe = pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads))
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest_inprocess(
         str(probe), "-n", "2", "-p", "pytest_sparse_mla.gpus", "-p", "no:cacheprovider"
     )
     out = "\n".join(result.outlines)

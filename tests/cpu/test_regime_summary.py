@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
+import fast.flashinfer_compat as compat
+import fast.sm90 as sm90
 from pytest_sparse_mla.regimes import EDGE_FAMILIES, EDGE_LABEL, NO_REGIME, credited_regimes, tally_outcome, worse
+from tests import simulated_page_counts, simulated_sm90
+
+REPO = Path(__file__).resolve().parents[2]
 
 SUITE = """
 import pytest
@@ -220,32 +225,40 @@ def refused_column(output: str) -> dict[str, int]:
             for line in lines[start + 2:] if "|" in line}
 
 
-def run_suite(folder: Path, suite: str, xdist: bool = False) -> tuple[dict[str, tuple], str]:
-    """The summary of one run of ``suite`` in its own process (with two xdist workers or none),
-    and the run's output."""
+def run_suite(pytester, name: str, suite: str, xdist: bool = False) -> tuple[dict[str, tuple], str]:
+    """The summary of one in-process run of ``suite`` (as module ``name``, in a folder of its own,
+    with two xdist workers or none), and the run's output."""
+    folder = pytester.mkdir(name)
     (folder / "conftest.py").write_text('pytest_plugins = ("pytest_sparse_mla",)\n')
-    (folder / "test_suite.py").write_text(suite)
-    repo = Path(__file__).resolve().parents[2]
+    (folder / f"{name}.py").write_text(suite)
     workers = ("-n", "2") if xdist else ("-p", "no:xdist")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *workers, "-q", "--rootdir", str(folder),
-         str(folder)],
-        capture_output=True, text=True, timeout=300, cwd=folder, env={**os.environ, "PYTHONPATH": str(repo)},
-    )
-    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr
-    return summary_table(proc.stdout), proc.stdout
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", *workers, "-q", "--rootdir",
+                                          str(folder), str(folder))
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out + result.stderr.str()
+    return summary_table(out), out
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory):
-    """The summary of one run of SUITE (shared by the tests here)."""
-    return run_suite(tmp_path_factory.mktemp("regime_suite"), SUITE)
+def summaries() -> dict[str, tuple[dict[str, tuple], str]]:
+    """The summary of each suite run so far in this module: each suite runs once, for all the tests here."""
+    return {}
 
 
-@pytest.fixture(scope="module")
-def edge_table(tmp_path_factory):
-    """The summary of one run of EDGE_SUITE (shared by the tests here)."""
-    return run_suite(tmp_path_factory.mktemp("edge_suite"), EDGE_SUITE)
+@pytest.fixture
+def table(pytester, summaries):
+    """The summary of one run of SUITE."""
+    if "regime" not in summaries:
+        summaries["regime"] = run_suite(pytester, "test_regime_suite", SUITE)
+    return summaries["regime"]
+
+
+@pytest.fixture
+def edge_table(pytester, summaries):
+    """The summary of one run of EDGE_SUITE."""
+    if "edge" not in summaries:
+        summaries["edge"] = run_suite(pytester, "test_edge_suite", EDGE_SUITE)
+    return summaries["edge"]
 
 
 def edge(name: str) -> str:
@@ -353,10 +366,14 @@ def test_an_unknown_or_missing_family_fails_the_test_and_names_the_families(edge
     assert counts["B"] == ("1", 1, 0, 0, 0), out
 
 
-@pytest.fixture(scope="module")
-def launch_table(tmp_path_factory):
-    """The summary of one run of LAUNCH_SUITE under xdist (the launches travel in the reports)."""
-    return run_suite(tmp_path_factory.mktemp("launch_suite"), LAUNCH_SUITE, xdist=True)
+@pytest.fixture
+def launch_table(pytester, summaries, monkeypatch):
+    """The summary of one run of LAUNCH_SUITE under xdist (the launches travel in the reports); the
+    workers, processes of their own, find the repository on PYTHONPATH."""
+    if "launch" not in summaries:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        summaries["launch"] = run_suite(pytester, "test_launch_suite", LAUNCH_SUITE, xdist=True)
+    return summaries["launch"]
 
 
 def test_an_expected_refusal_counts_as_refused_not_passed_and_its_rows_unchecked(launch_table):
@@ -403,21 +420,51 @@ REFUSING_SELECTION = ("ctx1-kpool1-strided or ctx4096-kpool1-strided or strided-
                       "or test_capture_once_replan_and_replay and strided")
 
 
+def keep_device_bound_submodules(monkeypatch) -> None:
+    """The device-bound modules of this process (``harness.launch``, ``tests.gpu``) left as their
+    packages' attributes after the test: the nested session's fresh imports of them set those
+    attributes, and only ``sys.modules`` is put back by the session and by
+    :func:`simulated_sm90.simulate_in_process`; a later ``import harness.launch`` would then get
+    the nested session's module through the attribute and another through ``sys.modules``."""
+    for name, module in list(sys.modules.items()):
+        if any(name == m or name.startswith(m + ".") for m in simulated_sm90.DEVICE_BOUND_MODULES):
+            parent, _, child = name.rpartition(".")
+            if getattr(sys.modules.get(parent), child, None) is module:
+                monkeypatch.setattr(sys.modules[parent], child, module)
+
+
+def run_refusing_selection(pytester, monkeypatch):
+    """The output of REFUSING_SELECTION's run on the simulated machine checking page counts: in this
+    process where its convert kernel runs in Triton's interpreter (the patches undone after the
+    test), in a process of its own otherwise."""
+    paths = [str(REPO / "tests" / "gpu" / name) for name in ("test_attention_regimes.py", "test_edges.py",
+                                                             "test_cuda_graphs.py")]
+    common = ("-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--rootdir", str(REPO), *paths,
+              "-k", REFUSING_SELECTION)
+    if simulated_sm90.can_simulate_in_process():
+        keep_device_bound_submodules(monkeypatch)
+        simulated_sm90.simulate_in_process(monkeypatch)
+        # what ``-p tests.simulated_page_counts`` does at configure time, undone after the test
+        monkeypatch.setattr(sm90, "MLAWrapper", simulated_page_counts.PageCountingWrapper)
+        monkeypatch.setattr(compat, "MLAWrapper", simulated_page_counts.PageCountingWrapper)
+        monkeypatch.setattr(compat, "detect_features", lambda device=None: simulated_page_counts.FEATURES)
+        with simulated_sm90.process_share_of_threads(), simulated_sm90.nested_failures_released():
+            result = pytester.runpytest_inprocess(*common)
+        return result.ret, "\n".join(result.outlines + result.errlines)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SPARSE_MLA_DEVICE": "cpu", "TRITON_INTERPRET": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.simulated_sm90", "-p", "tests.simulated_page_counts", *common],
+        capture_output=True, text=True, timeout=600, cwd=pytester.path, env=env,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 @pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
-def test_expected_refusals_of_the_gpu_tier_count_as_refused_on_a_simulated_machine(tmp_path):
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "SPARSE_MLA_DEVICE": "cpu", "TRITON_INTERPRET": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
-    paths = [str(repo / "tests" / "gpu" / name) for name in ("test_attention_regimes.py", "test_edges.py",
-                                                              "test_cuda_graphs.py")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.simulated_sm90", "-p", "tests.simulated_page_counts",
-         "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--rootdir", str(repo), *paths, "-k", REFUSING_SELECTION],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "4 passed" in out, out[-3000:]
+def test_expected_refusals_of_the_gpu_tier_count_as_refused_on_a_simulated_machine(pytester, monkeypatch):
+    code, out = run_refusing_selection(pytester, monkeypatch)
+    assert code == 0 and "4 passed" in out, out[-3000:]
     counts, refused = summary_table(out), refused_column(out)
     assert counts["H"][1] == 1 and refused["H"] == 3, out[-3000:]  # ctx4096 ran; ctx1, stale slots and graphs refused
     assert counts[edge("stale-slots")][1] == 0 and refused[edge("stale-slots")] == 1, out[-3000:]
