@@ -98,8 +98,14 @@ def simulate_in_process(monkeypatch) -> None:
     for module, name, value in patches():
         monkeypatch.setattr(module, name, value)
     monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
-    for name in list(sys.modules):
+    for name, module in list(sys.modules.items()):
         if any(name == m or name.startswith(m + ".") for m in DEVICE_BOUND_MODULES):
+            # The nested session's fresh import sets the package attribute too: put this
+            # process's module back there as well as in sys.modules, or a later
+            # `import harness.launch` gets one copy through each.
+            parent, _, child = name.rpartition(".")
+            if getattr(sys.modules.get(parent), child, None) is module:
+                monkeypatch.setattr(sys.modules[parent], child, module)
             monkeypatch.delitem(sys.modules, name)
 
 

@@ -420,19 +420,6 @@ REFUSING_SELECTION = ("ctx1-kpool1-strided or ctx4096-kpool1-strided or strided-
                       "or test_capture_once_replan_and_replay and strided")
 
 
-def keep_device_bound_submodules(monkeypatch) -> None:
-    """The device-bound modules of this process (``harness.launch``, ``tests.gpu``) left as their
-    packages' attributes after the test: the nested session's fresh imports of them set those
-    attributes, and only ``sys.modules`` is put back by the session and by
-    :func:`simulated_sm90.simulate_in_process`; a later ``import harness.launch`` would then get
-    the nested session's module through the attribute and another through ``sys.modules``."""
-    for name, module in list(sys.modules.items()):
-        if any(name == m or name.startswith(m + ".") for m in simulated_sm90.DEVICE_BOUND_MODULES):
-            parent, _, child = name.rpartition(".")
-            if getattr(sys.modules.get(parent), child, None) is module:
-                monkeypatch.setattr(sys.modules[parent], child, module)
-
-
 def run_refusing_selection(pytester, monkeypatch):
     """The output of REFUSING_SELECTION's run on the simulated machine checking page counts: in this
     process where its convert kernel runs in Triton's interpreter (the patches undone after the
@@ -442,7 +429,6 @@ def run_refusing_selection(pytester, monkeypatch):
     common = ("-p", "no:xdist", "-p", "no:cacheprovider", "-q", "--rootdir", str(REPO), *paths,
               "-k", REFUSING_SELECTION)
     if simulated_sm90.can_simulate_in_process():
-        keep_device_bound_submodules(monkeypatch)
         simulated_sm90.simulate_in_process(monkeypatch)
         # what ``-p tests.simulated_page_counts`` does at configure time, undone after the test
         monkeypatch.setattr(sm90, "MLAWrapper", simulated_page_counts.PageCountingWrapper)
