@@ -102,7 +102,6 @@ EvolvingBatchOnGPU.TestCase.settings = settings(max_examples=3, stateful_step_co
 
 def test_evolving_batch_in_one_attention_state(impl, features):
     """A few steps of an evolving batch in one attention state: each within the budget."""
-    EvolvingBatchOnGPU.impl = impl
-    EvolvingBatchOnGPU.features = features
+    EvolvingBatchOnGPU.impl, EvolvingBatchOnGPU.features, EvolvingBatchOnGPU.device = impl, features, DEVICE
     EvolvingBatchOnGPU.TestCase().runTest()
     torch.cuda.empty_cache()
