@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, KV_LORA_RANK, ROPE_DIM, TOPK, variant_name
+from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK, variant_name
 from reference import classify_row
 
 from .input_space import covering_cases
-from .scenario import KV_DTYPES, BatchSpec, batch, build_scenario
+from .scenario import BatchSpec, batch, build_scenario
+from .spec import KernelVariantDims
 
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
 KPOOLS = (1, 4)
@@ -118,7 +117,7 @@ HEADS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
-class KernelConfig:
+class KernelConfig(KernelVariantDims):
     """What selects a kernel variant (kv dtype x rope: each one JIT-builds separately) plus
     the per-launch knobs that do not (heads, sm_scale, k_scale)."""
 
@@ -135,17 +134,6 @@ class KernelConfig:
     def variant(self) -> str:
         return variant_name(self.kv_dtype, self.rope)
 
-    @property
-    def rope_dim(self) -> int:
-        return ROPE_DIM if self.rope else 0
-
-    @property
-    def head_dim(self) -> int:
-        return KV_LORA_RANK + self.rope_dim
-
-    @property
-    def torch_kv_dtype(self) -> torch.dtype:
-        return KV_DTYPES[self.kv_dtype]
 
     @property
     def id(self) -> str:

@@ -27,6 +27,25 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 SCORE_OFFSET_KEY = 1.0
 
 
+class KernelVariantDims:
+    """The dimensions and KV dtype a ``kv_dtype`` and ``rope`` field pair selects."""
+
+    rope: bool
+    kv_dtype: str
+
+    @property
+    def rope_dim(self) -> int:
+        return ROPE_DIM if self.rope else 0
+
+    @property
+    def head_dim(self) -> int:
+        return KV_LORA_RANK + self.rope_dim
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype]
+
+
 @dataclass(frozen=True)
 class Request:
     """One request of the step: ``seq_len`` tokens after the step, ``q_len`` of them queried now.
@@ -37,7 +56,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class BatchSpec:
+class BatchSpec(KernelVariantDims):
     requests: tuple[Request, ...]
     topk: int = TOPK
     kpool: int = 1
@@ -96,17 +115,6 @@ class BatchSpec:
     def resolved_width(self) -> int:
         return self.width if self.width is not None else buffer_width(self.topk, self.kpool)
 
-    @property
-    def rope_dim(self) -> int:
-        return ROPE_DIM if self.rope else 0
-
-    @property
-    def head_dim(self) -> int:
-        return KV_LORA_RANK + self.rope_dim
-
-    @property
-    def torch_kv_dtype(self) -> torch.dtype:
-        return KV_DTYPES[self.kv_dtype]
 
     def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
