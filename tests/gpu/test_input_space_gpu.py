@@ -44,10 +44,11 @@ def c_rows_planned(step) -> set[int]:
     return {r for r, g in enumerate(step.regimes()) if g == "C"}
 
 
-def run_on_gpu(impl, features, scenario, layout, state=None, max_rows=None):
+def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None):
     """One step through the kernel: the known findings asserted as themselves (regime C under
     strided/packed is not launched; a strided plan a page-count-checking FlashInfer refuses),
-    otherwise launch and compare with the references."""
+    otherwise launch and compare with the references. ``log`` (the ``regime_log`` fixture)
+    hears of each launch and each expected refusal."""
     max_rows = max(scenario.topk_indices.shape[0], 1) if max_rows is None else max_rows
     step = prepared(impl, scenario, layout, max_rows=max_rows)
     c_rows = c_rows_planned(step)
@@ -59,14 +60,16 @@ def run_on_gpu(impl, features, scenario, layout, state=None, max_rows=None):
     if state is None:
         state = impl.make_attention_state(attention_config(scenario, layout, max_rows), DEVICE)
     if strided_plan_refused(features, step):
-        with pytest.raises(ValueError, match=PAGE_COUNT_REFUSAL):
+        with pytest.raises(ValueError, match=PAGE_COUNT_REFUSAL) as refusal:
             state.plan(step.num_planned, step.planned_lens)
+        log.expected_refusal(f"ValueError at plan: {refusal.value}"[:300])
         return state
     inputs = build_attention_inputs(scenario, DEVICE)
     launch = launch_inputs(impl, scenario, inputs, max_rows)
     out, lse = nan_buffers(max_rows, scenario.spec.num_heads)
     eager_step(state, launch, step, out, lse)
     sync()
+    log.kernel_ran()
     problems = state_matches_step(state, step)
     assert not problems, f"{step.context()}: " + "; ".join(problems)
     assert_within_budget(step, compare_with_references(step, inputs, out, lse), features.version)
@@ -75,11 +78,11 @@ def run_on_gpu(impl, features, scenario, layout, state=None, max_rows=None):
 
 
 @pytest.mark.parametrize(("case", "layout"), GPU_CASES)
-def test_drawn_production_inputs_through_the_kernel(impl, features, case, layout):
+def test_drawn_production_inputs_through_the_kernel(impl, features, regime_log, case, layout):
     """A combined case of the production input space: the kernel's output within the error
     budget of the references over the planned selection."""
     record_input(classify(case.spec, layout))
-    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), layout)
+    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), layout, regime_log)
 
 
 class EvolvingBatchOnGPU(EvolvingBatch):
@@ -92,7 +95,7 @@ class EvolvingBatchOnGPU(EvolvingBatch):
         super().step_plans_the_intended_slots()
 
     def check_scenario(self, scenario):
-        self.gpu_state = run_on_gpu(self.impl, self.features, scenario, self.layout,
+        self.gpu_state = run_on_gpu(self.impl, self.features, scenario, self.layout, self.log,
                                     state=getattr(self, "gpu_state", None), max_rows=MAX_ROWS)
 
 
@@ -100,8 +103,9 @@ EvolvingBatchOnGPU.TestCase.settings = settings(max_examples=3, stateful_step_co
                                                 phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
-def test_evolving_batch_in_one_attention_state(impl, features):
+def test_evolving_batch_in_one_attention_state(impl, features, regime_log):
     """A few steps of an evolving batch in one attention state: each within the budget."""
     EvolvingBatchOnGPU.impl, EvolvingBatchOnGPU.features, EvolvingBatchOnGPU.device = impl, features, DEVICE
+    EvolvingBatchOnGPU.log = regime_log
     EvolvingBatchOnGPU.TestCase().runTest()
     torch.cuda.empty_cache()
