@@ -26,7 +26,7 @@ from reference.invariants import same_multisets
 from reference.rules import valid_first
 
 from .case_log import note_step
-from .scenario import BatchSpec, Request, Scenario, build_scenario
+from .scenario import BatchSpec, Scenario, build_scenario, spec_from_dict
 
 #: The stages of :func:`prepare_step`, in order.
 STAGES = ("request_ids", "convert", "kv_len", "kv_indptr", "layout", "invariants")
@@ -149,11 +149,6 @@ def describe_rows(step: Step, rows: list[int], limit: int = 6) -> str:
     if len(rows) > limit:
         lines.append(f"  ... and {len(rows) - limit} more rows")
     return "\n".join(lines)
-
-
-def spec_from_dict(spec: dict) -> BatchSpec:
-    """The :class:`BatchSpec` of ``dataclasses.asdict(spec)`` (as JSON stores it)."""
-    return BatchSpec(**dict(spec, requests=tuple(Request(**r) for r in spec["requests"])))
 
 
 def run_step_in_child(impl_spec: str, spec: BatchSpec, seed: int, layout: str, device="cpu",

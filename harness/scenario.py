@@ -42,6 +42,7 @@ from .spec import (
     score_offset_coordinate,
     score_offset_problem,
     score_offset_query_value,
+    spec_from_dict,
     with_empty_rows,
 )
 
@@ -50,5 +51,5 @@ __all__ = [
     "build_attention_inputs", "build_attention_inputs_on", "build_scenario", "component_seed", "fill_hashed_normals",
     "indexer_rows_fast", "intended_slots_on", "nan_kv_buffer", "query_rows", "readable_slots_on",
     "score_offset_coordinate", "score_offset_problem", "score_offset_query_value", "slot_values", "slot_values_on",
-    "splitmix64_torch", "with_empty_rows",
+    "spec_from_dict", "splitmix64_torch", "with_empty_rows",
 ]

@@ -120,6 +120,11 @@ class BatchSpec(KernelVariantDims):
         return dataclasses.replace(self, **changes)
 
 
+def spec_from_dict(spec: dict) -> BatchSpec:
+    """The :class:`BatchSpec` of ``dataclasses.asdict(spec)`` (as JSON stores it)."""
+    return BatchSpec(**dict(spec, requests=tuple(Request(**r) for r in spec["requests"])))
+
+
 def batch(*pairs: tuple[int, int], **config) -> BatchSpec:
     """Shorthand: ``batch((seq_len, q_len), ..., topk=2048, kpool=4)``."""
     return BatchSpec(requests=tuple(Request(s, q) for s, q in pairs), **config)

@@ -55,8 +55,7 @@ def recipe_of_step(step, **meta) -> dict | None:
 def recipe_of_scenario(sc, layout: str, max_rows: int | None = None, **meta) -> dict | None:
     """The recipe of a scenario's step under ``layout`` (None where its spec and seed do not
     rebuild it)."""
-    from harness.pipeline import spec_from_dict
-    from harness.scenario import build_scenario
+    from harness.scenario import build_scenario, spec_from_dict
 
     spec = dataclasses.asdict(sc.spec)
     try:
@@ -104,8 +103,8 @@ def load_recipe(path) -> dict:
 def rebuild_fixture(path, recipe: dict, impl, device="cpu"):
     """The fixture of the recipe's case with its stages run through ``impl`` now; a recipe
     whose spec and seed no longer rebuild its scenario bit-exactly is a FixtureError."""
-    from harness.pipeline import prepare_step, spec_from_dict
-    from harness.scenario import build_attention_inputs, build_scenario
+    from harness.pipeline import prepare_step
+    from harness.scenario import build_attention_inputs, build_scenario, spec_from_dict
 
     from .case_log import fixture_from_step
 

@@ -89,8 +89,7 @@ def _rebuilt_rows_and_lens(spec_json: str, seed: int, impl):
     """The rebuilt scenario's indexer rows, block table, request ids and block size, and the
     implementation's planned lens (kept for the few scenarios a shrink or a replay asks about
     again and again; the KV cache is never built)."""
-    from harness.pipeline import spec_from_dict
-    from harness.scenario import build_scenario
+    from harness.scenario import build_scenario, spec_from_dict
 
     scenario = build_scenario(spec_from_dict(json.loads(spec_json)), seed)
     s, meta = scenario.spec, scenario.meta

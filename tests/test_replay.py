@@ -78,7 +78,8 @@ def load_case(path, request):
         return load_fixture(path)
     recipe = load_recipe(path)
     if recipe.get("crashed_at"):  # its stages killed a process once: run them apart first
-        from harness.pipeline import run_step_in_child, spec_from_dict
+        from harness.pipeline import run_step_in_child
+        from harness.scenario import spec_from_dict
         from pytest_sparse_mla.impl import IMPL_SPEC
 
         result = run_step_in_child(request.config.stash[IMPL_SPEC], spec_from_dict(recipe["spec"]), recipe["seed"],

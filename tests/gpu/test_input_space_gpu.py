@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 
-from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
 from harness import build_attention_inputs, build_scenario
 from harness.cases import input_space_cases
 from harness.input_space import classify
@@ -21,12 +20,11 @@ from harness.launch import (
     assert_within_budget,
     attention_config,
     compare_with_references,
-    eager_step,
     launch_inputs,
     nan_buffers,
+    plan_or_refusal,
     prepared,
     state_matches_step,
-    strided_plan_refused,
     sync,
 )
 from harness.pipeline import selection_mismatches
@@ -59,15 +57,12 @@ def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None)
     assert_launchable(step, features.version)
     if state is None:
         state = impl.make_attention_state(attention_config(scenario, layout, max_rows), DEVICE)
-    if strided_plan_refused(features, step):
-        with pytest.raises(ValueError, match=PAGE_COUNT_REFUSAL) as refusal:
-            state.plan(step.num_planned, step.planned_lens)
-        log.expected_refusal(f"ValueError at plan: {refusal.value}"[:300])
+    if plan_or_refusal(features, state, step, log) is not None:
         return state
     inputs = build_attention_inputs(scenario, DEVICE)
     launch = launch_inputs(impl, scenario, inputs, max_rows)
     out, lse = nan_buffers(max_rows, scenario.spec.num_heads)
-    eager_step(state, launch, step, out, lse)
+    state.step(*launch.step_args(out, lse))
     sync()
     log.kernel_ran()
     problems = state_matches_step(state, step)
