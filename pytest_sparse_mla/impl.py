@@ -3,9 +3,8 @@ production code runs on (``--device``, the ``device`` fixture), and the GPU gati
 ``gpu``-marked tests: skipped with the reason where no SM90 GPU with FlashInfer is usable, and
 said plainly (header and summary) where an NVIDIA GPU is visible but the GPU tier cannot run;
 ``--require-gpu-tier`` makes that a failure. Options that name something to load or write are
-checked when the run starts, each a usage error of one line: ``--impl`` (loaded and checked
-against the seam by the controlling process) and the folder of ``--dump-failures`` (an option of
-``pytest_sparse_mla.replay``).
+checked when the run starts, each a usage error of one line: ``--impl`` is loaded and checked
+against the seam by the controlling process.
 
 Who decides what: the controlling process (the only one under plain pytest) never touches
 CUDA nor imports FlashInfer; it asks NVML / nvidia-smi and ``importlib`` for the header and for
@@ -15,8 +14,6 @@ its result to the controller (``workeroutput``) for the summary.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -106,29 +103,6 @@ def checked_impl(spec: str):
         raise pytest.UsageError(str(exc)) from None
 
 
-def dump_folder_problem(path: str) -> str | None:
-    """Why ``--dump-failures`` cannot write into ``path``, or None. A missing folder is made
-    and removed again (a run without failures leaves nothing behind)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"--dump-failures={path}: exists and is not a folder"
-    missing = []
-    folder = os.path.abspath(path)
-    while not os.path.exists(folder):
-        missing.append(folder)
-        folder = os.path.dirname(folder)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        return f"--dump-failures={path}: cannot make the folder: {exc.strerror or exc}"
-    finally:
-        for made in missing:  # deepest first
-            if os.path.isdir(made):
-                os.rmdir(made)
-    if not missing and not os.access(path, os.W_OK | os.X_OK):
-        return f"--dump-failures={path}: the folder is not writable"
-    return None
-
-
 @pytest.fixture(scope="session")
 def impl(pytestconfig):
     """The implementation under test (``--impl module:factory``; default: fast/): loaded at
@@ -205,10 +179,6 @@ def pytest_configure(config):
     if not is_controller(config):
         return  # a worker loads the implementation after its GPU pinning (pytest_sparse_mla.gpus)
     config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])
-    dump = config.getoption("--dump-failures", None)
-    problem = dump_folder_problem(dump) if dump else None
-    if problem:
-        raise pytest.UsageError(problem)
     gpus = gpu_env.gpus_without_cuda()
     status = GpuTierStatus(gpus, availability.reason_without_cuda(gpus))
     config.stash[GPU_STATUS] = status

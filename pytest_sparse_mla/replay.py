@@ -10,6 +10,7 @@ or written for a passing test."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shlex
 
 import pytest
@@ -84,10 +85,38 @@ def replay_path_problem(path: str) -> str:
     return ""
 
 
+def dump_folder_problem(path: str) -> str | None:
+    """Why ``--dump-failures`` cannot write into ``path``, or None. A missing folder is made
+    and removed again (a run without failures leaves nothing behind)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--dump-failures={path}: exists and is not a folder"
+    missing = []
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"--dump-failures={path}: cannot make the folder: {exc.strerror or exc}"
+    finally:
+        for made in missing:  # deepest first
+            if os.path.isdir(made):
+                os.rmdir(made)
+    if not missing and not os.access(path, os.W_OK | os.X_OK):
+        return f"--dump-failures={path}: the folder is not writable"
+    return None
+
+
 @pytest.hookimpl(trylast=True)  # after the checks of conflicting options
 def pytest_configure(config):
     for path in config.getoption("--replay"):
         problem = replay_path_problem(path)
+        if problem:
+            raise pytest.UsageError(problem)
+    dump = config.getoption("--dump-failures")
+    if dump and not hasattr(config, "workerinput"):
+        problem = dump_folder_problem(dump)
         if problem:
             raise pytest.UsageError(problem)
     if not hasattr(config, "workerinput"):
