@@ -36,8 +36,16 @@ class PageCountingWrapper(simulated_sm90.StandInWrapper):
         super().plan(kv_indptr=kv_indptr, kv_len_arr=kv_len_arr, **kwargs)
 
 
+def patches() -> list[tuple[object, str, object]]:
+    """``(module, attribute, value)`` of what this machine replaces on top of the simulated one."""
+    return [
+        (sm90, "MLAWrapper", PageCountingWrapper),
+        (compat, "MLAWrapper", PageCountingWrapper),
+        (compat, "detect_features", lambda device=None: FEATURES),
+    ]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    sm90.MLAWrapper = PageCountingWrapper
-    compat.MLAWrapper = PageCountingWrapper
-    compat.detect_features = lambda device=None: FEATURES
+    for module, name, value in patches():
+        setattr(module, name, value)

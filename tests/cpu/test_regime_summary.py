@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import fast.flashinfer_compat as compat
-import fast.sm90 as sm90
 from pytest_sparse_mla.regimes import EDGE_FAMILIES, EDGE_LABEL, NO_REGIME, credited_regimes, tally_outcome, worse
 from tests import simulated_page_counts, simulated_sm90
 
@@ -430,10 +428,8 @@ def run_refusing_selection(pytester, monkeypatch):
               "-k", REFUSING_SELECTION)
     if simulated_sm90.can_simulate_in_process():
         simulated_sm90.simulate_in_process(monkeypatch)
-        # what ``-p tests.simulated_page_counts`` does at configure time, undone after the test
-        monkeypatch.setattr(sm90, "MLAWrapper", simulated_page_counts.PageCountingWrapper)
-        monkeypatch.setattr(compat, "MLAWrapper", simulated_page_counts.PageCountingWrapper)
-        monkeypatch.setattr(compat, "detect_features", lambda device=None: simulated_page_counts.FEATURES)
+        for module, name, value in simulated_page_counts.patches():  # undone after the test
+            monkeypatch.setattr(module, name, value)
         with simulated_sm90.process_share_of_threads(), simulated_sm90.nested_failures_released():
             result = pytester.runpytest_inprocess(*common)
         return result.ret, "\n".join(result.outlines + result.errlines)
