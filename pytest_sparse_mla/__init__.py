@@ -15,13 +15,16 @@ no ``-p`` is needed.
   (docs/input-space.md#measuring-coverage);
 - ``gpus``: slow tests spread over the xdist workers, per-worker GPU pinning, the GPU each xdist
   worker used, and the kernel error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
-  a file).
+  a file);
+- ``worker_load``: the "xdist workers" section: per worker, its tests' seconds, when its last
+  test ended and its longest tests (the run's critical path).
 
 Hooks of the same kind run last-registered first, so the end-of-run lines come in the reverse
-of this list: GPUs, input coverage, regimes, replay, upgrade report, then the implementation under test.
+of this list: xdist workers, GPUs, input coverage, regimes, replay, upgrade report, then the implementation under test.
 """
 
 pytest_plugins = [
+    "pytest_sparse_mla.worker_load",
     "pytest_sparse_mla.hypothesis_profiles",
     "pytest_sparse_mla.impl",
     "pytest_sparse_mla.baselines",
