@@ -8,6 +8,7 @@ busiest first.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -22,26 +23,27 @@ class WorkerLoad:
     worker: str
     tests: int = 0
     busy_s: float = 0.0
-    #: Seconds from the first test's start on any worker to this worker's last test's end.
+    #: Seconds from the session's start to this worker's first test's start and last test's end.
+    starts_at_s: float = 0.0
     ends_at_s: float = 0.0
     longest: list[tuple[float, str]] = field(default_factory=list)
 
 
-def worker_loads(phases: list[tuple[str, str, float, float, float]]) -> list[WorkerLoad]:
-    """``phases``: (worker, nodeid, start, stop, duration) of every setup, call and teardown.
-    Per worker: its tests, the seconds they took, when its last one ended (relative to the
-    first start of the run) and its longest tests; the worker that ends last first."""
-    if not phases:
-        return []
-    first_start = min(start for _, _, start, _, _ in phases)
+def worker_loads(phases: list[tuple[str, str, float, float, float]], session_start: float) -> list[WorkerLoad]:
+    """``phases``: (worker, nodeid, start, stop, duration) of every setup, call and teardown;
+    ``session_start``: when the session began, on the same clock. Per worker: its tests, the
+    seconds they took, when its first one started and its last one ended, and its longest
+    tests; the worker that ends last first."""
     per_test: dict[tuple[str, str], float] = defaultdict(float)
+    starts: dict[str, float] = {}
     ends: dict[str, float] = defaultdict(float)
-    for worker, nodeid, _, stop, duration in phases:
+    for worker, nodeid, start, stop, duration in phases:
         per_test[(worker, nodeid)] += duration
-        ends[worker] = max(ends[worker], stop - first_start)
+        starts[worker] = min(starts.get(worker, start - session_start), start - session_start)
+        ends[worker] = max(ends[worker], stop - session_start)
     loads: dict[str, WorkerLoad] = {}
     for (worker, nodeid), seconds in per_test.items():
-        load = loads.setdefault(worker, WorkerLoad(worker, ends_at_s=ends[worker]))
+        load = loads.setdefault(worker, WorkerLoad(worker, starts_at_s=starts[worker], ends_at_s=ends[worker]))
         load.tests += 1
         load.busy_s += seconds
         load.longest.append((seconds, nodeid))
@@ -58,23 +60,28 @@ def short_name(nodeid: str) -> str:
 
 
 def load_lines(loads: list[WorkerLoad]) -> list[str]:
-    """One line per worker, then one for the run: the sum of all tests' seconds over the
-    workers (the wall a perfect split would take) against when the last worker ended."""
+    """One line per worker (seconds counted from the session's start), then one for the run:
+    when the first test started (what starting the workers and collecting cost), the sum of
+    all tests' seconds over the workers (the wall a perfect split would add) and when the last
+    worker ended."""
     lines = []
     for w in loads:
         longest = ", ".join(f"{short_name(n)} {s:.1f} s" for s, n in w.longest)
-        lines.append(f"{w.worker}: {w.tests} tests, {w.busy_s:.1f} s busy, last test ended at {w.ends_at_s:.1f} s;"
-                     f" longest: {longest}")
+        lines.append(f"{w.worker}: {w.tests} tests, {w.busy_s:.1f} s busy from {w.starts_at_s:.1f} s to"
+                     f" {w.ends_at_s:.1f} s; longest: {longest}")
     total = sum(w.busy_s for w in loads)
-    lines.append(f"all workers: {total:.1f} test-seconds, {total / len(loads):.1f} s each if split evenly;"
-                 f" the last worker ended at {loads[0].ends_at_s:.1f} s ({loads[0].worker})")
+    first = min(w.starts_at_s for w in loads)
+    lines.append(f"all workers: first test at {first:.1f} s; {total:.1f} test-seconds,"
+                 f" {total / len(loads):.1f} s each if split evenly; the last worker ended at"
+                 f" {loads[0].ends_at_s:.1f} s ({loads[0].worker})")
     return lines
 
 
 class WorkerLoadReport:
     """Registered on the controlling process of an xdist run."""
 
-    def __init__(self):
+    def __init__(self, session_start: float):
+        self.session_start = session_start
         self.phases: list[tuple[str, str, float, float, float]] = []
 
     def pytest_runtest_logreport(self, report):
@@ -85,7 +92,7 @@ class WorkerLoadReport:
             self.phases.append((worker, report.nodeid, start, stop, report.duration))
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
-        loads = worker_loads(self.phases)
+        loads = worker_loads(self.phases, self.session_start)
         if len(loads) >= 2:
             terminalreporter.section("xdist workers (the first ends the run)")
             for line in load_lines(loads):
@@ -94,4 +101,4 @@ class WorkerLoadReport:
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
-        config.pluginmanager.register(WorkerLoadReport(), "sparse-mla-worker-load")
+        config.pluginmanager.register(WorkerLoadReport(time.time()), "sparse-mla-worker-load")
