@@ -12,6 +12,7 @@ tensors on any machine.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,15 +52,35 @@ def leading_decodes(spec: BatchSpec) -> int:
     return len(spec.requests)
 
 
-def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
-    """Host-side tensors of one step (no q, no KV cache: see :func:`build_attention_inputs`)."""
+@dataclass(frozen=True)
+class RowPlan:
+    """What a spec alone decides of each query row, before any random draw: its context, whether
+    the indexer gives it the identity row, its regime, and which rows the sparse kernel plans."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_decodes: int
+    num_decode_tokens: int
+    ctx: torch.Tensor
+    identity: torch.Tensor
+    regime: list[str]
+    prefills_to_mha: bool
+
+    @property
+    def planned_rows(self) -> int:
+        """Rows handed to the sparse kernel: the decode prefix when prefills go to MHA."""
+        return self.num_decode_tokens if self.prefills_to_mha else int(self.ctx.numel())
+
+
+def plan_rows(spec: BatchSpec) -> RowPlan:
+    """Each row's context, identity, regime and the planned rows of ``spec``: no block table,
+    no indexer draw, no tensor wider than the batch."""
     reqs = spec.requests
     seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
     q_lens = torch.tensor([r.q_len for r in reqs], dtype=torch.int32)
     qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(q_lens, 0)
     num_rows = int(qsl[-1])
-    is_decode = [r.q_len <= spec.decode_threshold for r in reqs]
     num_decodes = leading_decodes(spec)
     num_decode_tokens = int(qsl[num_decodes])
 
@@ -71,6 +92,26 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
         int(prefill_seq_lens.max()) if num_decodes < len(reqs) else 0, spec.topk
     )
     identity = torch.where(row_is_decode, torch.tensor(decode_identity), torch.tensor(prefill_identity))
+    return RowPlan(
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens,
+        ctx=ctx,
+        identity=identity,
+        regime=classify_rows(ctx, identity, spec.topk, spec.kpool),
+        prefills_to_mha=route_prefills_to_mha(prefill_seq_lens, spec.topk),
+    )
+
+
+def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
+    """Host-side tensors of one step (no q, no KV cache: see :func:`build_attention_inputs`)."""
+    reqs = spec.requests
+    rows = plan_rows(spec)
+    seq_lens, qsl, ctx, identity = rows.seq_lens, rows.query_start_loc, rows.ctx, rows.identity
+    num_rows = int(qsl[-1])
+    num_decodes, num_decode_tokens = rows.num_decodes, rows.num_decode_tokens
+    is_decode = [r.q_len <= spec.decode_threshold for r in reqs]
 
     rng = np.random.default_rng(component_seed(seed, "blocks"))
     allocs, num_blocks = _allocate_blocks(spec, rng)
@@ -110,6 +151,6 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
         topk_indices=topk_indices,
         row_ctx=ctx,
         row_identity=identity,
-        row_regime=classify_rows(ctx, identity, spec.topk, spec.kpool),
-        prefills_to_mha=route_prefills_to_mha(prefill_seq_lens, spec.topk),
+        row_regime=rows.regime,
+        prefills_to_mha=rows.prefills_to_mha,
     )

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK, variant_name
 from reference import classify_row
 
+from .builder import plan_rows
 from .input_space import covering_cases
-from .scenario import BatchSpec, batch, build_scenario
+from .scenario import BatchSpec, batch
 from .spec import KernelVariantDims
 
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
@@ -217,8 +218,8 @@ def graph_replay_sequence(kpool: int, topk: int = TOPK, **config) -> list[Case]:
 def has_regime_c(case: Case) -> bool:
     """Whether a planned row of the case is in regime C, which the strided and packed layouts
     plan wrong (docs/findings.md#regime-c-planned-as-a-prefix)."""
-    scenario = build_scenario(case.spec, seed=0)
-    return "C" in scenario.row_regime[: scenario.planned_rows]
+    rows = plan_rows(case.spec)
+    return "C" in rows.regime[: rows.planned_rows]
 
 
 # --- the production input space (docs/input-space.md) ----------------------------------------
