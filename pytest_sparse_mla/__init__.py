@@ -13,11 +13,12 @@ no ``-p`` is needed.
   regime and per edge family;
 - ``coverage``: ``--input-coverage``, the input-space coverage line and table
   (docs/input-space.md#measuring-coverage);
-- ``gpus``: slow tests spread over the xdist workers, per-worker GPU pinning, the GPU each xdist
+- ``gpus``: per-worker GPU pinning, the GPU each xdist
   worker used, and the kernel error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
   a file);
-- ``worker_load``: the "xdist workers" section: per worker, its tests' seconds, when its last
-  test ended and its longest tests (the run's critical path).
+- ``worker_load``: the tests dealt to the xdist workers heaviest first (``durations.json``), and
+  the "xdist workers" section: per worker, its tests' seconds, when its first test started and
+  its last one ended, and its longest tests (the run's critical path).
 
 Hooks of the same kind run last-registered first, so the end-of-run lines come in the reverse
 of this list: xdist workers, GPUs, input coverage, regimes, replay, upgrade report, then the implementation under test.

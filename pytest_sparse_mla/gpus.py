@@ -35,48 +35,6 @@ def pytest_configure(config):
         share_cores(workerinput.get("workercount"))
 
 
-# --- slow tests spread over the workers --------------------------------------------------------
-
-SLOW_MARKERS = ("gpu_large", "suite_self_test")
-
-
-def starts_slow(item) -> bool:
-    """A test that takes seconds, not milliseconds: the largest plans, the suite's self-tests
-    and every test that runs a nested pytest session."""
-    return any(item.get_closest_marker(m) for m in SLOW_MARKERS) or "pytester" in getattr(item, "fixturenames", ())
-
-
-def first_block(num_items: int, workers: int) -> int:
-    """How many tests xdist's load scheduling hands each worker at the start: a quarter of all
-    tests, in consecutive blocks of equal size."""
-    return max(1, num_items // 4 // max(workers, 1))
-
-
-def spread(items: list, slow: list[bool], stride: int) -> list:
-    """``items`` with the slow ones placed ``stride`` apart (one at the head of each worker's
-    first block, the rest in the same rhythm), the others in their order between them."""
-    slow_items = [item for item, s in zip(items, slow, strict=True) if s]
-    fast_items = [item for item, s in zip(items, slow, strict=True) if not s]
-    between = max(stride - 1, 1)
-    out: list = []
-    while slow_items:
-        out.append(slow_items.pop(0))
-        out.extend(fast_items[:between])
-        del fast_items[:between]
-    return out + fast_items
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Under xdist, slow tests spread so that each worker's first block starts with one:
-    together at the head they would all go to the first worker, and left where they are the
-    workers that hold them end the run late."""
-    workers = (getattr(config, "workerinput", None) or {}).get("workercount")
-    if not workers or workers < 2:
-        return
-    items[:] = spread(items, [starts_slow(item) for item in items], first_block(len(items), workers))
-
-
 # --- CPU threads per xdist worker --------------------------------------------------------------
 
 

@@ -1,16 +1,103 @@
-"""Where an xdist run's wall time goes: per worker, the seconds its tests took, when its last
-test ended, and its longest tests. The worker whose last test ends last is the run's critical
-path; a run is as fast as that worker, not as the sum of all tests divided by the workers.
+"""How an xdist run's tests are dealt to the workers, and where its wall time went.
 
-Printed as the "xdist workers" section at the end of every run with two or more workers, the
-busiest first.
+A run is as fast as its busiest worker, not as the sum of all tests divided by the workers.
+xdist's load scheduling hands each worker a first block of consecutive tests, then more, in
+collection order, as each runs short. So the tests expected to take seconds (the durations of
+a recorded run, ``durations.json`` beside this module) go first, heaviest first, one at the head
+of each worker's first block and the rest in the same rhythm; a test the file does not know
+counts as slow when it is marked ``gpu_large`` or ``suite_self_test`` or runs a nested pytest
+session. ``python3 -m scripts.test_durations JUNIT`` rewrites the file from a run's junit xml.
+
+At the end of every run with two or more workers the "xdist workers" section says, per worker,
+the seconds its tests took, when its first test started and its last one ended, and its
+longest tests, the worker that ended last first.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+#: Recorded seconds per test id (setup + call + teardown), from a warm run of the main job.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+#: Tests expected to take at least this long are dealt out first.
+SLOW_S = 0.5
+#: What an unrecorded test marked slow (or running a nested session) is expected to take.
+UNRECORDED_SLOW_S = 5.0
+SLOW_MARKERS = ("gpu_large", "suite_self_test")
+
+
+# --- dealing the tests out ----------------------------------------------------------------------
+
+
+def read_durations(path: Path = DURATIONS_FILE) -> dict[str, float]:
+    """The recorded seconds per test id; none where the file is missing."""
+    try:
+        return json.loads(path.read_text())["seconds"]
+    except FileNotFoundError:
+        return {}
+
+
+def marked_slow(item) -> bool:
+    """A test that takes seconds by its kind: the largest plans, the suite's self-tests and every
+    test that runs a nested pytest session."""
+    return any(item.get_closest_marker(m) for m in SLOW_MARKERS) or "pytester" in getattr(item, "fixturenames", ())
+
+
+def expected_seconds(nodeid: str, slow_by_kind: bool, recorded: dict[str, float]) -> float:
+    """The recorded seconds of a test, or a guess from its kind where none were recorded."""
+    if nodeid in recorded:
+        return recorded[nodeid]
+    return UNRECORDED_SLOW_S if slow_by_kind else 0.0
+
+
+def first_block(num_items: int, workers: int) -> int:
+    """How many tests xdist's load scheduling hands each worker at the start: a quarter of all
+    tests, in consecutive blocks of equal size."""
+    return max(1, num_items // 4 // max(workers, 1))
+
+
+def spread(items: list, slow: list[bool], stride: int) -> list:
+    """``items`` with the slow ones placed ``stride`` apart (one at the head of each worker's
+    first block, the rest in the same rhythm), the others in their order between them."""
+    slow_items = [item for item, s in zip(items, slow, strict=True) if s]
+    fast_items = [item for item, s in zip(items, slow, strict=True) if not s]
+    between = max(stride - 1, 1)
+    out: list = []
+    while slow_items:
+        out.append(slow_items.pop(0))
+        out.extend(fast_items[:between])
+        del fast_items[:between]
+    return out + fast_items
+
+
+def deal_order(items: list, seconds: list[float], workers: int) -> list:
+    """``items`` in the order to deal them to ``workers``: those expected to take ``SLOW_S`` or
+    more first, heaviest first, spread one per worker's first block; the others after, in their
+    own order."""
+    slow = sorted((i for i, s in enumerate(seconds) if s >= SLOW_S), key=lambda i: -seconds[i])
+    fast = [i for i, s in enumerate(seconds) if s < SLOW_S]
+    ordered = [items[i] for i in slow + fast]
+    return spread(ordered, [True] * len(slow) + [False] * len(fast), first_block(len(items), workers))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (every worker computes the same order), the tests dealt heaviest first."""
+    workers = (getattr(config, "workerinput", None) or {}).get("workercount")
+    if not workers or workers < 2:
+        return
+    recorded = read_durations()
+    seconds = [expected_seconds(item.nodeid, marked_slow(item), recorded) for item in items]
+    items[:] = deal_order(items, seconds, workers)
+
+
+# --- where the time went ------------------------------------------------------------------------
 
 #: Longest tests named per worker.
 LONGEST_PER_WORKER = 3

@@ -111,28 +111,6 @@ def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
         ]
 
 
-def test_slow_tests_lead_each_workers_first_block():
-    from pytest_sparse_mla.gpus import first_block, spread
-
-    items = [f"t{i}" for i in range(40)]
-    slow = [i in (5, 6, 7, 30) for i in range(40)]
-    stride = first_block(len(items), workers=2)  # 40 // 4 // 2 = 5
-    out = spread(items, slow, stride)
-    assert sorted(out) == sorted(items)
-    assert [out[k * stride] for k in range(4)] == ["t5", "t6", "t7", "t30"]
-    assert [t for t in out if t not in ("t5", "t6", "t7", "t30")] == [
-        t for t in items if t not in ("t5", "t6", "t7", "t30")
-    ]
-
-
-def test_spreading_ends_with_few_tests_or_none_slow():
-    from pytest_sparse_mla.gpus import spread
-
-    assert spread(["a", "b", "c"], [False, False, False], 1) == ["a", "b", "c"]
-    assert spread(["a", "b", "c"], [False, True, True], 1) == ["b", "a", "c"]
-    assert spread([], [], 1) == []
-
-
 class FakeNvml(types.ModuleType):
     """A pynvml with one H200; ``fail`` names the call that raises and ``error`` what it raises."""
 

@@ -2,7 +2,21 @@
 
 from types import SimpleNamespace
 
-from pytest_sparse_mla.worker_load import WorkerLoadReport, load_lines, short_name, worker_loads
+import pytest
+
+from pytest_sparse_mla.worker_load import (
+    UNRECORDED_SLOW_S,
+    WorkerLoadReport,
+    deal_order,
+    expected_seconds,
+    first_block,
+    load_lines,
+    read_durations,
+    short_name,
+    spread,
+    worker_loads,
+)
+from scripts.test_durations import junit_seconds, merged, node_id
 
 
 def phase(worker, nodeid, start, stop):
@@ -44,3 +58,85 @@ def test_the_report_reads_the_worker_of_each_xdist_report_and_skips_reports_with
 def test_short_names_drop_the_folder_and_the_suffix():
     assert short_name("tests/cpu/test_x.py::test_y[p-1]") == "test_x::test_y[p-1]"
     assert short_name("tests/cpu/test_x.py") == "test_x"
+
+
+# --- dealing the tests out ----------------------------------------------------------------------
+
+
+def test_slow_tests_lead_each_workers_first_block():
+    items = [f"t{i}" for i in range(40)]
+    slow = [i in (5, 6, 7, 30) for i in range(40)]
+    stride = first_block(len(items), workers=2)  # 40 // 4 // 2 = 5
+    out = spread(items, slow, stride)
+    assert sorted(out) == sorted(items)
+    assert [out[k * stride] for k in range(4)] == ["t5", "t6", "t7", "t30"]
+    assert [t for t in out if t not in ("t5", "t6", "t7", "t30")] == [
+        t for t in items if t not in ("t5", "t6", "t7", "t30")
+    ]
+
+
+def test_spreading_ends_with_few_tests_or_none_slow():
+    assert spread(["a", "b", "c"], [False, False, False], 1) == ["a", "b", "c"]
+    assert spread(["a", "b", "c"], [False, True, True], 1) == ["b", "a", "c"]
+    assert spread([], [], 1) == []
+
+
+def test_the_heaviest_tests_lead_the_workers_first_blocks_and_the_rest_keep_their_order():
+    items = [f"t{i}" for i in range(40)]
+    seconds = [0.0] * 40
+    seconds[3], seconds[20], seconds[33] = 2.0, 9.0, 0.5
+    out = deal_order(items, seconds, workers=2)  # blocks of 5
+    assert [out[0], out[5], out[10]] == ["t20", "t3", "t33"]
+    assert [t for t in out if t not in ("t3", "t20", "t33")] == [t for t in items if t not in ("t3", "t20", "t33")]
+
+
+def test_two_long_tests_go_to_different_workers_under_xdist_load_scheduling():
+    """The two longest lead two first blocks: xdist hands block k to worker k."""
+    items = [f"t{i}" for i in range(160)]
+    seconds = [0.01] * 160
+    seconds[158], seconds[159] = 20.0, 17.0
+    out = deal_order(items, seconds, workers=16)
+    block = first_block(160, 16)
+    assert out.index("t158") // block != out.index("t159") // block
+
+
+def test_recorded_seconds_win_and_unrecorded_tests_are_guessed_from_their_kind():
+    recorded = {"a": 0.1, "b": 7.0}
+    assert expected_seconds("a", True, recorded) == 0.1
+    assert expected_seconds("b", False, recorded) == 7.0
+    assert expected_seconds("c", True, recorded) == UNRECORDED_SLOW_S
+    assert expected_seconds("c", False, recorded) == 0.0
+
+
+def test_the_checked_in_durations_name_tests_of_this_suite(request):
+    recorded = read_durations()
+    assert len(recorded) > 500 and all(s >= 0 for s in recorded.values())
+    collected = {item.nodeid for item in request.session.items}
+    if len(collected) > 500:  # the whole suite was collected: most recorded ids still exist
+        assert len(set(recorded) & collected) > 0.8 * len(recorded)
+
+
+def test_a_missing_durations_file_deals_by_kind(tmp_path):
+    assert read_durations(tmp_path / "none.json") == {}
+
+
+JUNIT = """<testsuites><testsuite>
+<testcase classname="tests.cpu.test_x" name="test_a[p.1]" time="1.26"/>
+<testcase classname="tests.cpu.test_x.TestGroup" name="test_b" time="0.04"/>
+</testsuite></testsuites>"""
+
+
+def test_junit_cases_become_node_ids_with_their_seconds():
+    def is_file(path):
+        return path == "tests/cpu/test_x.py"
+
+    assert junit_seconds(JUNIT, is_file) == {
+        "tests/cpu/test_x.py::test_a[p.1]": 1.26,
+        "tests/cpu/test_x.py::TestGroup::test_b": 0.04,
+    }
+    with pytest.raises(ValueError, match="no test file"):
+        node_id("tests.gone", "test_c", is_file)
+
+
+def test_merged_runs_keep_each_tests_longest_time():
+    assert merged([{"b": 1.26, "a": 0.01}, {"b": 0.5, "c": 3.0}]) == {"a": 0.0, "b": 1.3, "c": 3.0}
