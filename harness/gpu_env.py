@@ -116,6 +116,16 @@ def gpus_without_cuda() -> list[tuple[str, str]]:
     return []
 
 
+def torch_can_use_an_nvidia_gpu() -> bool:
+    """Without initialising CUDA: a CUDA build of torch, a GPU not hidden by
+    CUDA_VISIBLE_DEVICES, and an NVIDIA GPU found by NVML or nvidia-smi."""
+    import torch
+
+    if torch.version.cuda is None:
+        return False
+    return not every_gpu_hidden() and count_gpus_without_cuda() > 0
+
+
 def every_gpu_hidden() -> bool:
     """CUDA_VISIBLE_DEVICES is set to hide every GPU ("" or "-1")."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

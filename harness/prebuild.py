@@ -1,11 +1,22 @@
-"""Build (or load) every FlashInfer kernel variant the GPU tier uses, one after the other, and
-print how long each took: a cold JIT cache shows the build time, a warm or restored one the
-load time. ``python3 -m harness.prebuild``"""
+"""Build (or load) every FlashInfer kernel variant the GPU tier uses and print how long each
+took: a cold JIT cache shows the build time, a warm or restored one the load time.
+
+    python3 -m harness.prebuild [--parallel] [--only-missing]
+
+One variant after the other by default; ``--parallel`` builds each in a process of its own at
+the same time (FlashInfer locks each module's build, so a test that needs a variant being built
+waits for it and then loads it). ``--only-missing`` does nothing where FlashInfer's JIT cache
+already holds a built module for every variant. The main job starts
+``--parallel --only-missing`` in the background at its start (``pytest_sparse_mla/gpus.py``), so
+a cold cache builds while the xdist workers start and collect."""
 
 from __future__ import annotations
 
+import argparse
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,20 +39,68 @@ def build_variant(impl, kv_dtype: str, rope: bool, k_scale: float) -> float:
     return time.perf_counter() - started
 
 
-def main() -> int:
+#: FlashInfer's name for the folder of each built SM90 MLA module in its JIT cache (the same
+#: in every supported release): one per kernel variant.
+BUILT_MODULES = "batch_mla_attention_*_sm90/*.so"
+
+
+def built_modules(jit_dir: Path) -> int:
+    """How many SM90 MLA modules FlashInfer's JIT cache folder holds built."""
+    return len(list(jit_dir.glob(BUILT_MODULES)))
+
+
+def flashinfer_jit_dir() -> Path:
+    from flashinfer.jit import env
+
+    return Path(env.FLASHINFER_JIT_DIR)
+
+
+def variant_by_name(name: str) -> tuple[str, bool, float]:
+    for kv_dtype, rope, k_scale in VARIANTS:
+        if KernelConfig(kv_dtype, rope, 16).variant == name:
+            return kv_dtype, rope, k_scale
+    raise SystemExit(f"harness.prebuild: no kernel variant {name!r}")
+
+
+def build_in_parallel() -> int:
+    """Each variant built in a process of its own, all at once; the slowest sets the time."""
+    names = [KernelConfig(kv_dtype, rope, 16).variant for kv_dtype, rope, _ in VARIANTS]
+    started = time.perf_counter()
+    children = [subprocess.Popen([sys.executable, "-m", "harness.prebuild", "--variant", name]) for name in names]
+    codes = [child.wait() for child in children]
+    print(f"jit all variants at once {time.perf_counter() - started:7.1f} s", flush=True)
+    return max(codes)
+
+
+def main(argv: list[str] | None = None) -> int:
     """Build every variant; where the SM90 FlashInfer path cannot run, one line saying why
     and exit status 2, nothing built."""
+    parser = argparse.ArgumentParser(prog="python3 -m harness.prebuild", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parallel", action="store_true", help="each variant in a process of its own, at once")
+    parser.add_argument("--only-missing", action="store_true",
+                        help="nothing where the JIT cache holds every variant built")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
     reason = sm90_flashinfer_unavailable_reason()
     if reason:
         print(f"harness.prebuild: nothing to build here: {reason}", file=sys.stderr)
         return 2
+    if args.only_missing:
+        built = built_modules(flashinfer_jit_dir())
+        if built >= len(VARIANTS):
+            print(f"harness.prebuild: the JIT cache holds {built} built modules; nothing to build", flush=True)
+            return 0
+    if args.parallel:
+        return build_in_parallel()
     impl = default_impl()
+    chosen = [variant_by_name(args.variant)] if args.variant else VARIANTS
     total = 0.0
-    for kv_dtype, rope, k_scale in VARIANTS:
+    for kv_dtype, rope, k_scale in chosen:
         seconds = build_variant(impl, kv_dtype, rope, k_scale)
         total += seconds
         print(f"jit {KernelConfig(kv_dtype, rope, 16).variant:<14} {seconds:7.1f} s", flush=True)
-    print(f"jit total          {total:7.1f} s", flush=True)
+    if not args.variant:
+        print(f"jit total          {total:7.1f} s", flush=True)
     return 0
 
 

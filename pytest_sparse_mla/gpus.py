@@ -1,4 +1,6 @@
-"""The GPUs of a run: each xdist worker pinned to one GPU at configure time (before anything
+"""The GPUs of a run: FlashInfer's kernel variants built in the background from the start of a
+run on a GPU machine (``python3 -m harness.prebuild --parallel --only-missing``: nothing where
+the JIT cache holds them), each xdist worker pinned to one GPU at configure time (before anything
 touches CUDA) and given its share of the CPU cores for intra-op threads, the device each worker
 used, and on the controlling process a summary of the
 kernel error ratios and the FlashInfer warnings the GPU tests attached to their reports (a
@@ -6,14 +8,18 @@ terminal section, and a JSON file when ``SPARSE_MLA_GPU_REPORT`` names one)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
-from harness.gpu_env import pin_worker_gpu
+from harness.gpu_env import pin_worker_gpu, torch_can_use_an_nvidia_gpu
 
 from .keys import ERROR_KEY, WARNING_KEY
 
@@ -25,14 +31,52 @@ REPORT_ENV = "SPARSE_MLA_GPU_REPORT"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+#: "0" turns the background build off; set to "started" by the run that started it, so that
+#: nested sessions (which inherit the environment) start none of their own.
+PREBUILD_ENV = "SPARSE_MLA_JIT_PREBUILD"
+PREBUILD_LOG = Path(tempfile.gettempdir()) / "sparse-mla-jit-prebuild.log"
+PREBUILD_STARTED = pytest.StashKey[Path]()
+
+
+def wants_background_build(env_value: str | None, collect_only: bool, gpu_usable, flashinfer_found) -> bool:
+    """Whether a run starts the background build: not turned off or started already, not a
+    collection only, a GPU torch can use and FlashInfer installed (the last two asked only when
+    the first allow it, and without initialising CUDA)."""
+    return env_value is None and not collect_only and gpu_usable() and flashinfer_found()
+
+
+def flashinfer_installed() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def start_background_build(cwd: Path) -> Path:
+    """``python3 -m harness.prebuild --parallel --only-missing`` in a session of its own, writing
+    to ``PREBUILD_LOG``; it outlives a run that ends first and leaves the cache built."""
+    os.environ[PREBUILD_ENV] = "started"
+    with open(PREBUILD_LOG, "w") as log:
+        subprocess.Popen([sys.executable, "-m", "harness.prebuild", "--parallel", "--only-missing"], cwd=cwd,
+                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return PREBUILD_LOG
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
     pin_worker_gpu((workerinput or {}).get("workerid"))
     if workerinput is None:
         config.pluginmanager.register(GpuReport())
+        if wants_background_build(os.environ.get(PREBUILD_ENV), config.option.collectonly,
+                                  torch_can_use_an_nvidia_gpu, flashinfer_installed):
+            config.stash[PREBUILD_STARTED] = start_background_build(config.rootpath)
     else:
         share_cores(workerinput.get("workercount"))
+
+
+def pytest_report_header(config):
+    log = config.stash.get(PREBUILD_STARTED, None)
+    if log is not None:
+        return [f"FlashInfer JIT: kernel variants missing from the cache build in the background (log: {log})"]
+    return []
 
 
 # --- CPU threads per xdist worker --------------------------------------------------------------

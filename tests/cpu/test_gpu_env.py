@@ -190,3 +190,36 @@ def test_prebuild_without_a_gpu_refuses_in_one_line():
     lines = (done.stdout + done.stderr).splitlines()
     expected = ["harness.prebuild: nothing to build here: no CUDA GPU visible to torch"]
     assert done.returncode != 0 and lines == expected, f"exit {done.returncode}:\n" + "\n".join(lines[-20:])
+
+
+# --- the background JIT build -------------------------------------------------------------------
+
+
+def test_the_background_build_starts_only_on_a_gpu_machine_with_flashinfer_once_per_run():
+    from pytest_sparse_mla.gpus import wants_background_build
+
+    asked = []
+
+    def yes(what):
+        return lambda: asked.append(what) or True
+
+    assert wants_background_build(None, False, yes("gpu"), yes("flashinfer"))
+    assert not wants_background_build(None, False, lambda: False, yes("flashinfer"))
+    assert not wants_background_build(None, False, yes("gpu"), lambda: False)
+    asked.clear()
+    assert not wants_background_build("started", False, yes("gpu"), yes("flashinfer"))  # a nested session
+    assert not wants_background_build("0", False, yes("gpu"), yes("flashinfer"))  # turned off
+    assert not wants_background_build(None, True, yes("gpu"), yes("flashinfer"))  # --collect-only
+    assert asked == []  # nothing probed when the cheap checks already say no
+
+
+def test_the_prebuild_counts_built_modules_of_the_cache(tmp_path):
+    from harness.prebuild import built_modules
+
+    for name in ("batch_mla_attention_dtype_q_bf16_x_sm90", "batch_mla_attention_dtype_q_bf16_y_sm90"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.so").write_bytes(b"")
+    (tmp_path / "batch_mla_attention_dtype_q_bf16_z_sm90").mkdir()  # a build that did not finish
+    (tmp_path / "batch_mla_attention_dtype_q_bf16_w").mkdir()  # FA2, not the SM90 module
+    (tmp_path / "batch_mla_attention_dtype_q_bf16_w" / "batch_mla_attention_dtype_q_bf16_w.so").write_bytes(b"")
+    assert built_modules(tmp_path) == 2
