@@ -68,8 +68,8 @@ BUG_CASES = [
         "convert-request-id-rows-mismatch",
         "ConvertAcceptsMismatchedReqIds",
         CONVERT,
-        "",
-        r"FAILED \S*test_convert\.py::",
+        "req_id_rows",
+        r"FAILED \S*test_convert\.py::test_req_id_rows",
     ),
 ]
 
