@@ -46,7 +46,7 @@ BUG_CASES = [
         "packed-clamp-with-a-wrong-length",
         "PackedWithMaxTailLength",
         KVLEN,
-        "test_plan_reads_the_intended_slots and packed and kpool4",
+        "test_plan_reads_the_intended_slots and packed and ctx2049-kpool4",
         r"\[len==valid\] row \d+: planned len \d+ != \d+ valid entries",
     ),
     (
