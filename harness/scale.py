@@ -115,10 +115,11 @@ def narrow_scale_cases() -> list[ScaleCase]:
 
 
 def case_by_id(case_id: str) -> ScaleCase:
-    for case in scale_cases() + narrow_scale_cases():
+    cases = scale_cases() + narrow_scale_cases()
+    for case in cases:
         if case.id == case_id:
             return case
-    raise ValueError(f"no scale case {case_id!r}; the cases are {[c.id for c in scale_cases()]}")
+    raise ValueError(f"no scale case {case_id!r}; the cases are {[c.id for c in cases]}")
 
 
 def row_label(scenario: Scenario, lens: torch.Tensor):
