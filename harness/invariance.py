@@ -43,17 +43,19 @@ class Row:
 TARGETS = {"long": Row(1, TOPK), "short": Row(2, 7), "mid": Row(3, 700)}
 
 
-def long_fillers(count: int) -> list[Row]:
-    return [Row(1000 + i, TOPK) for i in range(count)]
+def long_fillers(count: int, topk: int = TOPK) -> list[Row]:
+    return [Row(1000 + i, topk) for i in range(count)]
 
 
 def short_fillers(count: int) -> list[Row]:
     return [Row(5000 + i, 1 + i % 16) for i in range(count)]
 
 
-def placement_rows(target: Row, placement: str, fillers: int = FILLERS) -> tuple[list[Row], int]:
-    """The batch of one placement and the target's index in it."""
-    mixed = [row for pair in zip(long_fillers(fillers), short_fillers(fillers), strict=True) for row in pair][:fillers]
+def placement_rows(target: Row, placement: str, fillers: int = FILLERS, topk: int = TOPK) -> tuple[list[Row], int]:
+    """The batch of one placement and the target's index in it; the long fillers are full rows
+    of ``topk`` slots."""
+    longs = long_fillers(fillers, topk)
+    mixed = [row for pair in zip(longs, short_fillers(fillers), strict=True) for row in pair][:fillers]
     half = fillers // 2
     if placement == "alone":
         return [target], 0
@@ -62,8 +64,7 @@ def placement_rows(target: Row, placement: str, fillers: int = FILLERS) -> tuple
     if placement == "last":
         return mixed + [target], fillers
     if placement == "among-long":
-        rows = long_fillers(fillers)
-        return rows[:half] + [target] + rows[half:], half
+        return longs[:half] + [target] + longs[half:], half
     if placement == "among-short":
         rows = short_fillers(fillers)
         return rows[:half] + [target] + rows[half:], half

@@ -46,7 +46,7 @@ BUG_CASES = [
         "packed-clamp-with-a-wrong-length",
         "PackedWithMaxTailLength",
         KVLEN,
-        "test_plan_reads_the_intended_slots and packed and kpool4",
+        "test_plan_reads_the_intended_slots and packed and ctx2049-kpool4",
         r"\[len==valid\] row \d+: planned len \d+ != \d+ valid entries",
     ),
     (
@@ -68,8 +68,8 @@ BUG_CASES = [
         "convert-request-id-rows-mismatch",
         "ConvertAcceptsMismatchedReqIds",
         CONVERT,
-        "",
-        r"FAILED \S*test_convert\.py::",
+        "req_id_rows",
+        r"FAILED \S*test_convert\.py::test_req_id_rows",
     ),
 ]
 
@@ -110,10 +110,11 @@ EDGES = "tests/gpu/test_edges.py"
 SCALE = "tests/gpu/test_scale.py"
 INVARIANCE = "tests/gpu/test_invariance.py"
 #: The scale case past the 512-row grid of StepKernelsOnTheCapturedGrid that the simulated
-#: machine runs in seconds (H 16); the larger cases take minutes there.
-SCALE_PAST_THE_GRID = "rows1024-kpool1"
-#: One invariance case (H 16, no rope: the cheapest on the simulated machine).
-INVARIANCE_CASE = "short-bf16-nope-h16"
+#: machine runs in seconds: 1024 rows at H 16 and a top-k of 64 (``harness.scale.narrow_scale_cases``).
+SCALE_PAST_THE_GRID = "rows1024-kpool1-topk64"
+#: The invariance case the simulated machine runs in seconds: its 256-row batches at H 16, no
+#: rope, a top-k of 128 (``tests/gpu/test_invariance.py``, ``NARROW_TOPK``).
+INVARIANCE_CASE = "short-bf16-nope-h16-topk128"
 
 # (docs/findings.md anchor, re-creation, GPU test file, -k selection, message the failure shows)
 GPU_BUG_CASES = [
@@ -165,11 +166,6 @@ PROJECT_PATH_RUNS = [(EDGES, ""), (SCALE, "rows1- or rows2- or rows3-")]
 #: are then not mapped and zeroed afresh on every call (half the simulated runs' time otherwise).
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
-#: Runs that judge batches of hundreds of rows x 2048 slots: in a process of their own even on
-#: the simulated machine, where the variables above keep up to 16 GiB of freed memory (``mallopt``
-#: in a running process takes at most 2 GiB); measured in-process under xdist they took longer.
-LARGE_BATCH_RUNS = {(SCALE, SCALE_PAST_THE_GRID), (INVARIANCE, INVARIANCE_CASE)}
-
 
 def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, simulated: bool):
     """Run GPU tests in a nested session: on the installed FlashInfer in a subprocess (a crash
@@ -179,7 +175,7 @@ def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, si
     again), with its patches undone after the test; in a subprocess otherwise."""
     selection = ("-k", select) if select else ()
     common = (str(ROOT / path), *selection, "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT))
-    if simulated and (path, select) not in LARGE_BATCH_RUNS and simulated_sm90.can_simulate_in_process():
+    if simulated and simulated_sm90.can_simulate_in_process():
         simulated_sm90.simulate_in_process(monkeypatch)
         with (
             simulated_sm90.freed_memory_kept(),

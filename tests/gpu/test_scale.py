@@ -18,7 +18,7 @@ import torch
 
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
 from harness.launch import DEVICE
-from harness.scale import check_scale_case, run_case_in_child, scale_cases
+from harness.scale import check_scale_case, narrow_scale_cases, run_case_in_child, scale_cases
 from harness.scenario import component_seed, slot_values, slot_values_on
 from pytest_sparse_mla.impl import IMPL_SPEC
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.edge("scale")]
 
 def params():
     out = []
-    for case in scale_cases():
+    for case in scale_cases() + narrow_scale_cases():
         marks = [pytest.mark.gpu_large] if case.large else []
         if case.over_capacity:
             marks.append(pytest.mark.xfail(reason=WORK_CAPACITY_FINDING, raises=WorkCapacityExceeded, strict=True))
