@@ -1,5 +1,7 @@
 """Per-worker GPU pinning and thread share: which device an xdist worker picks and how many
-intra-op threads it gets (no GPU needed)."""
+intra-op threads it gets (no GPU needed). A real xdist run of pinned workers, and the table of
+the device each used, is checked together with the GPU tier's reasons in one nested run
+(tests/cpu/test_plugin_gating.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import os
 import sys
 import types
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -69,46 +70,6 @@ def test_the_users_thread_setting_wins(monkeypatch):
     monkeypatch.delenv("MKL_NUM_THREADS")
     share_cores(64)
     assert "MKL_NUM_THREADS" not in os.environ
-
-
-#: Run by the nested xdist run below: no torch, so the workers start in about a second.
-WORKER_PROBE = """
-import os
-
-import pytest
-
-
-@pytest.mark.parametrize("i", range(4))
-def test_worker_environment(i):
-    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("0", "1")
-    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "{threads}"
-"""
-
-
-def test_each_worker_reports_the_gpu_it_was_pinned_to(pytester, monkeypatch):
-    """Under xdist with two visible devices the workers split between them, each with its
-    share of the cores, and the run ends with a table naming each worker's device and
-    threads (no GPU needed: the pinning happens before CUDA). The nested run's controller is
-    this process; its workers, processes of their own, load only the plugin module under test
-    and a probe file that imports no torch."""
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    for name in THREAD_ENV:  # set in this process when it is itself an xdist worker
-        monkeypatch.delenv(name, raising=False)
-    threads = threads_per_worker(available_cores(), 2)
-    probe = pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads))
-    result = pytester.runpytest_inprocess(
-        str(probe), "-n", "2", "-p", "pytest_sparse_mla.gpus", "-p", "no:cacheprovider"
-    )
-    out = "\n".join(result.outlines)
-    assert result.ret == 0, out[-2000:]
-    result.assert_outcomes(passed=4)
-    assert "GPU per xdist worker" in out, out[-2000:]
-    for worker, device in (("gw0", "0"), ("gw1", "1")):
-        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} (CUDA not used); {threads} intra-op threads" in out, out[
-            -2000:
-        ]
 
 
 def test_slow_tests_lead_each_workers_first_block():

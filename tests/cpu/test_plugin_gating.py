@@ -16,6 +16,7 @@ import torch
 
 from fast import convert as fast_convert
 from harness import availability, gpu_env
+from pytest_sparse_mla.gpus import THREAD_ENV, available_cores, threads_per_worker
 from pytest_sparse_mla.impl import resolve_device
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,18 +72,28 @@ def simulate_machine(monkeypatch, gpus, controller_reason: bool) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def nested_run(pytester, monkeypatch, *args: str, gpus=(), controller_reason: bool = True):
+#: Options of every nested run here: no cache, no benchmark plugin, and for the xdist workers
+#: (processes of their own, each starting pytest, torch and the plugin) no work that these checks
+#: do not need: plain asserts (no rewriting of the plugins' modules where no bytecode cache is
+#: written) and no search for unraisable exceptions at exit (repeated garbage collections).
+NESTED_OPTIONS = ("-p", "no:cacheprovider", "-p", "no:benchmark", "--assert=plain", "-p", "no:unraisableexception")
+
+
+def nested_run(pytester, monkeypatch, *args: str, gpus=(), controller_reason: bool = True, visible: str | None = None):
     """Run GPU_TEST with the plugin on a simulated machine (:func:`simulate_machine`): in this
     process, its xdist workers (where ``args`` asks for them) in processes of their own.
     ``controller_reason=False``: a controller that finds nothing wrong without CUDA (so only
-    the test processes' full check can say why)."""
+    the test processes' full check can say why). ``visible``: ``CUDA_VISIBLE_DEVICES`` (unset
+    when None)."""
     pytester.makeconftest(SIMULATING_CONFTEST.format(gpus=list(gpus), controller_reason=controller_reason))
     pytester.makepyfile(test_gating=GPU_TEST)
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
     simulate_machine(monkeypatch, gpus, controller_reason)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     # xdist workers, if any, find the repository on PYTHONPATH
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "-rs", *args)
+    result = pytester.runpytest_inprocess(*NESTED_OPTIONS, "-rs", *args)
     return result, "\n".join(result.outlines + result.errlines)
 
 
@@ -167,13 +178,42 @@ def test_require_gpu_tier_fails_before_any_test_when_the_visible_gpu_cannot_run_
     assert "--require-gpu-tier: the GPU tier cannot run here: torch" in out, out[-3000:]
 
 
-def test_under_xdist_the_workers_reason_reaches_the_summary_and_require_gpu_tier_fails(pytester, monkeypatch):
-    """The controller finds nothing wrong without CUDA (as with a FlashInfer that is installed
-    but fails to import); the workers' full check does: the summary says why, and under
-    ``--require-gpu-tier`` the GPU test errors at setup instead of skipping (the run exits 1)."""
-    result, out = nested_run(pytester, monkeypatch, "--require-gpu-tier", "-n", "2", gpus=H200, controller_reason=False)
+#: Beside GPU_TEST in the xdist run: what each worker's environment holds when its tests run.
+WORKER_PROBE = """
+import os
+
+import pytest
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_worker_environment(i):
+    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "{threads}"
+"""
+
+
+def test_under_xdist_each_worker_is_pinned_and_its_reason_reaches_the_summary(pytester, monkeypatch):
+    """One run with two xdist workers, checking all that needs processes of their own.
+
+    GPU pinning: with two visible devices the workers split between them, each with its share
+    of the cores, and the run ends with a table naming each worker's device and threads (no GPU
+    needed: the pinning happens before CUDA). The GPU tier: the controller finds nothing wrong
+    without CUDA (as with a FlashInfer that is installed but fails to import); the workers' full
+    check does: the summary says why, and under ``--require-gpu-tier`` the GPU test errors at
+    setup instead of skipping (the run exits 1)."""
+    threads = threads_per_worker(available_cores(), 2)
+    pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads))
+    for name in THREAD_ENV:  # set in this process when it is itself an xdist worker
+        monkeypatch.delenv(name, raising=False)
+    result, out = nested_run(pytester, monkeypatch, "--require-gpu-tier", "-n", "2", gpus=H200, controller_reason=False,
+                             visible="0,1")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
-    assert "1 passed, 1 error" in out, out[-3000:]
+    assert "5 passed, 1 error" in out, out[-3000:]
+    assert "GPU per xdist worker" in out, out[-2000:]
+    for worker, device in (("gw0", "0"), ("gw1", "1")):
+        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} (CUDA not used); {threads} intra-op threads" in out, out[
+            -2000:
+        ]
     assert "--require-gpu-tier: the GPU tier cannot run: no CUDA GPU visible to torch" in out, out[-3000:]
     assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[
         -2000:
