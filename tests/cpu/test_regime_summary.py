@@ -229,7 +229,10 @@ def run_suite(pytester, name: str, suite: str, xdist: bool = False) -> tuple[dic
     folder = pytester.mkdir(name)
     (folder / "conftest.py").write_text('pytest_plugins = ("pytest_sparse_mla",)\n')
     (folder / f"{name}.py").write_text(suite)
-    workers = ("-n", "2") if xdist else ("-p", "no:xdist")
+    # The xdist workers (processes of their own, each starting pytest, torch and the plugin) skip
+    # work the summary does not need: assertion rewriting of the plugins' modules (where no
+    # bytecode cache is written) and the search for unraisable exceptions at exit.
+    workers = ("-n", "2", "--assert=plain", "-p", "no:unraisableexception") if xdist else ("-p", "no:xdist",)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", *workers, "-q", "--rootdir",
                                           str(folder), str(folder))
     out = result.stdout.str()
