@@ -18,6 +18,8 @@ from fast import convert as fast_convert
 from harness import availability, gpu_env
 from pytest_sparse_mla.gpus import THREAD_ENV, available_cores, threads_per_worker
 from pytest_sparse_mla.impl import resolve_device
+from pytest_sparse_mla.regimes import EDGE_LABEL
+from tests.cpu.test_regime_summary import LAUNCH_SUITE, refused_column, summary_table
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = [("NVIDIA H200", "9.0")]
@@ -178,7 +180,8 @@ def test_require_gpu_tier_fails_before_any_test_when_the_visible_gpu_cannot_run_
     assert "--require-gpu-tier: the GPU tier cannot run here: torch" in out, out[-3000:]
 
 
-#: Beside GPU_TEST in the xdist run: what each worker's environment holds when its tests run.
+#: Beside GPU_TEST (and LAUNCH_SUITE) in the xdist run: what each worker's environment holds when its
+#: tests run.
 WORKER_PROBE = """
 import os
 
@@ -192,32 +195,42 @@ def test_worker_environment(i):
 """
 
 
-def test_under_xdist_each_worker_is_pinned_and_its_reason_reaches_the_summary(pytester, monkeypatch):
-    """One run with two xdist workers, checking all that needs processes of their own.
+def test_under_xdist_what_the_workers_find_reaches_the_controller(pytester, monkeypatch):
+    """One run with two xdist workers checks all that needs processes of their own.
 
     GPU pinning: with two visible devices the workers split between them, each with its share
     of the cores, and the run ends with a table naming each worker's device and threads (no GPU
     needed: the pinning happens before CUDA). The GPU tier: the controller finds nothing wrong
     without CUDA (as with a FlashInfer that is installed but fails to import); the workers' full
     check does: the summary says why, and under ``--require-gpu-tier`` the GPU test errors at
-    setup instead of skipping (the run exits 1)."""
+    setup instead of skipping. The regime summary: the rows and kernel launches of
+    tests/cpu/test_regime_summary.py's LAUNCH_SUITE travel from the workers in the reports and are
+    counted as in a run without xdist (a test ended at an expected refusal counts as refused)."""
     threads = threads_per_worker(available_cores(), 2)
-    pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads))
+    pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads), test_launch_suite=LAUNCH_SUITE)
     for name in THREAD_ENV:  # set in this process when it is itself an xdist worker
         monkeypatch.delenv(name, raising=False)
     result, out = nested_run(pytester, monkeypatch, "--require-gpu-tier", "-n", "2", gpus=H200, controller_reason=False,
                              visible="0,1")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
-    assert "5 passed, 1 error" in out, out[-3000:]
-    assert "GPU per xdist worker" in out, out[-2000:]
+    # GPU_TEST: its CPU test passed, its GPU test errored; the probe's 4 passed; LAUNCH_SUITE: 5 passed, 1 failed
+    assert "1 failed, 10 passed, 1 error" in out, out[-3000:]
+    assert "GPU per xdist worker" in out, out[-3000:]
     for worker, device in (("gw0", "0"), ("gw1", "1")):
         assert f"{worker}: CUDA_VISIBLE_DEVICES={device} (CUDA not used); {threads} intra-op threads" in out, out[
-            -2000:
+            -3000:
         ]
     assert "--require-gpu-tier: the GPU tier cannot run: no CUDA GPU visible to torch" in out, out[-3000:]
     assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[
-        -2000:
+        -3000:
     ]
+    counts, refused = summary_table(out), refused_column(out)
+    assert counts["A"] == ("2", 1, 0, 0, 0) and refused["A"] == 1, out  # test_ran's 2 rows; the refused test's 3 not
+    assert counts["B"] == ("1", 0, 1, 0, 0) and refused["B"] == 0, out  # failed after its refusal
+    assert counts[EDGE_LABEL.format("stale-slots")] == ("0", 0, 0, 0, 0), out
+    assert refused[EDGE_LABEL.format("stale-slots")] == 1, out
+    assert ("attention kernel: ran in 2 tests; 3 ended at a refusal the installed FlashInfer is expected to make "
+            "(counted as refused, not passed)") in out, out
 
 
 def test_device_cuda_without_cuda_is_a_usage_error(pytester, monkeypatch):
