@@ -1,10 +1,12 @@
 """The run's header and summary on where the convert kernel runs and whether the GPU tier
 runs, also under xdist; ``--require-gpu-tier`` and ``--device`` misuse as failures before any
-test runs. The nested runs are simulated machines: the CUDA-free GPU discovery
+test runs. Every nested run here runs in this process (the controlling one, under xdist too);
+only xdist workers are processes of their own, and only one nested run starts them. The runs of
+GPU_TEST are on a simulated machine: the CUDA-free GPU discovery
 (``harness.gpu_env.gpus_without_cuda``) reports what the test says, torch sees no CUDA GPU and
-the convert kernel counts as interpreted, patched in this process (the controlling process of
-every nested run here) and, through the nested run's conftest, in each xdist worker; so these
-tests say the same on a CPU-only machine and on a GPU runner."""
+the convert kernel counts as interpreted, patched in this process for the run and, through the
+nested run's conftest, in each xdist worker; so these tests say the same on a CPU-only machine
+and on a GPU runner."""
 
 from __future__ import annotations
 
