@@ -31,8 +31,8 @@ REPORT_ENV = "SPARSE_MLA_GPU_REPORT"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-#: "0" turns the background build off; set to "started" by the run that started it, so that
-#: nested sessions (which inherit the environment) start none of their own.
+#: "0" turns the background build off. The outermost run sets it to what it decided ("started"
+#: or "not started"), so that nested sessions, which inherit it, start none of their own.
 PREBUILD_ENV = "SPARSE_MLA_JIT_PREBUILD"
 PREBUILD_LOG = Path(tempfile.gettempdir()) / "sparse-mla-jit-prebuild.log"
 PREBUILD_STARTED = pytest.StashKey[Path]()
@@ -52,7 +52,6 @@ def flashinfer_installed() -> bool:
 def start_background_build(cwd: Path) -> Path:
     """``python3 -m harness.prebuild --parallel --only-missing`` in a session of its own, writing
     to ``PREBUILD_LOG``; it outlives a run that ends first and leaves the cache built."""
-    os.environ[PREBUILD_ENV] = "started"
     with open(PREBUILD_LOG, "w") as log:
         subprocess.Popen([sys.executable, "-m", "harness.prebuild", "--parallel", "--only-missing"], cwd=cwd,
                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -65,9 +64,12 @@ def pytest_configure(config):
     pin_worker_gpu((workerinput or {}).get("workerid"))
     if workerinput is None:
         config.pluginmanager.register(GpuReport())
-        if wants_background_build(os.environ.get(PREBUILD_ENV), config.option.collectonly,
-                                  torch_can_use_an_nvidia_gpu, flashinfer_installed):
+        decided = os.environ.get(PREBUILD_ENV)
+        if wants_background_build(decided, config.option.collectonly, torch_can_use_an_nvidia_gpu,
+                                  flashinfer_installed):
             config.stash[PREBUILD_STARTED] = start_background_build(config.rootpath)
+        if decided is None:
+            os.environ[PREBUILD_ENV] = "started" if PREBUILD_STARTED in config.stash else "not started"
     else:
         share_cores(workerinput.get("workercount"))
 

@@ -88,12 +88,20 @@ def test_replay_shows_the_regime_c_finding_of_the_packed_layout(impl, device):
 # --- corrupt files -------------------------------------------------------------------------
 
 
-@pytest.fixture
-def good_file(impl, device, tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def good_bytes(impl, device, tmp_path_factory) -> bytes:
+    """A good fixture file's bytes, built once for the tests here."""
     step, inputs = small_step(impl, device, kpool=1)
-    return save_fixture(
-        tmp_path / "good.safetensors", fixture_from_step(step, inputs, outputs={"v": stand_in_kernel(step, inputs)})
-    )
+    fx = fixture_from_step(step, inputs, outputs={"v": stand_in_kernel(step, inputs)})
+    return save_fixture(tmp_path_factory.mktemp("good") / "good.safetensors", fx).read_bytes()
+
+
+@pytest.fixture
+def good_file(good_bytes, tmp_path) -> Path:
+    """A copy of the good fixture file of the test's own."""
+    path = tmp_path / "good.safetensors"
+    path.write_bytes(good_bytes)
+    return path
 
 
 def rewrite(path: Path, tensors=None, meta=None) -> Path:

@@ -1,19 +1,27 @@
 """The run's header and summary on where the convert kernel runs and whether the GPU tier
 runs, also under xdist; ``--require-gpu-tier`` and ``--device`` misuse as failures before any
-test runs. The machine is simulated in every process of a nested run in a subprocess: a
-conftest replaces the CUDA-free GPU discovery (``harness.gpu_env.gpus_without_cuda``) and makes
-torch see no CUDA GPU, and the Triton interpreter is chosen, so these tests say the same on a
-CPU-only machine and on a GPU runner."""
+test runs. Every nested run here runs in this process (the controlling one, under xdist too);
+only xdist workers are processes of their own, and only one nested run starts them. The runs of
+GPU_TEST are on a simulated machine: the CUDA-free GPU discovery
+(``harness.gpu_env.gpus_without_cuda``) reports what the test says, torch sees no CUDA GPU and
+the convert kernel counts as interpreted, patched in this process for the run and, through the
+nested run's conftest, in each xdist worker; so these tests say the same on a CPU-only machine
+and on a GPU runner."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import availability
+from fast import convert as fast_convert
+from harness import availability, gpu_env
+from pytest_sparse_mla.gpus import THREAD_ENV, available_cores, threads_per_worker
 from pytest_sparse_mla.impl import resolve_device
+from pytest_sparse_mla.regimes import EDGE_LABEL
+from tests.cpu.test_regime_summary import LAUNCH_SUITE, refused_column, summary_table
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = [("NVIDIA H200", "9.0")]
@@ -29,28 +37,67 @@ def test_runs_anywhere(device):
     assert device.type == "cpu"
 """
 
+#: The nested run's conftest: the plugin, and in each xdist worker (a process of its own) the
+#: simulated machine that :func:`simulate_machine` makes in this process.
+SIMULATING_CONFTEST = """
+import torch
 
-def nested_run(pytester, *args: str, gpus=(), controller_reason: bool = True):
-    """Run GPU_TEST with the plugin in a subprocess on a simulated machine: ``gpus`` is what NVML
-    reports (where it reports any, beside a CPU-only torch build), torch sees no CUDA GPU, and
-    the convert kernel is interpreted.
-    ``controller_reason=False``: a controller that finds nothing wrong without CUDA (so only
-    the test processes' full check can say why)."""
-    lines = ["import torch", "import harness.gpu_env", "import harness.availability",
-             "torch.cuda.is_available = lambda: False",
-             f"harness.gpu_env.gpus_without_cuda = lambda: {list(gpus)!r}"]
+import harness.availability
+import harness.gpu_env
+
+pytest_plugins = ("pytest_sparse_mla",)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        return  # this process, simulated by the test that runs it
+    torch.cuda.is_available = lambda: False
+    harness.gpu_env.gpus_without_cuda = lambda: {gpus!r}
+    if {gpus!r}:
+        torch.version.cuda = None  # a CPU-only torch build beside the GPU
+    if not {controller_reason!r}:
+        harness.availability.reason_without_cuda = lambda gpus: None
+"""
+
+
+def simulate_machine(monkeypatch, gpus, controller_reason: bool) -> None:
+    """This process as the controller of a machine where NVML reports ``gpus`` (beside a CPU-only
+    torch build where it reports any), torch sees no CUDA GPU and the convert kernel is
+    interpreted (``TRITON_INTERPRET=1`` also for the xdist workers it starts). All undone after
+    the test. ``controller_reason=False``: a controller that finds nothing wrong without CUDA."""
+    monkeypatch.setattr(gpu_env, "gpus_without_cuda", lambda: list(gpus))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     if gpus:
-        lines.append("torch.version.cuda = None  # a CPU-only torch build beside the GPU")
+        monkeypatch.setattr(torch.version, "cuda", None)
     if not controller_reason:
-        lines.append("harness.availability.reason_without_cuda = lambda gpus: None")
-    lines.append("pytest_plugins = ('pytest_sparse_mla',)")
-    pytester.makeconftest("\n".join(lines) + "\n")
+        monkeypatch.setattr(availability, "reason_without_cuda", lambda gpus: None)
+    monkeypatch.setattr(fast_convert, "INTERPRETED", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+#: Options of every nested run here: no cache, no benchmark plugin, and for the xdist workers
+#: (processes of their own, each starting pytest, torch and the plugin) no work that these checks
+#: do not need: plain asserts (no rewriting of the plugins' modules where no bytecode cache is
+#: written) and no search for unraisable exceptions at exit (repeated garbage collections).
+NESTED_OPTIONS = ("-p", "no:cacheprovider", "-p", "no:benchmark", "--assert=plain", "-p", "no:unraisableexception")
+
+
+def nested_run(pytester, monkeypatch, *args: str, gpus=(), controller_reason: bool = True, visible: str | None = None):
+    """Run GPU_TEST with the plugin on a simulated machine (:func:`simulate_machine`): in this
+    process, its xdist workers (where ``args`` asks for them) in processes of their own.
+    ``controller_reason=False``: a controller that finds nothing wrong without CUDA (so only
+    the test processes' full check can say why). ``visible``: ``CUDA_VISIBLE_DEVICES`` (unset
+    when None)."""
+    pytester.makeconftest(SIMULATING_CONFTEST.format(gpus=list(gpus), controller_reason=controller_reason))
     pytester.makepyfile(test_gating=GPU_TEST)
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TRITON_INTERPRET", "1")
-        env.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "-rs", *args)
+    simulate_machine(monkeypatch, gpus, controller_reason)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    # xdist workers, if any, find the repository on PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    result = pytester.runpytest_inprocess(*NESTED_OPTIONS, "-rs", *args)
     return result, "\n".join(result.outlines + result.errlines)
 
 
@@ -103,15 +150,15 @@ def test_reason_without_cuda_finds_a_missing_flashinfer_without_importing_it(mon
 # --- header and summary ---------------------------------------------------------------------------
 
 
-def test_header_says_where_the_convert_kernel_runs_and_that_there_is_no_gpu(pytester):
-    result, out = nested_run(pytester)
+def test_header_says_where_the_convert_kernel_runs_and_that_there_is_no_gpu(pytester, monkeypatch):
+    result, out = nested_run(pytester, monkeypatch)
     assert result.ret == 0, out[-3000:]
     assert "convert kernel: Triton interpreter on CPU" in out, out[:1500]
     assert "GPU tier: not run here (no NVIDIA GPU found)" in out, out[:1500]
 
 
-def test_a_visible_gpu_that_cannot_run_the_tier_is_said_plainly(pytester):
-    result, out = nested_run(pytester, "-p", "no:xdist", gpus=H200)
+def test_a_visible_gpu_that_cannot_run_the_tier_is_said_plainly(pytester, monkeypatch):
+    result, out = nested_run(pytester, monkeypatch, "-p", "no:xdist", gpus=H200)
     assert result.ret == 0, out[-3000:]
     assert "GPU tier: NOT RUN on this machine with 1 NVIDIA GPU (NVIDIA H200): torch" in out, out[:1500]
     assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[
@@ -122,34 +169,74 @@ def test_a_visible_gpu_that_cannot_run_the_tier_is_said_plainly(pytester):
 # --- --require-gpu-tier and --device --------------------------------------------------------------
 
 
-def test_require_gpu_tier_fails_before_any_test_without_a_gpu(pytester):
-    result, out = nested_run(pytester, "--require-gpu-tier")
+def test_require_gpu_tier_fails_before_any_test_without_a_gpu(pytester, monkeypatch):
+    result, out = nested_run(pytester, monkeypatch, "--require-gpu-tier")
     assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     assert "--require-gpu-tier: the GPU tier cannot run here: no NVIDIA GPU found" in out, out[-3000:]
     assert "passed" not in out and "skipped" not in out, out[-3000:]
 
 
-def test_require_gpu_tier_fails_before_any_test_when_the_visible_gpu_cannot_run_it(pytester):
-    result, out = nested_run(pytester, "--require-gpu-tier", "-p", "no:xdist", gpus=H200)
+def test_require_gpu_tier_fails_before_any_test_when_the_visible_gpu_cannot_run_it(pytester, monkeypatch):
+    result, out = nested_run(pytester, monkeypatch, "--require-gpu-tier", "-p", "no:xdist", gpus=H200)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     assert "--require-gpu-tier: the GPU tier cannot run here: torch" in out, out[-3000:]
 
 
-def test_under_xdist_the_workers_reason_reaches_the_summary_and_require_gpu_tier_fails(pytester):
-    """The controller finds nothing wrong without CUDA (as with a FlashInfer that is installed
-    but fails to import); the workers' full check does: the summary says why, and under
-    ``--require-gpu-tier`` the GPU test errors at setup instead of skipping (the run exits 1)."""
-    result, out = nested_run(pytester, "--require-gpu-tier", "-n", "2", gpus=H200, controller_reason=False)
+#: Beside GPU_TEST (and LAUNCH_SUITE) in the xdist run: what each worker's environment holds when its
+#: tests run.
+WORKER_PROBE = """
+import os
+
+import pytest
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_worker_environment(i):
+    assert os.environ["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "{threads}"
+"""
+
+
+def test_under_xdist_what_the_workers_find_reaches_the_controller(pytester, monkeypatch):
+    """One run with two xdist workers checks all that needs processes of their own.
+
+    GPU pinning: with two visible devices the workers split between them, each with its share
+    of the cores, and the run ends with a table naming each worker's device and threads (no GPU
+    needed: the pinning happens before CUDA). The GPU tier: the controller finds nothing wrong
+    without CUDA (as with a FlashInfer that is installed but fails to import); the workers' full
+    check does: the summary says why, and under ``--require-gpu-tier`` the GPU test errors at
+    setup instead of skipping. The regime summary: the rows and kernel launches of
+    tests/cpu/test_regime_summary.py's LAUNCH_SUITE travel from the workers in the reports and are
+    counted as in a run without xdist (a test ended at an expected refusal counts as refused)."""
+    threads = threads_per_worker(available_cores(), 2)
+    pytester.makepyfile(test_probe=WORKER_PROBE.format(threads=threads), test_launch_suite=LAUNCH_SUITE)
+    for name in THREAD_ENV:  # set in this process when it is itself an xdist worker
+        monkeypatch.delenv(name, raising=False)
+    result, out = nested_run(pytester, monkeypatch, "--require-gpu-tier", "-n", "2", gpus=H200, controller_reason=False,
+                             visible="0,1")
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
-    assert "1 passed, 1 error" in out, out[-3000:]
+    # GPU_TEST: its CPU test passed, its GPU test errored; the probe's 4 passed; LAUNCH_SUITE: 5 passed, 1 failed
+    result.assert_outcomes(passed=10, failed=1, errors=1)
+    assert "GPU per xdist worker" in out, out[-3000:]
+    for worker, device in (("gw0", "0"), ("gw1", "1")):
+        assert f"{worker}: CUDA_VISIBLE_DEVICES={device} (CUDA not used); {threads} intra-op threads" in out, out[
+            -3000:
+        ]
     assert "--require-gpu-tier: the GPU tier cannot run: no CUDA GPU visible to torch" in out, out[-3000:]
     assert "GPU tier NOT RUN on a machine with 1 NVIDIA GPU (NVIDIA H200): no CUDA GPU visible to torch" in out, out[
-        -2000:
+        -3000:
     ]
+    counts, refused = summary_table(out), refused_column(out)
+    assert counts["A"] == ("2", 1, 0, 0, 0) and refused["A"] == 1, out  # test_ran's 2 rows; the refused test's 3 not
+    assert counts["B"] == ("1", 0, 1, 0, 0) and refused["B"] == 0, out  # failed after its refusal
+    assert counts[EDGE_LABEL.format("stale-slots")] == ("0", 0, 0, 0, 0), out
+    assert refused[EDGE_LABEL.format("stale-slots")] == 1, out
+    assert ("attention kernel: ran in 2 tests; 3 ended at a refusal the installed FlashInfer is expected to make "
+            "(counted as refused, not passed)") in out, out
 
 
-def test_device_cuda_without_cuda_is_a_usage_error(pytester):
-    result, out = nested_run(pytester, "--device=cuda")
+def test_device_cuda_without_cuda_is_a_usage_error(pytester, monkeypatch):
+    result, out = nested_run(pytester, monkeypatch, "--device=cuda")
     assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     assert "--device=cuda, but torch sees no CUDA GPU here" in out, out[-3000:]
 
@@ -180,15 +267,14 @@ def test_runs_anywhere(device):
 
 
 def usage_run(pytester, *args: str, xdist: bool = False):
-    """A nested run of USAGE_TEST's CPU test with ``args`` on this machine; in a subprocess under xdist."""
+    """A nested run of USAGE_TEST with ``args`` on this machine, in this process (under xdist: its
+    controlling process, which checks the options before it starts any worker)."""
     pytester.makeconftest("pytest_plugins = ('pytest_sparse_mla',)\n")
     pytester.makepyfile(test_gating=USAGE_TEST, bad_impls=BAD_IMPLS)
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
     pytester.syspathinsert()
-    if xdist:
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", *args)
-    else:
-        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", *args)
+    workers = ("-n", "2") if xdist else ("-p", "no:xdist")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *workers, *args)
     return result, "\n".join(result.outlines + result.errlines)
 
 

@@ -5,8 +5,10 @@ test that covers no regime is counted on its own line, never dropped. Edge famil
 line whatever ran, a test marked with a family counts there (its outcome and all its rows)
 besides its regimes, and an unknown family fails the test. Launches: a passed test that ended at
 an expected refusal counts as refused (its rows unchecked), not passed, and the summary says how
-many tests ran the kernel and how many were expected refusals, under xdist too, and so do the
-GPU tier's strided cases on a simulated machine whose FlashInfer refuses them at plan."""
+many tests ran the kernel and how many were expected refusals, and so do the GPU tier's strided
+cases on a simulated machine whose FlashInfer refuses them at plan. The same counts under xdist,
+where the launches travel from the workers in the reports, are checked by the one nested xdist
+run of tests/cpu/test_plugin_gating.py (LAUNCH_SUITE beside its own tests)."""
 
 from __future__ import annotations
 
@@ -223,15 +225,14 @@ def refused_column(output: str) -> dict[str, int]:
             for line in lines[start + 2:] if "|" in line}
 
 
-def run_suite(pytester, name: str, suite: str, xdist: bool = False) -> tuple[dict[str, tuple], str]:
-    """The summary of one in-process run of ``suite`` (as module ``name``, in a folder of its own,
-    with two xdist workers or none), and the run's output."""
+def run_suite(pytester, name: str, suite: str) -> tuple[dict[str, tuple], str]:
+    """The summary of one in-process run of ``suite`` (as module ``name``, in a folder of its own),
+    and the run's output."""
     folder = pytester.mkdir(name)
     (folder / "conftest.py").write_text('pytest_plugins = ("pytest_sparse_mla",)\n')
     (folder / f"{name}.py").write_text(suite)
-    workers = ("-n", "2") if xdist else ("-p", "no:xdist")
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", *workers, "-q", "--rootdir",
-                                          str(folder), str(folder))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "no:xdist", "-q",
+                                          "--rootdir", str(folder), str(folder))
     out = result.stdout.str()
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out + result.stderr.str()
     return summary_table(out), out
@@ -365,12 +366,10 @@ def test_an_unknown_or_missing_family_fails_the_test_and_names_the_families(edge
 
 
 @pytest.fixture
-def launch_table(pytester, summaries, monkeypatch):
-    """The summary of one run of LAUNCH_SUITE under xdist (the launches travel in the reports); the
-    workers, processes of their own, find the repository on PYTHONPATH."""
+def launch_table(pytester, summaries):
+    """The summary of one run of LAUNCH_SUITE."""
     if "launch" not in summaries:
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        summaries["launch"] = run_suite(pytester, "test_launch_suite", LAUNCH_SUITE, xdist=True)
+        summaries["launch"] = run_suite(pytester, "test_launch_suite", LAUNCH_SUITE)
     return summaries["launch"]
 
 
