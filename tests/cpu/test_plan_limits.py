@@ -26,6 +26,7 @@ from harness.plan_limits import (
     rows_attempt,
     run_rows_attempt,
     search_largest,
+    search_near,
     study_heads,
     write_report,
 )
@@ -89,6 +90,38 @@ def test_crashes_and_timeouts_stop_the_growth_like_refusals(failing):
 def test_search_rejects_a_start_outside_the_bound():
     with pytest.raises(ValueError, match="start"):
         search_largest(lambda n: Attempt("plan", n, 16, "accepted"), bound=4, start=5)
+
+
+@given(limit=st.integers(0, 5000), bound=st.integers(1, 4000), data=st.data())
+def test_search_near_finds_what_the_search_from_one_finds(limit, bound, data):
+    expected = data.draw(st.integers(1, bound), label="expected")
+    attempt, log = threshold_attempts(limit)
+    near = search_near(attempt, bound=bound, expected=expected)
+    full = search_largest(threshold_attempts(limit)[0], bound=bound)
+    assert (near.largest_ok, near.reached_bound) == (full.largest_ok, full.reached_bound)
+    assert (near.first_failing and near.first_failing.rows) == (full.first_failing and full.first_failing.rows)
+    assert [a.rows for a in near.attempts] == log and len(log) == len(set(log)), "an N was attempted twice"
+    assert len(log) <= 2 * bound.bit_length() + 3
+    if limit == expected < bound:
+        assert log == [expected, expected + 1], "the expected limit takes two attempts"
+    if limit >= bound > expected:
+        assert log == [expected, expected + 1, bound] if expected + 1 < bound else [expected, bound]
+
+
+def test_search_near_at_the_work_capacity():
+    attempt, log = threshold_attempts(16384)
+    search = search_near(attempt, bound=32768, expected=16384)
+    assert search.largest_ok == 16384 and search.first_failing.rows == 16385 and log == [16384, 16385]
+    attempt, log = threshold_attempts(10**9)
+    assert search_near(attempt, bound=32768, expected=16384).reached_bound and log == [16384, 16385, 32768]
+    attempt, log = threshold_attempts(20000)
+    assert search_near(attempt, bound=32768, expected=16384).largest_ok == 20000 and log[:3] == [16384, 16385, 32768]
+    attempt, log = threshold_attempts(20, failing="crashed")
+    search = search_near(attempt, bound=32768, expected=16384)
+    assert search.largest_ok == 20 and search.first_failing.rows == 21 and search.first_failing.outcome == "crashed"
+    assert log == [16384, 1, 2, 4, 8, 16, 32, 24, 20, 22, 21]
+    with pytest.raises(ValueError, match="expected"):
+        search_near(attempt, bound=4, expected=5)
 
 
 def test_search_result_survives_json():
@@ -195,7 +228,8 @@ def test_checked_sizes_around_a_refusal_and_at_the_bound():
     assert checked_sizes(search_largest(attempt, bound=64)) == [1]
 
 
-def fake_study(plan_limit: int, rows_right_up_to: int, bound: int, rows_search: bool = True) -> dict:
+def fake_study(plan_limit: int, rows_right_up_to: int, bound: int, rows_search: bool = True,
+               expected: int | None = None) -> dict:
     def plan(n, heads):
         return Attempt("plan", n, heads, "accepted" if n <= plan_limit else "refused",
                        "" if n <= plan_limit else "ValueError: FA MLA needs more work items")
@@ -204,7 +238,8 @@ def fake_study(plan_limit: int, rows_right_up_to: int, bound: int, rows_search: 
         return Attempt("rows", n, heads, "right" if n <= rows_right_up_to else "wrong",
                        "" if n <= rows_right_up_to else f"{n - rows_right_up_to} rows beyond the budget")
 
-    return study_heads(16, bound=bound, plan_attempt_fn=plan, rows_attempt_fn=rows, rows_search=rows_search)
+    return study_heads(16, bound=bound, plan_attempt_fn=plan, rows_attempt_fn=rows, rows_search=rows_search,
+                       expected=expected)
 
 
 def test_study_checks_the_rows_around_the_limit_and_keeps_the_refusal():
@@ -214,6 +249,12 @@ def test_study_checks_the_rows_around_the_limit_and_keeps_the_refusal():
         ("rows", 99, "right"), ("rows", 100, "right"), ("plan", 101, "refused")]
     assert "rows_search" not in entry, "the rows search ran although every checked row was right"
     assert entry_finding(entry) == "refused above N=100; the rows at the limit are right"
+
+
+def test_study_near_the_expected_limit_checks_the_same_rows():
+    entry = fake_study(plan_limit=100, rows_right_up_to=1000, bound=4096, expected=100)
+    assert [a["rows"] for a in entry["plan_search"]["attempts"]] == [100, 101]
+    assert entry["row_checks"] == fake_study(plan_limit=100, rows_right_up_to=1000, bound=4096)["row_checks"]
 
 
 def test_study_finds_accepted_plans_with_wrong_rows_and_where_they_start():
