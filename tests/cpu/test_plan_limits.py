@@ -17,6 +17,7 @@ from harness.plan_limits import (
     PLAN_WIDTH,
     Attempt,
     PlanWorker,
+    WarmRowsChildren,
     checked_sizes,
     entry_finding,
     exceeds_work_capacity,
@@ -30,6 +31,7 @@ from harness.plan_limits import (
     study_heads,
     write_report,
 )
+from harness.plan_limits.child import rows_from_line, warm_up
 from tests.cpu.test_rerun import ReferenceWrapper, stand_in  # noqa: F401 - the fixture
 
 
@@ -160,8 +162,10 @@ def test_plan_worker_survives_crashes_hangs_and_restarts_after_unhealthy_refusal
         assert crash.outcome == "crashed" and "134" in crash.detail and "illegal memory access" in crash.detail
         after = worker.attempt(7, 16)
         assert after.outcome == "accepted" and after.extra["pid"] != first.extra["pid"]
+        worker.timeout = 0.5  # the child is up and never answers this one: no need to wait long
         hang = worker.attempt(21, 16)
         assert hang.outcome == "timeout"
+        worker.timeout = 3
         refused = worker.attempt(41, 128)
         assert refused.outcome == "refused" and refused.detail.startswith("ValueError") and refused.heads == 128
         assert worker.attempt(8, 16).extra["pid"] == refused.extra["pid"], "a healthy refusal replaced the child"
@@ -215,6 +219,37 @@ def test_rows_attempt_times_out():
     body = 'print("STAGE " + json.dumps({"stage": "judge"}), flush=True)\ntime.sleep(60)\n'
     attempt = run_rows_attempt(3, 16, command=fake_rows_child(body), timeout=2)
     assert attempt.outcome == "timeout" and attempt.extra["stage"] == "judge"
+
+
+WARM_ROWS_CHILD = r"""
+n, h, w, seed = map(int, sys.stdin.readline().split())
+print("STAGE " + json.dumps({"stage": "plan"}), flush=True)
+if n == 13:
+    sys.stderr.write("CUDA error: an illegal memory access was encountered\n"); sys.stderr.flush()
+    os._exit(134)
+if n == 21:
+    time.sleep(60)
+print("RESULT " + json.dumps({"kind": "rows", "rows": n, "heads": h, "outcome": "right", "width": w, "seed": seed,
+                              "pid": os.getpid()}), flush=True)
+"""
+
+
+def test_warm_rows_children_wait_for_their_size_and_each_serves_one_attempt():
+    with WarmRowsChildren(2, command=fake_rows_child(WARM_ROWS_CHILD)) as rows:
+        waiting = list(rows.waiting)
+        first, second, third = rows.attempt(7, 16), rows.attempt(8, 128, width=64, seed=3), rows.attempt(9, 16)
+        assert [(a.outcome, a.rows, a.heads) for a in (first, second, third)] == [
+            ("right", 7, 16), ("right", 8, 128), ("right", 9, 16)]
+        assert (second.extra["width"], second.extra["seed"]) == (64, 3)
+        assert len({first.extra["pid"], second.extra["pid"], third.extra["pid"]}) == 3, "a child served two attempts"
+        assert {first.extra["pid"], second.extra["pid"]} == {p.pid for p in waiting}, "the waiting children served"
+        crash = rows.attempt(13, 16)
+        assert crash.outcome == "crashed" and crash.extra["stage"] == "plan" and "illegal memory access" in crash.detail
+        hang = rows.attempt(21, 16, timeout=0.5)
+        assert hang.outcome == "timeout"
+        left = rows._start()
+        rows.waiting.append(left)
+    assert left.poll() is not None and not rows.waiting, "a child left waiting outlived the search"
 
 
 # --- what is checked, and the report ----------------------------------------------------------------
@@ -328,9 +363,13 @@ def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):  # noqa: F811
     assert refused["detail"] == "ValueError: FA MLA needs 5 work items including KV splits; native capacity is 4."
 
 
+POOL = 512  # KV slots the CPU rows attempts read from (6 rows of 64: the production pool costs seconds on CPU)
+
+
 def test_rows_attempt_judges_every_row(stand_in, monkeypatch):  # noqa: F811
     stages = []
-    result = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append)
+    warm_up("cpu")  # a warm rows child: started, then its size read from a line
+    result = rows_from_line("6 2 64 0\n", emit=stages.append, device="cpu", pool_slots=POOL)
     assert result["outcome"] == "right" and result["summary"]["rows"] == 6 and result["nonfinite_rows"] == 0
     assert [json.loads(s[len("STAGE "):])["stage"] for s in stages] == ["inputs", "plan", "run", "judge", "done"]
     # a kernel that writes a wrong row, silently
@@ -341,7 +380,7 @@ def test_rows_attempt_judges_every_row(stand_in, monkeypatch):  # noqa: F811
         out[4].mul_(1.05)
 
     monkeypatch.setattr(ReferenceWrapper, "run", one_wrong_row)
-    wrong = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append)
+    wrong = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append, pool_slots=POOL)
     assert wrong["outcome"] == "wrong" and wrong["summary"]["first_bad"] == [4]
     assert wrong["detail"].startswith("1 of 6 rows beyond the budget, no error")
 
