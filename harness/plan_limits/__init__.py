@@ -17,15 +17,24 @@ an outcome; a plan that is accepted and then gives a wrong row without an error 
 from fast.flashinfer_compat import FA3_WORK_CAPACITY
 
 from .child import HEALTHY_REFUSALS, plan_attempt, rows_attempt
-from .children import PLAN_TIMEOUT_S, REPO_ROOT, ROWS_TIMEOUT_S, PlanWorker, child_env, run_rows_attempt
+from .children import (
+    PLAN_TIMEOUT_S,
+    REPO_ROOT,
+    ROWS_TIMEOUT_S,
+    PlanWorker,
+    WarmRowsChildren,
+    child_env,
+    run_rows_attempt,
+)
 from .report import BAD_ROWS_OUTCOMES, entry_finding, report_markdown, write_report
 from .scheduler import exceeds_work_capacity, fa3_work_items
-from .search import INT32_ROWS_BOUND, PLAN_WIDTH, Attempt, Search, checked_sizes, search_largest
+from .search import INT32_ROWS_BOUND, PLAN_WIDTH, Attempt, Search, checked_sizes, search_largest, search_near
 from .study import DEFAULT_HEADS, StudyUnavailable, environment_info, study, study_heads
 
 __all__ = [
     "BAD_ROWS_OUTCOMES", "DEFAULT_HEADS", "FA3_WORK_CAPACITY", "HEALTHY_REFUSALS", "INT32_ROWS_BOUND", "PLAN_TIMEOUT_S",
-    "PLAN_WIDTH", "REPO_ROOT", "ROWS_TIMEOUT_S", "Attempt", "PlanWorker", "Search", "StudyUnavailable", "checked_sizes",
-    "child_env", "entry_finding", "environment_info", "exceeds_work_capacity", "fa3_work_items", "plan_attempt",
-    "report_markdown", "rows_attempt", "run_rows_attempt", "search_largest", "study", "study_heads", "write_report",
+    "PLAN_WIDTH", "REPO_ROOT", "ROWS_TIMEOUT_S", "Attempt", "PlanWorker", "Search", "StudyUnavailable",
+    "WarmRowsChildren", "checked_sizes", "child_env", "entry_finding", "environment_info", "exceeds_work_capacity",
+    "fa3_work_items", "plan_attempt", "report_markdown", "rows_attempt", "run_rows_attempt", "search_largest",
+    "search_near", "study", "study_heads", "write_report",
 ]

@@ -1,6 +1,7 @@
 """One child of the plan-limit search (``python3 -m harness.plan_limits.child``): plan attempts
-served one per input line, or one rows attempt (plan, run, every row judged). A crash, an abort
-or a hang stays in the child; a refusal is a result (the exception's type and message)."""
+served one per input line, or one rows attempt (plan, run, every row judged), its size given on
+the command line or, after the child has started, on stdin. A crash, an abort or a hang stays
+in the child; a refusal is a result (the exception's type and message)."""
 
 from __future__ import annotations
 
@@ -85,10 +86,11 @@ POOL_SLOTS = 1 << 16  # KV slots the rows of a rows attempt draw from
 
 
 def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cuda", seed: int = 0,
-                 emit=print) -> dict:
+                 emit=print, pool_slots: int = POOL_SLOTS) -> dict:
     """In the child: plan ``n`` rows, run them, and judge every row against the float64 truth
-    and the yardstick (:func:`harness.row_check.judge_rows`). ``emit`` gets a JSON line per
-    stage reached, so a parent knows where a child that died was."""
+    and the yardstick (:func:`harness.row_check.judge_rows`); the rows read slots drawn from
+    ``pool_slots``. ``emit`` gets a JSON line per stage reached, so a parent knows where a child
+    that died was."""
     import torch
 
     from harness.launch import nan_buffers
@@ -111,9 +113,9 @@ def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
     reached("inputs")
     gen = torch.Generator(device=device).manual_seed(component_seed(seed, f"limit-slots-{n}") & 0x7FFFFFFF)
     wrapper, plan, kv_indices = _limit_plan(n, heads, width, device)
-    kv_indices.copy_(torch.randint(0, POOL_SLOTS, (n * width,), generator=gen, device=device, dtype=torch.int32))
+    kv_indices.copy_(torch.randint(0, pool_slots, (n * width,), generator=gen, device=device, dtype=torch.int32))
     q = query_rows(component_seed(seed, "limit-q"), torch.arange(n), heads, 576, device)
-    pool = slot_values_on(component_seed(seed, "limit-kv"), torch.arange(POOL_SLOTS, device=device), 576,
+    pool = slot_values_on(component_seed(seed, "limit-kv"), torch.arange(pool_slots, device=device), 576,
                           torch.bfloat16)
     ckv, kpe = pool.view(-1, 1, 576)[..., :512], pool.view(-1, 1, 576)[..., 512:]  # the kernel's [N, 1, D] views
     out, lse = nan_buffers(n, heads, device)
@@ -158,6 +160,28 @@ def serve_plans(lines, emit=print) -> None:
         emit("RESULT " + json.dumps(plan_attempt(n, heads, width)))
 
 
+def warm_up(device: str = "cuda") -> None:
+    """In a rows child before its size is known: what every rows attempt imports (FlashInfer
+    too, where it imports) and CUDA."""
+    import torch
+
+    from fast.flashinfer_compat import signature_features
+    from harness import launch, row_check  # noqa: F401
+
+    try:
+        signature_features()
+    except ImportError:
+        pass  # the attempt reports it, as a child started for it would
+    if torch.device(device).type == "cuda":
+        torch.zeros(1, device=device)
+
+
+def rows_from_line(line: str, emit=print, device: str = "cuda", **options) -> dict:
+    """In a warm rows child: the rows attempt of one input line ``N H W SEED``."""
+    n, heads, width, seed = (int(x) for x in line.split())
+    return rows_attempt(n, heads, width, device=device, seed=seed, emit=emit, **options)
+
+
 def environment() -> dict:
     """In the child: the FlashInfer version and the GPU, or ``unavailable``: why the SM90
     FlashInfer path cannot run here."""
@@ -180,6 +204,8 @@ def child_main(argv=None) -> int:
     parser.add_argument("--environment", action="store_true", help="the FlashInfer version and the GPU, as JSON")
     parser.add_argument("--serve-plans", action="store_true", help="plan attempts read from stdin, 'N H W' per line")
     parser.add_argument("--rows", type=int, help="a rows attempt of this many rows")
+    parser.add_argument("--rows-from-stdin", action="store_true",
+                        help="start, then make the rows attempt of one line 'N H W SEED' read from stdin")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--width", type=int, default=PLAN_WIDTH)
     parser.add_argument("--seed", type=int, default=0)
@@ -191,8 +217,12 @@ def child_main(argv=None) -> int:
     if args.serve_plans:
         serve_plans(sys.stdin, emit)
         return 0
+    if args.rows_from_stdin:
+        warm_up()
+        emit("RESULT " + json.dumps(rows_from_line(sys.stdin.readline(), emit)))
+        return 0
     if args.rows is None:
-        parser.error("give --environment, --serve-plans or --rows N")
+        parser.error("give --environment, --serve-plans, --rows N or --rows-from-stdin")
     emit("RESULT " + json.dumps(rows_attempt(args.rows, args.heads, args.width, seed=args.seed, emit=emit)))
     return 0
 

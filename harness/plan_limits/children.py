@@ -2,7 +2,8 @@
 (:mod:`harness.plan_limits.child`), how each ended (its result, or how it died, with the last
 stage it reached), and time limits. plan() alone launches no kernel, so plan attempts share one
 child (:class:`PlanWorker`), replaced after any attempt that did not end cleanly; each rows
-attempt gets a fresh child."""
+attempt gets a fresh child (:func:`run_rows_attempt`), or one started ahead that waits for its
+size (:class:`WarmRowsChildren`)."""
 
 from __future__ import annotations
 
@@ -129,13 +130,64 @@ def run_rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, seed: int = 0,
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=child_env())
     except subprocess.TimeoutExpired as exc:
-        return Attempt("rows", n, heads, "timeout", f"no result within {timeout:.0f} s", time.perf_counter() - start,
-                       {"stage": _last_stage(exc.stdout or "")})
-    seconds = time.perf_counter() - start
-    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if results and proc.returncode == 0:
+        return _rows_timeout(n, heads, timeout, start, exc.stdout)
+    return _rows_outcome(n, heads, proc.returncode, proc.stdout, proc.stderr, start)
+
+
+class WarmRowsChildren:
+    """Rows children started before their sizes are known: each imports torch and FlashInfer
+    and starts CUDA while the plan search runs, then makes one rows attempt, its size read from
+    stdin (``--rows-from-stdin``), and exits. Each attempt still gets a process no earlier
+    attempt ran in; one asked for when none is left waiting is started then."""
+
+    def __init__(self, count: int, command=None):
+        self.command = command or child_command("--rows-from-stdin")
+        self.lock = threading.Lock()
+        self.waiting = [self._start() for _ in range(count)]
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO_ROOT, env=child_env())
+
+    def attempt(self, n: int, heads: int, width: int = PLAN_WIDTH, seed: int = 0,
+                timeout: float = ROWS_TIMEOUT_S) -> Attempt:
+        """:func:`run_rows_attempt` in a waiting child; ``timeout`` counts from now."""
+        with self.lock:
+            proc = self.waiting.pop(0) if self.waiting else self._start()
+        start = time.perf_counter()
+        try:
+            stdout, stderr = proc.communicate(f"{n} {heads} {width} {seed}\n", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+            return _rows_timeout(n, heads, timeout, start, stdout)
+        return _rows_outcome(n, heads, proc.returncode, stdout, stderr, start)
+
+    def close(self) -> None:
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        for proc in waiting:
+            proc.kill()
+            proc.communicate()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _rows_timeout(n: int, heads: int, timeout: float, start: float, stdout) -> Attempt:
+    return Attempt("rows", n, heads, "timeout", f"no result within {timeout:.0f} s", time.perf_counter() - start,
+                   {"stage": _last_stage(stdout or "")})
+
+
+def _rows_outcome(n: int, heads: int, returncode, stdout: str, stderr: str, start: float) -> Attempt:
+    """A finished rows child: its RESULT, or how it died."""
+    results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if results and returncode == 0:
         return _result_attempt(json.loads(results[-1][len("RESULT "):]))
-    return _died("rows", n, heads, proc.returncode, proc.stderr, _last_stage(proc.stdout), seconds)
+    return _died("rows", n, heads, returncode, stderr, _last_stage(stdout), time.perf_counter() - start)
 
 
 def _last_stage(stdout) -> str | None:

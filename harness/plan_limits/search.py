@@ -1,7 +1,8 @@
 """The plans of the limit search and the search itself: N query rows, each its own request (page
 size 1) reading ``PLAN_WIDTH`` slots; :func:`search_largest` grows N by doubling from 1 and then
-bisects between the last N that succeeded and the first that did not. Pure: it calls an
-``attempt(n)`` it is given and keeps every :class:`Attempt`."""
+bisects between the last N that succeeded and the first that did not; :func:`search_near` finds
+the same N in two attempts where it is the N expected. Pure: both call an ``attempt(n)`` they
+are given and keep every :class:`Attempt`."""
 
 from __future__ import annotations
 
@@ -58,6 +59,31 @@ class Search:
                 "attempts": [asdict(a) for a in self.attempts]}
 
 
+class _Probes:
+    """The attempts of one search, in order, each N at most once."""
+
+    def __init__(self, attempt: Callable[[int], Attempt]):
+        self.attempt = attempt
+        self.attempts: list[Attempt] = []
+        self.tried: dict[int, Attempt] = {}
+
+    def succeeds(self, n: int) -> bool:
+        result = self.attempt(n)
+        self.attempts.append(result)
+        self.tried[n] = result
+        return result.ok
+
+    def bisect(self, good: int, bad: int, bound: int) -> Search:
+        """Between a success ``good`` (0: none) and a failure ``bad``, to the exact N."""
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if self.succeeds(mid):
+                good = mid
+            else:
+                bad = mid
+        return Search(good, self.tried[bad], bound, self.attempts)
+
+
 def search_largest(attempt: Callable[[int], Attempt], *, bound: int, start: int = 1) -> Search:
     """Grow N from ``start`` by doubling (capped at ``bound``) while attempts succeed, then
     bisect between the last success (0 when ``start`` itself fails) and the first failure, to the
@@ -65,33 +91,38 @@ def search_largest(attempt: Callable[[int], Attempt], *, bound: int, start: int 
     tried."""
     if not 1 <= start <= bound:
         raise ValueError(f"need 1 <= start <= bound, got start={start}, bound={bound}")
-    attempts: list[Attempt] = []
-    tried: dict[int, Attempt] = {}
-
-    def succeeds(n: int) -> bool:
-        result = attempt(n)
-        attempts.append(result)
-        tried[n] = result
-        return result.ok
-
-    good, bad, n = 0, None, start
-    while True:
-        if not succeeds(n):
-            bad = n
-            break
+    probes = _Probes(attempt)
+    good, n = 0, start
+    while probes.succeeds(n):
         good = n
         if n >= bound:
-            break
+            return Search(good, None, bound, probes.attempts)
         n = min(2 * n, bound)
-    if bad is None:
-        return Search(good, None, bound, attempts)
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if succeeds(mid):
-            good = mid
-        else:
-            bad = mid
-    return Search(good, tried[bad], bound, attempts)
+    return probes.bisect(good, n, bound)
+
+
+def search_near(attempt: Callable[[int], Attempt], *, bound: int, expected: int) -> Search:
+    """What :func:`search_largest` finds, starting where the limit is expected: ``expected``,
+    then ``expected + 1`` (where the limit is ``expected``, two attempts find it exactly), then
+    ``bound``; a bisection between the last success and the first failure where those do not
+    settle it, and :func:`search_largest` below ``expected`` where ``expected`` itself fails."""
+    if not 1 <= expected <= bound:
+        raise ValueError(f"need 1 <= expected <= bound, got expected={expected}, bound={bound}")
+    probes = _Probes(attempt)
+    if not probes.succeeds(expected):
+        if expected == 1:
+            return Search(0, probes.tried[1], bound, probes.attempts)
+        below = search_largest(attempt, bound=expected - 1)
+        first = below.first_failing or probes.tried[expected]
+        return Search(below.largest_ok, first, bound, probes.attempts + below.attempts)
+    good = expected
+    for n in sorted({min(expected + 1, bound), bound}):
+        if n == good:
+            continue
+        if not probes.succeeds(n):
+            return probes.bisect(good, n, bound)
+        good = n
+    return Search(good, None, bound, probes.attempts)
 
 
 def checked_sizes(search: Search) -> list[int]:

@@ -21,19 +21,22 @@ from .children import (
     child_env,
     run_rows_attempt,
 )
-from .search import INT32_ROWS_BOUND, PLAN_WIDTH, checked_sizes, search_largest
+from .search import INT32_ROWS_BOUND, PLAN_WIDTH, checked_sizes, search_largest, search_near
 
 DEFAULT_HEADS = (16, 128)
 
 
 def study_heads(heads: int, *, bound: int, plan_attempt_fn, rows_attempt_fn, rows_search: bool = False,
-                rows_search_start: int = 1024, rows_workers: int = 1) -> dict:
-    """For one head count: the plan search, then every row of the plans just below, at and just
-    above the limit (:func:`checked_sizes`; one that plan() did not accept is recorded as the
-    search saw it), ``rows_workers`` children at once. With ``rows_search``, where a checked plan
-    was accepted and its rows were not all right, the largest N whose rows are (growing from
-    ``rows_search_start``, up to the smallest such plan)."""
-    plans = search_largest(lambda n: plan_attempt_fn(n, heads), bound=bound)
+                rows_search_start: int = 1024, rows_workers: int = 1, expected: int | None = None) -> dict:
+    """For one head count: the plan search (from 1, or :func:`search_near` ``expected``), then
+    every row of the plans just below, at and just above the limit (:func:`checked_sizes`; one
+    that plan() did not accept is recorded as the search saw it), ``rows_workers`` children at
+    once. With ``rows_search``, where a checked plan was accepted and its rows were not all
+    right, the largest N whose rows are (growing from ``rows_search_start``, up to the smallest
+    such plan)."""
+    plan = lambda n: plan_attempt_fn(n, heads)  # noqa: E731
+    plans = search_largest(plan, bound=bound) if expected is None else search_near(plan, bound=bound,
+                                                                                   expected=expected)
     failed = plans.first_failing
     sizes = checked_sizes(plans)
     to_run = [n for n in sizes if failed is None or n != failed.rows]

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -465,17 +468,48 @@ def test_deselection_is_known_under_xdist_too(suite):
     result.stdout.fnmatch_lines(["*1 left out by this run's selection (deselected by -k/-m)*"])
 
 
-def test_the_timing_pass_times_each_case_in_a_process_per_gpu_and_judges_only_those_times(suite, monkeypatch):
+class SpawnLog:
+    """Stands in for the plugin's ``subprocess``: records each timing process it is asked to
+    start (its command, its CUDA_VISIBLE_DEVICES, its log) and starts none."""
+
+    STDOUT = subprocess.STDOUT
+
+    def __init__(self):
+        self.started = []
+
+    def Popen(self, cmd, *, env, stdout, **kwargs):
+        self.started.append((env["CUDA_VISIBLE_DEVICES"], [a for a in cmd if "::test_case[" in a],
+                             Path(stdout.name).name, cmd))
+        return SimpleNamespace(wait=lambda: 0)
+
+
+def test_the_timing_pass_starts_one_process_per_gpu_each_with_its_cases(suite, monkeypatch):
+    """Which processes the timing pass starts, without starting them (the test below times
+    through a real one)."""
+    spawned = SpawnLog()
+    monkeypatch.setattr(plugin, "subprocess", spawned)
     monkeypatch.setattr(plugin, "visible_gpus", lambda: ["0", "1"])
+    result = run(suite, f"--record-baseline={suite.path / 'base'}")
+    cases = [f"{suite.path}/test_cases.py::test_case[{k}]" for k in (1, 2, 3)]
+    assert [(gpu, part, log) for gpu, part, log, _ in spawned.started] == [
+        ("0", [cases[0], cases[2]], "gpu0.log"), ("1", [cases[1]], "gpu1.log")]
+    for *_, cmd in spawned.started:
+        assert cmd[:3] == [sys.executable, "-m", "pytest"] and "-p" in cmd and "no:xdist" in cmd
+        assert f"--baseline-timing-out={(suite.path / 'base' / 'timing').resolve()}" in cmd
+    assert result.ret == 1  # the processes stood in for timed nothing
+    result.stdout.fnmatch_lines(["FAIL  baseline *base: * the timing pass timed none of 3 cases*"])
+
+
+def test_the_timing_pass_times_each_case_in_a_process_per_gpu_and_judges_only_those_times(suite, monkeypatch):
+    monkeypatch.setattr(plugin, "visible_gpus", lambda: ["0"])
     base = suite.path / "base"
     result = run(suite, f"--record-baseline={base}")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["PASS  baseline *base: 3 cases and 0 fixture re-runs recorded, 3 timed by the timing "
                                  "pass"])
-    assert sorted(p.name for p in (base / "timing").glob("*.log")) == ["gpu0.log", "gpu1.log"]
+    assert sorted(p.name for p in (base / "timing").glob("*.log")) == ["gpu0.log"]
     assert check_baseline(base)["test_cases.py::test_case[2]"].kernel_us_repeats == [70.0, 70.5, 69.9]
     monkeypatch.setenv("SLOW_CASE", "3")
-    monkeypatch.setattr(plugin, "visible_gpus", lambda: ["0"])
     result = run(suite, f"--compare-baseline={base}")
     assert result.ret == 1
     result.stdout.fnmatch_lines(["FAIL  time       6 times judged (one process per GPU, 3 medians of 15): 1 slower "
@@ -746,13 +780,11 @@ def test_where_flashinfer_fails_only_at_run_time_fixtures_record_nothing_and_the
     import harness.availability
 
     monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: "no SM90 GPU (simulated)")
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(ROOT),
-                                          str(ROOT / "tests/test_replay.py"), "--record-baseline=base",
-                                          "--baseline-timing=off")
+    result = replay_run(pytester, "--record-baseline=base")
     assert result.ret == 1, "the GPU tier did not run: nothing was recorded"
-    assert result.parseoutcomes().get("failed") is None, "the replay tests themselves pass on their recorded outputs"
+    assert result.parseoutcomes() == {"passed": 2}, "the replay tests themselves pass on their recorded outputs"
     result.stdout.fnmatch_lines(["FAIL  baseline base: nothing recorded*",
-                                 "note  fixtures: 14 not re-run (no SM90 GPU (simulated)): nothing recorded of them"])
+                                 "note  fixtures: 2 not re-run (no SM90 GPU (simulated)): nothing recorded of them"])
     assert not list((pytester.path / "base").glob("*.json"))
 
 

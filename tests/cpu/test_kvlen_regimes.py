@@ -28,12 +28,41 @@ def layout_params():
             for case in CASES for layout in LAYOUTS]
 
 
+class ConvertedOnce:
+    """The implementation under test, its convert run once for a case's scenario: a case's
+    layouts and its kv_len check share it (the convert does not depend on the layout), each
+    getting its own copy of the converted rows."""
+
+    def __init__(self, impl):
+        self.impl = impl
+        self.converted = None
+
+    def convert(self, *args, **kwargs):
+        if self.converted is None:
+            self.converted = self.impl.convert(*args, **kwargs)
+        return tuple(t.clone() for t in self.converted) if isinstance(self.converted, tuple) else self.converted.clone()
+
+    def __getattr__(self, name):
+        return getattr(self.impl, name)
+
+
+_CASE_STEPS: dict = {}  # (implementation, device, case id) -> (scenario, ConvertedOnce)
+
+
+def case_step(impl, device, case, layout: str):
+    """The step of ``case`` (seed 2) in ``layout``, its convert shared with the case's other steps."""
+    key = (id(impl), str(device), case.id)
+    if key not in _CASE_STEPS or _CASE_STEPS[key][0] is not impl:
+        _CASE_STEPS[key] = (impl, build_scenario(case.spec, seed=2), ConvertedOnce(impl))
+    _, scenario, converted = _CASE_STEPS[key]
+    return scenario, prepare_step(converted, scenario, layout, device)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_kv_len_equals_valid_count(impl, device, case, regime_log):
     """Every planned row's kv_len equals the convert kernel's count of valid entries, and the
     planned rows are exactly the rows q hands to the kernel."""
-    scenario = build_scenario(case.spec, seed=1)
-    step = prepare_step(impl, scenario, "compacted", device)
+    scenario, step = case_step(impl, device, case, "compacted")
     regime_log.record(step.regimes(), focus=case.focus or None)
     counts = step.counts[: step.num_planned].cpu()
     bad = (counts != step.planned_lens).nonzero().flatten().tolist()
@@ -49,8 +78,7 @@ def test_kv_len_equals_valid_count(impl, device, case, regime_log):
 def test_plan_reads_the_intended_slots(impl, device, case, layout, regime_log, failure_dump):
     """Invariants hold and the plan makes the kernel read exactly the valid slots of each
     indexer row (as-implemented selection == intended selection)."""
-    scenario = build_scenario(case.spec, seed=2)
-    step = prepare_step(impl, scenario, layout, device)
+    scenario, step = case_step(impl, device, case, layout)
     failure_dump.arm(lambda: fixture_from_step(step, build_attention_inputs(scenario), focus=list(case.focus)))
     regime_log.record(step.regimes(), focus=case.focus or None)
     regime_log.blame(step.regimes([v.row for v in step.violations if v.row is not None]))

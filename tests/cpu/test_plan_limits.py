@@ -17,6 +17,7 @@ from harness.plan_limits import (
     PLAN_WIDTH,
     Attempt,
     PlanWorker,
+    WarmRowsChildren,
     checked_sizes,
     entry_finding,
     exceeds_work_capacity,
@@ -26,9 +27,11 @@ from harness.plan_limits import (
     rows_attempt,
     run_rows_attempt,
     search_largest,
+    search_near,
     study_heads,
     write_report,
 )
+from harness.plan_limits.child import rows_from_line, warm_up
 from tests.cpu.test_rerun import ReferenceWrapper, stand_in  # noqa: F401 - the fixture
 
 
@@ -91,6 +94,38 @@ def test_search_rejects_a_start_outside_the_bound():
         search_largest(lambda n: Attempt("plan", n, 16, "accepted"), bound=4, start=5)
 
 
+@given(limit=st.integers(0, 5000), bound=st.integers(1, 4000), data=st.data())
+def test_search_near_finds_what_the_search_from_one_finds(limit, bound, data):
+    expected = data.draw(st.integers(1, bound), label="expected")
+    attempt, log = threshold_attempts(limit)
+    near = search_near(attempt, bound=bound, expected=expected)
+    full = search_largest(threshold_attempts(limit)[0], bound=bound)
+    assert (near.largest_ok, near.reached_bound) == (full.largest_ok, full.reached_bound)
+    assert (near.first_failing and near.first_failing.rows) == (full.first_failing and full.first_failing.rows)
+    assert [a.rows for a in near.attempts] == log and len(log) == len(set(log)), "an N was attempted twice"
+    assert len(log) <= 2 * bound.bit_length() + 3
+    if limit == expected < bound:
+        assert log == [expected, expected + 1], "the expected limit takes two attempts"
+    if limit >= bound > expected:
+        assert log == [expected, expected + 1, bound] if expected + 1 < bound else [expected, bound]
+
+
+def test_search_near_at_the_work_capacity():
+    attempt, log = threshold_attempts(16384)
+    search = search_near(attempt, bound=32768, expected=16384)
+    assert search.largest_ok == 16384 and search.first_failing.rows == 16385 and log == [16384, 16385]
+    attempt, log = threshold_attempts(10**9)
+    assert search_near(attempt, bound=32768, expected=16384).reached_bound and log == [16384, 16385, 32768]
+    attempt, log = threshold_attempts(20000)
+    assert search_near(attempt, bound=32768, expected=16384).largest_ok == 20000 and log[:3] == [16384, 16385, 32768]
+    attempt, log = threshold_attempts(20, failing="crashed")
+    search = search_near(attempt, bound=32768, expected=16384)
+    assert search.largest_ok == 20 and search.first_failing.rows == 21 and search.first_failing.outcome == "crashed"
+    assert log == [16384, 1, 2, 4, 8, 16, 32, 24, 20, 22, 21]
+    with pytest.raises(ValueError, match="expected"):
+        search_near(attempt, bound=4, expected=5)
+
+
 def test_search_result_survives_json():
     attempt, _ = threshold_attempts(5)
     data = json.loads(json.dumps(search_largest(attempt, bound=16).to_dict()))
@@ -127,8 +162,10 @@ def test_plan_worker_survives_crashes_hangs_and_restarts_after_unhealthy_refusal
         assert crash.outcome == "crashed" and "134" in crash.detail and "illegal memory access" in crash.detail
         after = worker.attempt(7, 16)
         assert after.outcome == "accepted" and after.extra["pid"] != first.extra["pid"]
+        worker.timeout = 0.5  # the child is up and never answers this one: no need to wait long
         hang = worker.attempt(21, 16)
         assert hang.outcome == "timeout"
+        worker.timeout = 3
         refused = worker.attempt(41, 128)
         assert refused.outcome == "refused" and refused.detail.startswith("ValueError") and refused.heads == 128
         assert worker.attempt(8, 16).extra["pid"] == refused.extra["pid"], "a healthy refusal replaced the child"
@@ -184,6 +221,37 @@ def test_rows_attempt_times_out():
     assert attempt.outcome == "timeout" and attempt.extra["stage"] == "judge"
 
 
+WARM_ROWS_CHILD = r"""
+n, h, w, seed = map(int, sys.stdin.readline().split())
+print("STAGE " + json.dumps({"stage": "plan"}), flush=True)
+if n == 13:
+    sys.stderr.write("CUDA error: an illegal memory access was encountered\n"); sys.stderr.flush()
+    os._exit(134)
+if n == 21:
+    time.sleep(60)
+print("RESULT " + json.dumps({"kind": "rows", "rows": n, "heads": h, "outcome": "right", "width": w, "seed": seed,
+                              "pid": os.getpid()}), flush=True)
+"""
+
+
+def test_warm_rows_children_wait_for_their_size_and_each_serves_one_attempt():
+    with WarmRowsChildren(2, command=fake_rows_child(WARM_ROWS_CHILD)) as rows:
+        waiting = list(rows.waiting)
+        first, second, third = rows.attempt(7, 16), rows.attempt(8, 128, width=64, seed=3), rows.attempt(9, 16)
+        assert [(a.outcome, a.rows, a.heads) for a in (first, second, third)] == [
+            ("right", 7, 16), ("right", 8, 128), ("right", 9, 16)]
+        assert (second.extra["width"], second.extra["seed"]) == (64, 3)
+        assert len({first.extra["pid"], second.extra["pid"], third.extra["pid"]}) == 3, "a child served two attempts"
+        assert {first.extra["pid"], second.extra["pid"]} == {p.pid for p in waiting}, "the waiting children served"
+        crash = rows.attempt(13, 16)
+        assert crash.outcome == "crashed" and crash.extra["stage"] == "plan" and "illegal memory access" in crash.detail
+        hang = rows.attempt(21, 16, timeout=0.5)
+        assert hang.outcome == "timeout"
+        left = rows._start()
+        rows.waiting.append(left)
+    assert left.poll() is not None and not rows.waiting, "a child left waiting outlived the search"
+
+
 # --- what is checked, and the report ----------------------------------------------------------------
 
 
@@ -195,7 +263,8 @@ def test_checked_sizes_around_a_refusal_and_at_the_bound():
     assert checked_sizes(search_largest(attempt, bound=64)) == [1]
 
 
-def fake_study(plan_limit: int, rows_right_up_to: int, bound: int, rows_search: bool = True) -> dict:
+def fake_study(plan_limit: int, rows_right_up_to: int, bound: int, rows_search: bool = True,
+               expected: int | None = None) -> dict:
     def plan(n, heads):
         return Attempt("plan", n, heads, "accepted" if n <= plan_limit else "refused",
                        "" if n <= plan_limit else "ValueError: FA MLA needs more work items")
@@ -204,7 +273,8 @@ def fake_study(plan_limit: int, rows_right_up_to: int, bound: int, rows_search: 
         return Attempt("rows", n, heads, "right" if n <= rows_right_up_to else "wrong",
                        "" if n <= rows_right_up_to else f"{n - rows_right_up_to} rows beyond the budget")
 
-    return study_heads(16, bound=bound, plan_attempt_fn=plan, rows_attempt_fn=rows, rows_search=rows_search)
+    return study_heads(16, bound=bound, plan_attempt_fn=plan, rows_attempt_fn=rows, rows_search=rows_search,
+                       expected=expected)
 
 
 def test_study_checks_the_rows_around_the_limit_and_keeps_the_refusal():
@@ -214,6 +284,12 @@ def test_study_checks_the_rows_around_the_limit_and_keeps_the_refusal():
         ("rows", 99, "right"), ("rows", 100, "right"), ("plan", 101, "refused")]
     assert "rows_search" not in entry, "the rows search ran although every checked row was right"
     assert entry_finding(entry) == "refused above N=100; the rows at the limit are right"
+
+
+def test_study_near_the_expected_limit_checks_the_same_rows():
+    entry = fake_study(plan_limit=100, rows_right_up_to=1000, bound=4096, expected=100)
+    assert [a["rows"] for a in entry["plan_search"]["attempts"]] == [100, 101]
+    assert entry["row_checks"] == fake_study(plan_limit=100, rows_right_up_to=1000, bound=4096)["row_checks"]
 
 
 def test_study_finds_accepted_plans_with_wrong_rows_and_where_they_start():
@@ -287,9 +363,13 @@ def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):  # noqa: F811
     assert refused["detail"] == "ValueError: FA MLA needs 5 work items including KV splits; native capacity is 4."
 
 
+POOL = 512  # KV slots the CPU rows attempts read from (6 rows of 64: the production pool costs seconds on CPU)
+
+
 def test_rows_attempt_judges_every_row(stand_in, monkeypatch):  # noqa: F811
     stages = []
-    result = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append)
+    warm_up("cpu")  # a warm rows child: started, then its size read from a line
+    result = rows_from_line("6 2 64 0\n", emit=stages.append, device="cpu", pool_slots=POOL)
     assert result["outcome"] == "right" and result["summary"]["rows"] == 6 and result["nonfinite_rows"] == 0
     assert [json.loads(s[len("STAGE "):])["stage"] for s in stages] == ["inputs", "plan", "run", "judge", "done"]
     # a kernel that writes a wrong row, silently
@@ -300,7 +380,7 @@ def test_rows_attempt_judges_every_row(stand_in, monkeypatch):  # noqa: F811
         out[4].mul_(1.05)
 
     monkeypatch.setattr(ReferenceWrapper, "run", one_wrong_row)
-    wrong = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append)
+    wrong = rows_attempt(6, 2, width=64, device="cpu", emit=stages.append, pool_slots=POOL)
     assert wrong["outcome"] == "wrong" and wrong["summary"]["first_bad"] == [4]
     assert wrong["detail"].startswith("1 of 6 rows beyond the budget, no error")
 

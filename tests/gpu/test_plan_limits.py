@@ -1,8 +1,10 @@
 """The largest accepted plan (docs/edges.md#plan-limits), in the main job: for H 16 and 128,
-the plan search up to twice the fa3 scheduler's work capacity (32768 rows), then every row of
-the plans just below and at the limit (and the outcome just above it). Every attempt runs in a
-child process; ``python3 -m scripts.plan_limits`` is the full study (bound 1048575 rows, the
-largest all-right plan searched too).
+the plan search up to twice the fa3 scheduler's work capacity (32768 rows), starting at the
+capacity (16384 and 16385 settle a release that refuses plans past it; 32768 one that accepts
+them; a bisection anything else), then every row of the plans just below and at the limit (and
+the outcome just above it). Every attempt runs in a child process (the rows children start
+while the plan search runs and wait for their sizes); ``python3 -m scripts.plan_limits`` is the
+full study (from 1 row up to 1048575, the largest all-right plan searched too).
 
 A release that accepts plans beyond the work capacity (measured here, by the search) is held
 to the finding WorkCapacityExceeded, a strict xfail applied when the search finds it: the rows of those
@@ -20,8 +22,8 @@ from harness.plan_limits import (
     BAD_ROWS_OUTCOMES,
     DEFAULT_HEADS,
     PlanWorker,
+    WarmRowsChildren,
     entry_finding,
-    run_rows_attempt,
     study_heads,
 )
 
@@ -40,16 +42,16 @@ def attempts_text(entry: dict) -> str:
 
 @pytest.mark.parametrize("heads", DEFAULT_HEADS)
 def test_largest_accepted_plan_and_the_rows_around_it(features, request, record_property, heads):
-    with PlanWorker() as worker:
-        entry = study_heads(heads, bound=TEST_BOUND, plan_attempt_fn=worker.attempt,
-                            rows_attempt_fn=lambda n, h: run_rows_attempt(n, h, timeout=ROWS_TIMEOUT_S), rows_workers=2)
+    with PlanWorker() as worker, WarmRowsChildren(2) as rows:  # the rows children start during the search
+        entry = study_heads(heads, bound=TEST_BOUND, plan_attempt_fn=worker.attempt, expected=FA3_WORK_CAPACITY,
+                            rows_attempt_fn=lambda n, h: rows.attempt(n, h, timeout=ROWS_TIMEOUT_S), rows_workers=2)
     record_property("plan_limits", entry)
     finding = entry_finding(entry)
     context = f"flashinfer {features.version}, H {heads}: {finding}\n{attempts_text(entry)}"
     print(context)
     plans = entry["plan_search"]
     limit = plans["largest_ok"]
-    assert plans["attempts"] and limit >= 1, f"plan() did not accept a plan of one row; {context}"
+    assert plans["attempts"] and limit >= 1, f"plan() accepted no plan, not even of one row; {context}"
     if not plans["reached_bound"]:
         first = plans["first_failing"]
         assert first["rows"] == limit + 1 and first["outcome"] in ("refused", "crashed", "timeout"), context
