@@ -18,6 +18,7 @@ from recording.fixture import load_fixture
 from recording.recipe import load_recipe, rebuild_fixture
 from recording.replay import replay
 from recording.repro import main as repro_main
+from tests import simulated_sm90
 from tests.bugs import KpoolFromWrongSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -302,3 +303,42 @@ def test_a_step_too_large_to_build_at_failure_is_written_as_a_recipe(pytester, t
     written = list(dump.iterdir())
     assert len(written) == 1 and written[0].name.endswith(".recipe.json"), written
     assert load_recipe(written[0])["too_large_to_build"] > 0
+
+
+class ConvertKillsItsProcess(KpoolFromWrongSpec.__mro__[1]):
+    """A convert kernel that faults on every step (the process is killed by SIGSEGV)."""
+
+    name = "crash-convert-always"
+
+    def convert(self, *args, **kwargs):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+@pytest.mark.gpu_stand_in
+def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves_a_recipe(
+    pytester, tmp_path, monkeypatch
+):
+    """The scale cases past the work capacity run in a child process; one whose child dies in the
+    stages of the implementation under test (not at the plan: no work-capacity finding) fails,
+    naming the case and the stage, and leaves a recipe. Here the 1-row case runs apart as such a
+    case would, on the simulated SM90 machine."""
+    import harness.scale
+
+    if not simulated_sm90.can_simulate_in_process():
+        pytest.skip("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
+    monkeypatch.setattr(harness.scale, "exceeds_work_capacity", lambda rows: rows == 1)
+    simulated_sm90.simulate_in_process(monkeypatch)
+    dump = tmp_path / "dumps"
+    with simulated_sm90.nested_failures_released():
+        result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k", "rows1-kpool4",
+                            f"--impl={__name__}:ConvertKillsItsProcess", f"--dump-failures={dump}")
+    out = "\n".join(result.outlines)
+    case = next(c for c in harness.scale.scale_cases() if c.rows == 1 and c.kpool == 4)
+    assert result.ret == 1 and "1 failed" in out, out[-3000:]
+    assert f"{case.id}: crashed at stage convert" in out, out[-3000:]
+    recipes = list(dump.glob("*.recipe.json"))
+    assert len(recipes) == 1 and recipes[0].stat().st_size < 10_000, sorted(p.name for p in dump.iterdir())
+    recipe = load_recipe(recipes[0])
+    assert recipe["crashed_at"] == "convert" and recipe["scale_case"] == case.id, recipe
