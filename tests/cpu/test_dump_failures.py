@@ -6,6 +6,7 @@ same rows."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -227,27 +228,61 @@ def fake_flashinfer(root: Path, version: str) -> Path:
     return package.parent
 
 
-@pytest.mark.parametrize(("fixture", "version", "verdict"), [
+#: Runs each reproducer in turn in one process of its own (one torch start for all), each with
+#: its stand-in FlashInfer first on the path and none of the project: the exit status and output
+#: of each, as JSON.
+REPRO_DRIVER = """
+import contextlib, io, json, runpy, sys
+results = []
+for script, flashinfer_root in json.loads(sys.argv[1]):
+    sys.path.insert(0, flashinfer_root)
+    for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
+        del sys.modules[name]
+    sys.argv = [script]
+    text = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    sys.path.remove(flashinfer_root)
+    results.append({"code": code, "text": text.getvalue()})
+print("RESULTS " + json.dumps(results))
+"""
+
+REPRO_CASES = [
     ("c-packed-finding-bf16", "0.6.18.post1", 1),  # the regime C finding: the packed plan reads a poisoned slot
     ("c-compacted-fp8", "0.7.4", 0),
-])
-def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys, version, fixture, verdict):
-    out = tmp_path / "repro"
-    assert repro_main([str(ROOT / "fixtures" / f"{fixture}.safetensors"), "-o", str(out)]) == 0
-    script = out / f"{fixture}.repro.py"
-    assert f"run: python3 {script}" in capsys.readouterr().out
-    assert imported_modules(script.read_text()) - set(sys.stdlib_module_names) <= {"torch", "flashinfer", "safetensors"}
+]
+
+
+def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys):
+    runs = []
+    for fixture, version, _ in REPRO_CASES:
+        out = tmp_path / "repro"
+        assert repro_main([str(ROOT / "fixtures" / f"{fixture}.safetensors"), "-o", str(out)]) == 0
+        script = out / f"{fixture}.repro.py"
+        assert f"run: python3 {script}" in capsys.readouterr().out
+        assert imported_modules(script.read_text()) - set(sys.stdlib_module_names) <= {
+            "torch", "flashinfer", "safetensors"
+        }
+        runs.append((str(script), str(fake_flashinfer(tmp_path, version))))
     # Run from an empty folder with only the stand-in FlashInfer added: the project is not on the path.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(fake_flashinfer(tmp_path, version)), REPRO_DEVICE="cpu", PYTHONSAFEPATH="1")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env)
-    text = run.stdout + run.stderr
-    assert run.returncode == verdict, text
-    assert f"flashinfer {version} ({'canonical' if version.startswith('0.7') else 'flat'} plan" in text, text
-    if verdict:
-        assert "FAIL" in text and "NaN" in text and "regime C" in text, text
-    else:
-        assert "PASS: within the error budget" in text, text
+    env.update(REPRO_DEVICE="cpu", PYTHONSAFEPATH="1")
+    run = subprocess.run([sys.executable, "-c", REPRO_DRIVER, json.dumps(runs)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert run.returncode == 0 and lines, run.stdout + run.stderr
+    for (fixture, version, verdict), result in zip(REPRO_CASES, json.loads(lines[-1][8:]), strict=True):
+        text = result["text"]
+        assert result["code"] == verdict, f"{fixture} on {version}:\n{text}"
+        assert f"flashinfer {version} ({'canonical' if version.startswith('0.7') else 'flat'} plan" in text, text
+        if verdict:
+            assert "FAIL" in text and "NaN" in text and "regime C" in text, text
+        else:
+            assert "PASS: within the error budget" in text, text
 
 
 def test_an_implementation_that_kills_its_process_fails_one_test_and_leaves_a_recipe(pytester, tmp_path):
