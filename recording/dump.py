@@ -61,7 +61,9 @@ def fixture_of_failing_rows(step, **meta) -> Fixture | None:
     rows = plan_failing_rows(step)
     if not rows:
         return None
-    return fixture_of_rows(step, smallest_rows(step, rows, MAX_FAILING_ROWS), why=WHY_FAILING_ROWS, **meta)
+    built_from = dict(rows=step.num_planned, heads=step.scenario.spec.num_heads, bytes=build_bytes(step))
+    return fixture_of_rows(step, smallest_rows(step, rows, MAX_FAILING_ROWS), why=WHY_FAILING_ROWS,
+                           built_from=built_from, **meta)
 
 
 def write_step_recipe(directory, file_name: str, step, **meta) -> Path | None:

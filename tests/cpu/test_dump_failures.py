@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from recording.fixture import load_fixture
 from recording.recipe import load_recipe, rebuild_fixture
@@ -377,3 +378,31 @@ def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves
     assert len(recipes) == 1 and recipes[0].stat().st_size < 10_000, sorted(p.name for p in dump.iterdir())
     recipe = load_recipe(recipes[0])
     assert recipe["crashed_at"] == "convert" and recipe["scale_case"] == case.id, recipe
+
+
+@pytest.mark.parametrize("layout", ["compacted", "strided"])
+def test_the_fixture_of_some_rows_is_the_whole_fixtures_rows_bit_for_bit(device, layout):
+    """A batch too large to build whole is dumped as the fixture of its failing rows, built from
+    the scenario alone: bit for bit the rows of the fixture of the whole batch (q drawn per row
+    as the scale cases draw it, poisoned slots included)."""
+    from harness.pipeline import prepare_step
+    from harness.scenario import batch, build_attention_inputs_on, build_scenario
+    from recording.case_log import fixture_from_step, fixture_of_rows
+    from recording.shrink import subset_fixture
+    from tests.bugs import CompactionPlansPrefix
+
+    spec = batch((5, 1), (3000, 1), (2049, 1), (9, 2), kpool=4, topk=2048, kv_dtype="float8_e4m3fn", k_scale=0.5)
+    scenario = build_scenario(spec, 3)
+    step = prepare_step(CompactionPlansPrefix(), scenario, layout, device)
+    rows = [0, 2]
+    whole = subset_fixture(fixture_from_step(step, build_attention_inputs_on(scenario, "cpu")), rows)
+    part = fixture_of_rows(step, rows)
+    assert part.meta["rows"] == rows and part.meta["regimes"] == whole.meta["regimes"]
+    assert set(part.tensors) == set(whole.tensors)
+    for name, t in whole.tensors.items():
+        assert torch.equal(part[name].view(torch.uint8), t.view(torch.uint8)) if t.is_floating_point() \
+            else torch.equal(part[name], t), name
+    assert replay(part).failures() == replay(whole).failures()
+    if layout == "compacted":  # the bug plans regime C as a prefix there: its row reads a poisoned slot
+        assert replay(part).failures() == ["plan != intent"]
+        assert torch.isnan(part["ckv"].float()).any(), "no poisoned slot read: a weak case"
