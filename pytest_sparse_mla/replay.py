@@ -36,6 +36,12 @@ def pytest_addoption(parser):
         help="write a fixture for every failing differential case into DIR",
     )
     group.addoption(
+        "--replay-heatmaps",
+        action="store_true",
+        default=False,
+        help="with --replay, write the error heatmaps of every fixture (default: only of those whose replay fails)",
+    )
+    group.addoption(
         "--replay-recorded-only",
         action="store_true",
         default=False,

@@ -9,7 +9,8 @@ through the implementation under test (recording.restage) and the plan is judged
 plans now. A recipe (``*.recipe.json``) is rebuilt from its spec and seed through the
 implementation under test (its stages in a child process where they once killed theirs).
 A replay of no fixture fails (docs/replay.md).
-With ``--replay`` the error heatmaps are written after the verdict, which they never change.
+With ``--replay`` the error heatmaps of a failing fixture (of every fixture with
+``--replay-heatmaps``) are written after the verdict, which they never change.
 Under ``--record-baseline`` / ``--compare-baseline`` each re-run is recorded for the upgrade
 check (pytest_sparse_mla.baselines.note_fixture_replay)."""
 
@@ -137,7 +138,7 @@ def test_replay_fixture(fixture_path, request, regime_log):
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn
-    if request.config.getoption("--replay"):
+    if request.config.getoption("--replay") and (failures or request.config.getoption("--replay-heatmaps")):
         text = "\n".join([text, *clock.timed("heatmaps", write_heatmaps, report)])
     text += "\n  " + clock.line()
     request.node.user_properties.append((REPLAY_KEY, text))

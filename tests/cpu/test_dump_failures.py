@@ -67,10 +67,9 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
             recipe = load_recipe(match.group(1))
             assert recipe["impl"] == "tests.bugs:KpoolFromWrongSpec" and recipe["nodeid"].endswith(name)
             fx = rebuild_fixture(match.group(1), recipe, KpoolFromWrongSpec(), device)
-            original = list(range(fx.num_rows))
         else:
             fx = load_fixture(match.group(1))
-            original = fx.meta["rows"]  # the shrunk fixture's rows in the failing batch
+        original = fx.meta.get("rows") or list(range(fx.num_rows))  # the fixture's rows in the failing batch
         assert fx.meta["impl"] == "tests.bugs:KpoolFromWrongSpec" and fx.meta["nodeid"].endswith(name)
         report = replay(fx)
         failing = [original[r] for r in report.plan_mismatch_rows]
@@ -322,23 +321,40 @@ def test_a_changed_recipe_is_a_fixture_error(tmp_path):
         load_recipe(path)
 
 
-def test_a_step_too_large_to_build_at_failure_is_written_as_a_recipe(pytester, tmp_path, monkeypatch):
+def test_a_step_too_large_to_build_is_written_as_its_failing_rows_or_else_as_a_recipe(
+    pytester, tmp_path, monkeypatch, device
+):
+    """A failing batch too large to build whole (tens of thousands of rows, say) is never built:
+    where its plan is wrong on some rows it is the fixture of those rows, built from the
+    scenario; where the plan is right on every row (the failure is in the kernel run of the
+    whole batch) a recipe that says why."""
     import recording.dump
 
     monkeypatch.setattr(recording.dump, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
-    dump = tmp_path / "dumps"
-    result = run_pytest(
-        pytester,
-        str(ROOT / "tests/cpu/test_kvlen_regimes.py"),
-        "--impl=tests.bugs:CompactionPlansPrefix",
-        "-k",
-        "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5",
-        f"--dump-failures={dump}",
-    )
+    select = ("--impl=tests.bugs:CompactionPlansPrefix", "-k",
+              "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5")
+    dump = tmp_path / "rows"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), *select, f"--dump-failures={dump}")
+    assert result.ret == 1, "\n".join(result.outlines[-20:])
+    written = sorted(p.name for p in dump.iterdir())
+    assert len(written) == 2 and written[1].endswith(".safetensors"), written
+    fx = load_fixture(dump / written[1])
+    assert fx.meta["why"] == recording.dump.WHY_FAILING_ROWS and fx.meta["shrunk"]["from"]["rows"] == 2, fx.meta
+    assert fx.meta["regimes"] == ["C"] and "plan != intent" in replay(fx).failures()
+
+    monkeypatch.setattr(recording.dump, "plan_failing_rows", lambda step: [])  # as a kernel failure at scale
+    dump = tmp_path / "recipe"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), *select, f"--dump-failures={dump}")
     assert result.ret == 1, "\n".join(result.outlines[-20:])
     written = list(dump.iterdir())
     assert len(written) == 1 and written[0].name.endswith(".recipe.json"), written
-    assert load_recipe(written[0])["too_large_to_build"] > 0
+    recipe = load_recipe(written[0])
+    assert recipe["too_large_to_build"] > 0 and recipe["why"] == recording.dump.WHY_TOO_LARGE, recipe
+    # Replayed where no kernel runs, it is not built whole either: the rows whose plan is wrong now.
+    from tests.bugs import CompactionPlansPrefix
+
+    fx = rebuild_fixture(written[0], recipe, CompactionPlansPrefix(), device, whole=False)
+    assert fx.meta["rows"] == [0] and "plan != intent" in replay(fx).failures(), fx.meta
 
 
 class ConvertKillsItsProcess(KpoolFromWrongSpec.__mro__[1]):
