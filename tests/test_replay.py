@@ -76,8 +76,9 @@ def rerun_on_installed(request, fx):
 def load_case(path, request):
     """The fixture in ``path``, or the case a recipe rebuilds through the implementation under
     test (only the rows it names, where its batch is too large to build whole and no kernel
-    re-runs it here). The recipe of a scale case is first checked whole where a kernel runs,
-    as its test did, in a child process (harness.scale); then its rows are replayed."""
+    re-runs it here). The recipe of a scale case that names no failing rows is first checked
+    whole where a kernel runs, as its test did, in a child process (harness.scale); then its
+    rows are replayed."""
     if not is_recipe(path):
         return load_fixture(path)
     recipe = load_recipe(path)
@@ -85,7 +86,7 @@ def load_case(path, request):
 
     impl_spec, device = request.config.stash[IMPL_SPEC], request.getfixturevalue("device")
     kernel_here = rerun_unavailable_reason(request.config) is None
-    if recipe.get("scale_case") and kernel_here:
+    if recipe.get("scale_case") and kernel_here and not recipe.get("failing_rows"):
         from harness.scale import case_by_id, run_case_in_child
 
         result = run_case_in_child(case_by_id(recipe["scale_case"]), impl_spec, recipe["seed"])
