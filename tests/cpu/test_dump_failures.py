@@ -357,17 +357,6 @@ def test_a_step_too_large_to_build_is_written_as_its_failing_rows_or_else_as_a_r
     assert fx.meta["rows"] == [0] and "plan != intent" in replay(fx).failures(), fx.meta
 
 
-class ConvertKillsItsProcess(KpoolFromWrongSpec.__mro__[1]):
-    """A convert kernel that faults on every step (the process is killed by SIGSEGV)."""
-
-    name = "crash-convert-always"
-
-    def convert(self, *args, **kwargs):
-        import signal
-
-        os.kill(os.getpid(), signal.SIGSEGV)
-
-
 @pytest.mark.gpu_stand_in
 def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves_a_recipe(
     pytester, tmp_path, monkeypatch
@@ -385,7 +374,7 @@ def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves
     dump = tmp_path / "dumps"
     with simulated_sm90.nested_failures_released():
         result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k", "rows1-kpool4",
-                            f"--impl={__name__}:ConvertKillsItsProcess", f"--dump-failures={dump}")
+                            "--impl=tests.bugs:ConvertKillsItsProcess", f"--dump-failures={dump}")
     out = "\n".join(result.outlines)
     case = next(c for c in harness.scale.scale_cases() if c.rows == 1 and c.kpool == 4)
     assert result.ret == 1 and "1 failed" in out, out[-3000:]
