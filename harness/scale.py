@@ -157,7 +157,7 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
     n = scenario.planned_rows
     result["regimes"] = dict(Counter(scenario.row_regime[:n]))
     reached("scenario", regimes=result["regimes"])
-    step = prepare_step(impl, scenario, SCALE_LAYOUT, device=device)
+    step = prepare_step(impl, scenario, SCALE_LAYOUT, device=device, reached=reached)
     label = row_label(scenario, step.planned_lens)
     reached("invariants")
     if step.violations or step.num_planned != n:

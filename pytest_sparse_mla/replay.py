@@ -36,6 +36,12 @@ def pytest_addoption(parser):
         help="write a fixture for every failing differential case into DIR",
     )
     group.addoption(
+        "--replay-heatmaps",
+        action="store_true",
+        default=False,
+        help="with --replay, write the error heatmaps of every fixture (default: only of those whose replay fails)",
+    )
+    group.addoption(
         "--replay-recorded-only",
         action="store_true",
         default=False,
@@ -152,10 +158,15 @@ class FailureDump:
         self.directory = directory
         self.node = node
         self._build = None
+        self.meta: dict = {}
         self.log = None  # recording.case_log.CaseLog of the running test
 
     def arm(self, build) -> None:
         self._build = build
+
+    def note(self, **meta) -> None:
+        """Metadata the written fixture or recipe carries (a scale case's id, say)."""
+        self.meta.update(meta)
 
     def build(self):
         if self._build is not None:
@@ -165,35 +176,45 @@ class FailureDump:
     def _safe_name(self) -> str:
         return "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
 
+    def _recipe_meta(self, **extra) -> dict:
+        from .impl import IMPL_SPEC
+
+        meta = {"name": self._safe_name(), "nodeid": self.node.nodeid, **self.meta, **extra}
+        if self.node.config.stash.get(IMPL_SPEC, None):
+            meta["impl"] = self.node.config.stash[IMPL_SPEC]
+        return meta
+
     def dump(self) -> str | None:
         if not self.directory:
             return None
         if self._build is None and self.log is not None and self.log.crash is not None:
             from recording.dump import write_crash
 
-            from .impl import IMPL_SPEC
-
-            meta = {"name": self._safe_name(), "nodeid": self.node.nodeid}
-            if self.node.config.stash.get(IMPL_SPEC, None):
-                meta["impl"] = self.node.config.stash[IMPL_SPEC]
-            path = write_crash(self.directory, self._safe_name(), self.log.crash, **meta)
+            path = write_crash(self.directory, self._safe_name(), self.log.crash, **self._recipe_meta())
             return None if path is None else str(path)
         step = self.log.step if self.log is not None and self.log.fixture is None else None
+        fixture = None
         if step is not None:  # the step armed builders build from too
-            from recording.dump import MAX_BUILD_BYTES, build_bytes, write_step_recipe
+            from recording.dump import (
+                MAX_BUILD_BYTES,
+                WHY_TOO_LARGE,
+                build_bytes,
+                fixture_of_failing_rows,
+                write_step_recipe,
+            )
 
             if build_bytes(step) > MAX_BUILD_BYTES:
-                from .impl import IMPL_SPEC
-
-                meta = {"name": self._safe_name(), "nodeid": self.node.nodeid, "too_large_to_build": build_bytes(step)}
-                if self.node.config.stash.get(IMPL_SPEC, None):
-                    meta["impl"] = self.node.config.stash[IMPL_SPEC]
-                path = write_step_recipe(self.directory, self._safe_name(), step, **meta)
-                if path is not None:
-                    return str(path)
-        fixture = self.build()
+                fixture = fixture_of_failing_rows(step, **self.meta)
+                if fixture is None:
+                    meta = self._recipe_meta(too_large_to_build=build_bytes(step), why=WHY_TOO_LARGE)
+                    path = write_step_recipe(self.directory, self._safe_name(), step, **meta)
+                    if path is not None:
+                        return str(path)
+        fixture = self.build() if fixture is None else fixture
         if fixture is None:
             return None
+        for key, value in self.meta.items():
+            fixture.meta.setdefault(key, value)
         from fast.impl import DEFAULT_IMPL_SPEC, load_impl
         from recording.dump import write_failure
         from recording.environment import runtime_environment

@@ -2,13 +2,16 @@
 
 The shared helpers note the case under check in :mod:`harness.case_log`; this module opens the
 log for a running test (:func:`logging_cases`) and builds the fixture of the last noted case
-(:meth:`CaseLog.build`), or of any prepared step (:func:`fixture_from_step`).
+(:meth:`CaseLog.build`), or of any prepared step (:func:`fixture_from_step`), or of some rows of
+a step too large to build whole (:func:`fixture_of_rows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from contextlib import AbstractContextManager
+
+import torch
 
 from harness import case_log as notes
 from harness.case_log import note_crash as note_crash  # re-exported: the helpers' noting API
@@ -76,3 +79,71 @@ def fixture_from_step(step: Step, inputs, outputs=None, **meta) -> Fixture:
         intended=sc.intended_slots()[:n],
         outputs=outputs,
     )
+
+
+def plan_failing_rows(step: Step) -> list[int]:
+    """The planned rows whose plan is wrong: an invariant broken on the row, or its planned
+    selection (b) other than the intended one (a)."""
+    from harness.pipeline import selection_mismatches
+
+    n = step.num_planned
+    rows = {v.row for v in step.violations if v.row is not None and v.row < n}
+    rows.update(r for r in selection_mismatches(step) if r < n)
+    return sorted(rows)
+
+
+#: Where :func:`fixture_of_rows` draws q: each row from its own key, as the scale cases draw it
+#: (:func:`harness.scenario.build_attention_inputs_on`).
+ROW_Q_COMPONENT = "q-rows"
+
+
+def fixture_of_rows(step: Step, rows: list[int], **meta) -> Fixture | None:
+    """A fixture of some planned rows of ``step``, built without the batch's q and KV cache: q
+    of each row drawn from its key (:data:`ROW_Q_COMPONENT`), the KV slots the rows' plan and
+    intended selection read from the scenario's hash (NaN where no row of the batch should read
+    the slot, as the poisoned cache holds), and the step's plan of those rows. For a failing
+    batch too large to build (tens of thousands of rows), whose failure is in the plan. None
+    where the scenario carries score offsets (written into q and the cache together)."""
+    from harness.device_inputs import nan_kv_buffer
+    from harness.scenario import component_seed, query_rows, slot_values
+    from mla_constants import INVALID, KV_LORA_RANK
+    from reference.rules import convert_rule
+
+    from .shrink import subset_fixture
+
+    sc, spec = step.scenario, step.scenario.spec
+    if spec.score_offsets:
+        return None
+    n = step.num_planned
+    rows = sorted({int(r) for r in rows if 0 <= int(r) < n})
+    r = torch.tensor(rows, dtype=torch.int64)
+    indptr, lens = step.kv_indptr.to(torch.int64).cpu(), step.planned_lens.to(torch.int64).cpu()
+    spans = [step.kv_indices[int(indptr[i]) : int(indptr[i] + lens[i])].cpu().to(torch.int64) for i in rows]
+    intended = convert_rule(sc.topk_indices[r], sc.block_table, sc.request_ids()[r], spec.block_size).to(torch.int64)
+    used = torch.cat([*spans, intended.flatten()]) if rows else torch.zeros(0, dtype=torch.int64)
+    ids = torch.unique(used[used >= 0])
+    values = torch.from_numpy(slot_values(component_seed(sc.seed, "kv"), ids.numpy(), spec.head_dim))
+    readable = torch.unique(sc.intended_slots().to(torch.int64))
+    readable = readable[readable != INVALID]
+    cache = values.to(spec.torch_kv_dtype)
+    poisoned = ~torch.isin(ids, readable)
+    cache[poisoned] = nan_kv_buffer((int(poisoned.sum()), spec.head_dim), spec.kv_dtype, "cpu")
+    local = lambda t: torch.where(t >= 0, torch.searchsorted(ids, t.clamp(min=0)), -1)  # noqa: E731
+    q = query_rows(component_seed(sc.seed, ROW_Q_COMPONENT), r, spec.num_heads, spec.head_dim, "cpu")
+    packed = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[r], 0)])
+    base = dict(
+        name=meta.pop("name", None), spec=dataclasses.asdict(spec), seed=sc.seed, layout=step.layout,
+        sm_scale=spec.sm_scale, k_scale=spec.k_scale, kv_dtype=spec.kv_dtype, page_size=1, causal=False,
+        regimes=[sc.row_regime[i] for i in rows], row_ctx=[int(sc.row_ctx[i]) for i in rows], max_rows=len(rows),
+        rows=rows,
+    )
+    base.update(meta)
+    fx = build_fixture(
+        meta=base, q_nope=q[..., :KV_LORA_RANK], q_pe=q[..., KV_LORA_RANK:], ckv=cache[:, :KV_LORA_RANK],
+        kpe=cache[:, KV_LORA_RANK:], kv_indptr=packed,
+        kv_indices=local(torch.cat(spans)) if spans else torch.zeros(0, dtype=torch.int64),
+        kv_len=lens[r], intended=local(intended),
+    )
+    fx.tensors["slot_ids"] = ids[fx.tensors["slot_ids"]]  # the batch's slot ids
+    fx.meta["num_slots_original"] = sc.num_slots
+    return subset_fixture(fx, list(range(len(rows)))) if step.layout == "strided" else fx

@@ -2,8 +2,10 @@
 is shrunk on the implementation under test (:mod:`recording.shrink`) and written as a small
 fixture with its standalone reproducer (:mod:`recording.repro`), or as a recipe
 (:mod:`recording.recipe`) where even the shrunk fixture is larger than
-:data:`recording.shrink.MAX_FIXTURE_BYTES` (a failure that shows only at scale). Nothing here
-runs for a passing test.
+:data:`recording.shrink.MAX_FIXTURE_BYTES`. A batch too large to build whole whose plan is
+wrong on some rows is written as the fixture of those rows (:func:`fixture_of_failing_rows`);
+one whose plan is right on every row failed in its kernel run, which only the whole batch
+shows: a recipe. Each recipe says why it is one (``why``). Nothing here runs for a passing test.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from mla_constants import KV_LORA_RANK
 
+from .case_log import fixture_of_rows, plan_failing_rows
 from .fixture import Fixture, save_fixture
 from .recipe import RECIPE_SUFFIX, recipe_of_scenario, recipe_of_step, save_recipe
 from .repro import write_repro
@@ -32,6 +35,35 @@ def build_bytes(step) -> int:
     width = KV_LORA_RANK + spec.rope_dim
     slots = int(step.planned_lens.to(torch.int64).sum()) if step.num_planned else 0
     return step.num_planned * spec.num_heads * width * 2 * 2 + slots * width * 2
+
+
+#: At most this many failing rows (those that read the fewest KV slots) go into the fixture of
+#: a batch too large to build; the shrink then keeps fewer.
+MAX_FAILING_ROWS = 64
+
+WHY_TOO_LARGE = ("a batch too large to build whole whose plan is right on every row: the failure is in its "
+                 "kernel run, which only the whole batch shows")
+WHY_SHRUNK_TOO_LARGE = ("the smallest failing candidate is still larger than the fixture limit: its failing rows "
+                        "(failing_rows) are rebuilt from the spec and seed on replay")
+WHY_FAILING_ROWS = ("a batch too large to build whole: the fixture of the rows whose plan is wrong, built from the "
+                    "scenario (q drawn per row)")
+
+
+def smallest_rows(step, rows: list[int], limit: int) -> list[int]:
+    """At most ``limit`` of ``rows``, those that read the fewest KV slots first."""
+    size = step.planned_lens.to(torch.int64).cpu() + step.counts[: step.num_planned].to(torch.int64).cpu()
+    return sorted(sorted(rows, key=lambda r: (int(size[r]), r))[:limit])
+
+
+def fixture_of_failing_rows(step, **meta) -> Fixture | None:
+    """The fixture of the rows of ``step`` whose plan is wrong (at most :data:`MAX_FAILING_ROWS`),
+    or None where the plan is right on every row (or the rows cannot be built apart)."""
+    rows = plan_failing_rows(step)
+    if not rows:
+        return None
+    built_from = dict(rows=step.num_planned, heads=step.scenario.spec.num_heads, bytes=build_bytes(step))
+    return fixture_of_rows(step, smallest_rows(step, rows, MAX_FAILING_ROWS), why=WHY_FAILING_ROWS,
+                           built_from=built_from, **meta)
 
 
 def write_step_recipe(directory, file_name: str, step, **meta) -> Path | None:
@@ -53,8 +85,10 @@ def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, 
     if isinstance(small.meta.get("shrunk"), dict):
         small.meta["shrunk"]["seconds"] = round(time.perf_counter() - started, 3)
     if fixture_bytes(small) > MAX_FIXTURE_BYTES and step is not None:
-        keep = {k: small.meta[k] for k in ("name", "nodeid", "impl", "shrunk") if k in small.meta}
-        recipe = recipe_of_step(step, **keep)
+        keep = {k: small.meta[k] for k in ("name", "nodeid", "impl", "shrunk", "scale_case") if k in small.meta}
+        if isinstance(small.meta.get("rows"), list):
+            keep["failing_rows"] = small.meta["rows"]
+        recipe = recipe_of_step(step, why=WHY_SHRUNK_TOO_LARGE, **keep)
         if recipe is not None:
             return save_recipe(directory / f"{name}{RECIPE_SUFFIX}", recipe)
     path = save_fixture(directory / f"{name}.safetensors", small)

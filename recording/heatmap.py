@@ -117,19 +117,19 @@ def write_heatmap(path: Path, grid: torch.Tensor, *, regimes: list[str], thresho
 def write_heatmaps(report) -> list[str]:
     """One heatmap per output of a :class:`recording.replay.ReplayReport` (recorded versions and
     a re-run) beside its fixture; the lines to print: each path written, or why not."""
+    fx = report.fixture
+    rerun = report.rerun
+    if fx.path is None or fx.num_rows == 0 or not (fx.outputs or (rerun is not None and rerun.out is not None)):
+        return []  # no output to draw: matplotlib is not even imported
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return []  # said once for the whole run by the plugin
     from .replay import reference_outputs, with_plan
 
-    fx = report.fixture
-    if fx.path is None or fx.num_rows == 0:
-        return []
     kv_dtype = fx.meta.get("kv_dtype", "bfloat16")
     regimes = report.regimes
     outputs = [(version, fx, out) for version, (out, _) in fx.outputs.items()]
-    rerun = report.rerun
     if rerun is not None and rerun.out is not None:
         outputs.append((rerun.label, with_plan(fx, rerun.plan) if rerun.plan is not None else fx, rerun.out.cpu()))
     lines = []

@@ -100,13 +100,19 @@ def load_recipe(path) -> dict:
     return recipe
 
 
-def rebuild_fixture(path, recipe: dict, impl, device="cpu"):
+def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
     """The fixture of the recipe's case with its stages run through ``impl`` now; a recipe
-    whose spec and seed no longer rebuild its scenario bit-exactly is a FixtureError."""
+    whose spec and seed no longer rebuild its scenario bit-exactly is a FixtureError.
+
+    The stages run on the whole batch; the fixture holds the rows the recipe names
+    (``failing_rows``), or, for a batch too large to build whole, the rows whose plan is wrong
+    now, else one row per regime (those that read the fewest slots) unless ``whole`` (where
+    a kernel re-runs it: a failure that only the whole batch shows)."""
     from harness.pipeline import prepare_step
     from harness.scenario import build_attention_inputs, build_scenario, spec_from_dict
 
-    from .case_log import fixture_from_step
+    from .case_log import fixture_from_step, fixture_of_rows, plan_failing_rows
+    from .dump import MAX_BUILD_BYTES, MAX_FAILING_ROWS, build_bytes, smallest_rows
 
     try:
         scenario = build_scenario(spec_from_dict(recipe["spec"]), recipe["seed"])
@@ -117,7 +123,21 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu"):
             f"{path}: the spec and seed no longer rebuild the recorded scenario (scenario digest differs)"
         )
     step = prepare_step(impl, scenario, recipe["layout"], device, max_rows=recipe["max_rows"])
-    meta = {k: recipe[k] for k in ("name", "impl", "nodeid") if isinstance(recipe.get(k), str)}
-    fx = fixture_from_step(step, build_attention_inputs(scenario), source="recipe", **meta)
+    meta = {k: recipe[k] for k in ("name", "impl", "nodeid", "why", "scale_case") if isinstance(recipe.get(k), str)}
+    rows = recipe.get("failing_rows")
+    if not isinstance(rows, list) and not whole and build_bytes(step) > MAX_BUILD_BYTES:
+        rows = smallest_rows(step, plan_failing_rows(step) or rows_per_regime(step), MAX_FAILING_ROWS)
+    fx = fixture_of_rows(step, rows, source="recipe", **meta) if isinstance(rows, list) else None
+    if fx is None:
+        fx = fixture_from_step(step, build_attention_inputs(scenario), source="recipe", **meta)
     fx.path = Path(path)
     return fx
+
+
+def rows_per_regime(step) -> list[int]:
+    """The planned rows of each regime that reads the fewest KV slots: one row per regime."""
+    from .dump import smallest_rows
+
+    regimes = step.regimes()
+    return sorted(smallest_rows(step, [r for r, g in enumerate(regimes) if g == regime], 1)[0]
+                  for regime in set(regimes))

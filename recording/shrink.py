@@ -180,7 +180,9 @@ def shrink_fixture(fx: Fixture, impl=None, device="cpu") -> Fixture:
     signature = failure_signature(report)
     if not signature:
         return fx
-    before = dict(rows=fx.num_rows, heads=int(fx.meta["num_heads"]), bytes=fixture_bytes(fx))
+    # A fixture of some rows of a batch too large to build says what it was built from.
+    before = fx.meta.pop("built_from", None) or dict(rows=fx.num_rows, heads=int(fx.meta["num_heads"]),
+                                                    bytes=fixture_bytes(fx))
     tried = 0
     best, best_report = fx, report
     for rows in row_candidates(fx, failing_rows_by_check(report)):

@@ -243,6 +243,19 @@ class ConvertReadsTheTableOfInvalidEntries(FastImpl):
         return super().convert(topk_indices, block_table, req_id, block_size, out=out, with_counts=with_counts)
 
 
+class ConvertKillsItsProcess(FastImpl):
+    """A convert kernel that faults on every step (the process is killed by SIGSEGV): what a
+    scale case run in a child process must survive as one failed test with a recipe."""
+
+    name = "crash-convert-always"
+
+    def convert(self, *args, **kwargs):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
 class BlockSizeAsShift(FastImpl):
     """docs/input-space.md#block-sizes:
     the convert rule with the block size taken as a power of two (``tok >> log2(bs)``,

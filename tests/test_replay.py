@@ -9,7 +9,8 @@ through the implementation under test (recording.restage) and the plan is judged
 plans now. A recipe (``*.recipe.json``) is rebuilt from its spec and seed through the
 implementation under test (its stages in a child process where they once killed theirs).
 A replay of no fixture fails (docs/replay.md).
-With ``--replay`` the error heatmaps are written after the verdict, which they never change.
+With ``--replay`` the error heatmaps of a failing fixture (of every fixture with
+``--replay-heatmaps``) are written after the verdict, which they never change.
 Under ``--record-baseline`` / ``--compare-baseline`` each re-run is recorded for the upgrade
 check (pytest_sparse_mla.baselines.note_fixture_replay)."""
 
@@ -73,20 +74,34 @@ def rerun_on_installed(request, fx):
 
 
 def load_case(path, request):
-    """The fixture in ``path``, or the case a recipe rebuilds through the implementation under test."""
+    """The fixture in ``path``, or the case a recipe rebuilds through the implementation under
+    test (only the rows it names, where its batch is too large to build whole and no kernel
+    re-runs it here). The recipe of a scale case that names no failing rows is first checked
+    whole where a kernel runs, as its test did, in a child process (harness.scale); then its
+    rows are replayed."""
     if not is_recipe(path):
         return load_fixture(path)
     recipe = load_recipe(path)
-    if recipe.get("crashed_at"):  # its stages killed a process once: run them apart first
+    from pytest_sparse_mla.impl import IMPL_SPEC
+
+    impl_spec, device = request.config.stash[IMPL_SPEC], request.getfixturevalue("device")
+    kernel_here = rerun_unavailable_reason(request.config) is None
+    if recipe.get("scale_case") and kernel_here and not recipe.get("failing_rows"):
+        from harness.scale import case_by_id, run_case_in_child
+
+        result = run_case_in_child(case_by_id(recipe["scale_case"]), impl_spec, recipe["seed"])
+        if result["outcome"] != "right":
+            pytest.fail(f"{path}: {recipe['scale_case']}: {result['outcome']} at stage {result.get('stage')}: "
+                        f"{result.get('detail', '')}", pytrace=False)
+    elif recipe.get("crashed_at"):  # its stages killed a process once: run them apart first
         from harness.pipeline import run_step_in_child
         from harness.scenario import spec_from_dict
-        from pytest_sparse_mla.impl import IMPL_SPEC
 
-        result = run_step_in_child(request.config.stash[IMPL_SPEC], spec_from_dict(recipe["spec"]), recipe["seed"],
-                                   recipe["layout"], request.getfixturevalue("device"))
+        result = run_step_in_child(impl_spec, spec_from_dict(recipe["spec"]), recipe["seed"], recipe["layout"], device)
         if result["outcome"] != "ok":
             pytest.fail(f"{path}: {result['detail']}", pytrace=False)
-    return rebuild_fixture(path, recipe, request.getfixturevalue("impl"), request.getfixturevalue("device"))
+    whole = kernel_here and not recipe.get("scale_case")
+    return rebuild_fixture(path, recipe, request.getfixturevalue("impl"), device, whole=whole)
 
 
 class StageClock:
@@ -124,7 +139,7 @@ def test_replay_fixture(fixture_path, request, regime_log):
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
     text = report.render(replay_command(fixture_path))
     failures = report.failures()  # the verdict, decided before any picture is drawn
-    if request.config.getoption("--replay"):
+    if request.config.getoption("--replay") and (failures or request.config.getoption("--replay-heatmaps")):
         text = "\n".join([text, *clock.timed("heatmaps", write_heatmaps, report)])
     text += "\n  " + clock.line()
     request.node.user_properties.append((REPLAY_KEY, text))

@@ -6,6 +6,7 @@ same rows."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -13,11 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from recording.fixture import load_fixture
 from recording.recipe import load_recipe, rebuild_fixture
 from recording.replay import replay
 from recording.repro import main as repro_main
+from tests import simulated_sm90
 from tests.bugs import KpoolFromWrongSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,10 +67,9 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
             recipe = load_recipe(match.group(1))
             assert recipe["impl"] == "tests.bugs:KpoolFromWrongSpec" and recipe["nodeid"].endswith(name)
             fx = rebuild_fixture(match.group(1), recipe, KpoolFromWrongSpec(), device)
-            original = list(range(fx.num_rows))
         else:
             fx = load_fixture(match.group(1))
-            original = fx.meta["rows"]  # the shrunk fixture's rows in the failing batch
+        original = fx.meta.get("rows") or list(range(fx.num_rows))  # the fixture's rows in the failing batch
         assert fx.meta["impl"] == "tests.bugs:KpoolFromWrongSpec" and fx.meta["nodeid"].endswith(name)
         report = replay(fx)
         failing = [original[r] for r in report.plan_mismatch_rows]
@@ -226,27 +228,61 @@ def fake_flashinfer(root: Path, version: str) -> Path:
     return package.parent
 
 
-@pytest.mark.parametrize(("fixture", "version", "verdict"), [
+#: Runs each reproducer in turn in one process of its own (one torch start for all), each with
+#: its stand-in FlashInfer first on the path and none of the project: the exit status and output
+#: of each, as JSON.
+REPRO_DRIVER = """
+import contextlib, io, json, runpy, sys
+results = []
+for script, flashinfer_root in json.loads(sys.argv[1]):
+    sys.path.insert(0, flashinfer_root)
+    for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
+        del sys.modules[name]
+    sys.argv = [script]
+    text = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    sys.path.remove(flashinfer_root)
+    results.append({"code": code, "text": text.getvalue()})
+print("RESULTS " + json.dumps(results))
+"""
+
+REPRO_CASES = [
     ("c-packed-finding-bf16", "0.6.18.post1", 1),  # the regime C finding: the packed plan reads a poisoned slot
     ("c-compacted-fp8", "0.7.4", 0),
-])
-def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys, version, fixture, verdict):
-    out = tmp_path / "repro"
-    assert repro_main([str(ROOT / "fixtures" / f"{fixture}.safetensors"), "-o", str(out)]) == 0
-    script = out / f"{fixture}.repro.py"
-    assert f"run: python3 {script}" in capsys.readouterr().out
-    assert imported_modules(script.read_text()) - set(sys.stdlib_module_names) <= {"torch", "flashinfer", "safetensors"}
+]
+
+
+def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys):
+    runs = []
+    for fixture, version, _ in REPRO_CASES:
+        out = tmp_path / "repro"
+        assert repro_main([str(ROOT / "fixtures" / f"{fixture}.safetensors"), "-o", str(out)]) == 0
+        script = out / f"{fixture}.repro.py"
+        assert f"run: python3 {script}" in capsys.readouterr().out
+        assert imported_modules(script.read_text()) - set(sys.stdlib_module_names) <= {
+            "torch", "flashinfer", "safetensors"
+        }
+        runs.append((str(script), str(fake_flashinfer(tmp_path, version))))
     # Run from an empty folder with only the stand-in FlashInfer added: the project is not on the path.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(fake_flashinfer(tmp_path, version)), REPRO_DEVICE="cpu", PYTHONSAFEPATH="1")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env)
-    text = run.stdout + run.stderr
-    assert run.returncode == verdict, text
-    assert f"flashinfer {version} ({'canonical' if version.startswith('0.7') else 'flat'} plan" in text, text
-    if verdict:
-        assert "FAIL" in text and "NaN" in text and "regime C" in text, text
-    else:
-        assert "PASS: within the error budget" in text, text
+    env.update(REPRO_DEVICE="cpu", PYTHONSAFEPATH="1")
+    run = subprocess.run([sys.executable, "-c", REPRO_DRIVER, json.dumps(runs)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert run.returncode == 0 and lines, run.stdout + run.stderr
+    for (fixture, version, verdict), result in zip(REPRO_CASES, json.loads(lines[-1][8:]), strict=True):
+        text = result["text"]
+        assert result["code"] == verdict, f"{fixture} on {version}:\n{text}"
+        assert f"flashinfer {version} ({'canonical' if version.startswith('0.7') else 'flat'} plan" in text, text
+        if verdict:
+            assert "FAIL" in text and "NaN" in text and "regime C" in text, text
+        else:
+            assert "PASS: within the error budget" in text, text
 
 
 def test_an_implementation_that_kills_its_process_fails_one_test_and_leaves_a_recipe(pytester, tmp_path):
@@ -285,20 +321,93 @@ def test_a_changed_recipe_is_a_fixture_error(tmp_path):
         load_recipe(path)
 
 
-def test_a_step_too_large_to_build_at_failure_is_written_as_a_recipe(pytester, tmp_path, monkeypatch):
+def test_a_step_too_large_to_build_is_written_as_its_failing_rows_or_else_as_a_recipe(
+    pytester, tmp_path, monkeypatch, device
+):
+    """A failing batch too large to build whole (tens of thousands of rows, say) is never built:
+    where its plan is wrong on some rows it is the fixture of those rows, built from the
+    scenario; where the plan is right on every row (the failure is in the kernel run of the
+    whole batch) a recipe that says why."""
     import recording.dump
 
     monkeypatch.setattr(recording.dump, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
-    dump = tmp_path / "dumps"
-    result = run_pytest(
-        pytester,
-        str(ROOT / "tests/cpu/test_kvlen_regimes.py"),
-        "--impl=tests.bugs:CompactionPlansPrefix",
-        "-k",
-        "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5",
-        f"--dump-failures={dump}",
-    )
+    select = ("--impl=tests.bugs:CompactionPlansPrefix", "-k",
+              "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5")
+    dump = tmp_path / "rows"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), *select, f"--dump-failures={dump}")
+    assert result.ret == 1, "\n".join(result.outlines[-20:])
+    written = sorted(p.name for p in dump.iterdir())
+    assert len(written) == 2 and written[1].endswith(".safetensors"), written
+    fx = load_fixture(dump / written[1])
+    assert fx.meta["why"] == recording.dump.WHY_FAILING_ROWS and fx.meta["shrunk"]["from"]["rows"] == 2, fx.meta
+    assert fx.meta["regimes"] == ["C"] and "plan != intent" in replay(fx).failures()
+
+    monkeypatch.setattr(recording.dump, "plan_failing_rows", lambda step: [])  # as a kernel failure at scale
+    dump = tmp_path / "recipe"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), *select, f"--dump-failures={dump}")
     assert result.ret == 1, "\n".join(result.outlines[-20:])
     written = list(dump.iterdir())
     assert len(written) == 1 and written[0].name.endswith(".recipe.json"), written
-    assert load_recipe(written[0])["too_large_to_build"] > 0
+    recipe = load_recipe(written[0])
+    assert recipe["too_large_to_build"] > 0 and recipe["why"] == recording.dump.WHY_TOO_LARGE, recipe
+    # Replayed where no kernel runs, it is not built whole either: the rows whose plan is wrong now.
+    from tests.bugs import CompactionPlansPrefix
+
+    fx = rebuild_fixture(written[0], recipe, CompactionPlansPrefix(), device, whole=False)
+    assert fx.meta["rows"] == [0] and "plan != intent" in replay(fx).failures(), fx.meta
+
+
+@pytest.mark.gpu_stand_in
+def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves_a_recipe(
+    pytester, tmp_path, monkeypatch
+):
+    """The scale cases past the work capacity run in a child process; one whose child dies in the
+    stages of the implementation under test (not at the plan: no work-capacity finding) fails,
+    naming the case and the stage, and leaves a recipe. Here the 1-row case runs apart as such a
+    case would, on the simulated SM90 machine."""
+    import harness.scale
+
+    if not simulated_sm90.can_simulate_in_process():
+        pytest.skip("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
+    monkeypatch.setattr(harness.scale, "exceeds_work_capacity", lambda rows: rows == 1)
+    simulated_sm90.simulate_in_process(monkeypatch)
+    dump = tmp_path / "dumps"
+    with simulated_sm90.nested_failures_released():
+        result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k", "rows1-kpool4",
+                            "--impl=tests.bugs:ConvertKillsItsProcess", f"--dump-failures={dump}")
+    out = "\n".join(result.outlines)
+    case = next(c for c in harness.scale.scale_cases() if c.rows == 1 and c.kpool == 4)
+    assert result.ret == 1 and "1 failed" in out, out[-3000:]
+    assert f"{case.id}: crashed at stage convert" in out, out[-3000:]
+    recipes = list(dump.glob("*.recipe.json"))
+    assert len(recipes) == 1 and recipes[0].stat().st_size < 10_000, sorted(p.name for p in dump.iterdir())
+    recipe = load_recipe(recipes[0])
+    assert recipe["crashed_at"] == "convert" and recipe["scale_case"] == case.id, recipe
+
+
+@pytest.mark.parametrize("layout", ["compacted", "strided"])
+def test_the_fixture_of_some_rows_is_the_whole_fixtures_rows_bit_for_bit(device, layout):
+    """A batch too large to build whole is dumped as the fixture of its failing rows, built from
+    the scenario alone: bit for bit the rows of the fixture of the whole batch (q drawn per row
+    as the scale cases draw it, poisoned slots included)."""
+    from harness.pipeline import prepare_step
+    from harness.scenario import batch, build_attention_inputs_on, build_scenario
+    from recording.case_log import fixture_from_step, fixture_of_rows
+    from recording.shrink import subset_fixture
+    from tests.bugs import CompactionPlansPrefix
+
+    spec = batch((5, 1), (3000, 1), (2049, 1), (9, 2), kpool=4, topk=2048, kv_dtype="float8_e4m3fn", k_scale=0.5)
+    scenario = build_scenario(spec, 3)
+    step = prepare_step(CompactionPlansPrefix(), scenario, layout, device)
+    rows = [0, 2]
+    whole = subset_fixture(fixture_from_step(step, build_attention_inputs_on(scenario, "cpu")), rows)
+    part = fixture_of_rows(step, rows)
+    assert part.meta["rows"] == rows and part.meta["regimes"] == whole.meta["regimes"]
+    assert set(part.tensors) == set(whole.tensors)
+    for name, t in whole.tensors.items():
+        assert torch.equal(part[name].view(torch.uint8), t.view(torch.uint8)) if t.is_floating_point() \
+            else torch.equal(part[name], t), name
+    assert replay(part).failures() == replay(whole).failures()
+    if layout == "compacted":  # the bug plans regime C as a prefix there: its row reads a poisoned slot
+        assert replay(part).failures() == ["plan != intent"]
+        assert torch.isnan(part["ckv"].float()).any(), "no poisoned slot read: a weak case"

@@ -105,7 +105,8 @@ def test_replay_run_in_a_read_only_folder_keeps_each_verdict(pytester, tmp_path)
     os.chmod(folder, 0o555)
     try:
         result = run_pytest(
-            pytester, str(ROOT / "tests/test_replay.py"), f"--replay={folder}", "--replay-recorded-only"
+            pytester, str(ROOT / "tests/test_replay.py"), f"--replay={folder}", "--replay-recorded-only",
+            "--replay-heatmaps",
         )
     finally:
         os.chmod(folder, 0o755)

@@ -7,7 +7,10 @@ Cases of 8192 rows and more are marked ``gpu_large`` (the main job runs them; ``
 gpu_large"`` leaves them out). Plans beyond the fa3 scheduler's work capacity (16384 work
 items: the 32768-row cases) run in a child process, since a release that accepts them may
 fault the device; they are the strict-xfail finding WorkCapacityExceeded on every release, raised
-when the plan is refused or when it is accepted and then crashes or gives a wrong row.
+when the plan is refused or when it is accepted and then crashes or gives a wrong row. A child
+that crashes or times out before the plan (in the stages of the implementation under test) is
+no such finding: the test fails naming the case and the stage, and under ``--dump-failures``
+leaves a recipe of the case (docs/replay.md).
 """
 
 from __future__ import annotations
@@ -18,9 +21,17 @@ import torch
 
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
 from harness.launch import DEVICE
-from harness.scale import check_scale_case, narrow_scale_cases, run_case_in_child, scale_cases
-from harness.scenario import component_seed, slot_values, slot_values_on
+from harness.scale import (
+    SCALE_LAYOUT,
+    SCALE_SEED,
+    check_scale_case,
+    narrow_scale_cases,
+    run_case_in_child,
+    scale_cases,
+)
+from harness.scenario import build_scenario, component_seed, slot_values, slot_values_on
 from pytest_sparse_mla.impl import IMPL_SPEC
+from recording.case_log import note_crash
 
 pytestmark = [pytest.mark.gpu, pytest.mark.edge("scale")]
 
@@ -50,11 +61,23 @@ def failure_text(case, result: dict, version: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
+#: The stages a scale case reaches once its plan is built: a crash from here on is the kernel's.
+KERNEL_STAGES = ("plan", "run", "judge", "done")
+
+
+def died_apart(result: dict) -> bool:
+    """The child process of a case crashed or timed out."""
+    return result["outcome"] in ("crashed", "timeout")
+
+
 def raise_work_capacity_finding(case, result: dict, version: str) -> None:
     """What a plan beyond the work capacity showed, as the finding: refused with a ValueError, or
     accepted and then crashed, failed at run, timed out or gave wrong rows. Anything else
-    (right rows, another refusal) is left to the assertions that follow."""
+    (right rows, another refusal, a child that died before the plan) is left to the assertions
+    that follow."""
     outcome = result["outcome"]
+    if died_apart(result) and result.get("stage") not in KERNEL_STAGES:
+        return
     if outcome == "refused" and result.get("refusal_is_value_error"):
         raise WorkCapacityExceeded(f"refused at plan: {failure_text(case, result, version)}")
     if outcome in ("wrong", "crashed", "run-error", "timeout"):
@@ -62,11 +85,15 @@ def raise_work_capacity_finding(case, result: dict, version: str) -> None:
 
 
 @pytest.mark.parametrize("case", params())
-def test_every_row_within_its_budget_at_scale(impl, features, request, regime_log, record_property, case):
+def test_every_row_within_its_budget_at_scale(impl, features, request, regime_log, record_property, case,
+                                              failure_dump):
     """plan + run of the whole batch; every planned row against the float64 truth and the
     yardstick of its own selection (b), (b) == (a) checked on the device first."""
+    failure_dump.note(scale_case=case.id)
     if case.over_capacity:
         result = run_case_in_child(case, request.config.stash[IMPL_SPEC])
+        if died_apart(result):  # the case a failure dumps: a recipe, replayed apart
+            note_crash(build_scenario(case.spec, SCALE_SEED), SCALE_LAYOUT, result.get("stage"), result["detail"])
     else:
         result = check_scale_case(impl, case, DEVICE)
     record_regimes(regime_log, result.get("regimes", {}))
