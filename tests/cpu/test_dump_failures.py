@@ -385,6 +385,35 @@ def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves
     assert recipe["crashed_at"] == "convert" and recipe["scale_case"] == case.id, recipe
 
 
+@pytest.mark.gpu_stand_in
+def test_a_scale_case_run_apart_whose_plan_is_wrong_leaves_the_fixture_of_its_failing_rows(
+    pytester, tmp_path, monkeypatch
+):
+    """A scale case past the work capacity runs in a child process, which reports a wrong plan
+    (outcome invalid) without a step the dump could write: the test runs the host stages again
+    and the dump writes the shrunk fixture of the failing rows. Here the 2-row case runs apart as
+    such a case would, on the simulated SM90 machine, under a bug that plans regime C rows as a
+    prefix."""
+    import harness.scale
+
+    if not simulated_sm90.can_simulate_in_process():
+        pytest.skip("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
+    monkeypatch.setattr(harness.scale, "exceeds_work_capacity", lambda rows: rows == 2)
+    simulated_sm90.simulate_in_process(monkeypatch)
+    dump = tmp_path / "dumps"
+    with simulated_sm90.nested_failures_released():
+        result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k",
+                            "rows2-kpool4-bf16-rope64-h128", "--impl=tests.bugs:CompactionPlansPrefix",
+                            f"--dump-failures={dump}")
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "1 failed" in out, out[-3000:]
+    assert "invalid at stage selection" in out, out[-3000:]
+    fixtures = list(dump.glob("*.safetensors"))
+    assert len(fixtures) == 1 and not list(dump.glob("*.recipe.json")), sorted(p.name for p in dump.iterdir())
+    meta = load_fixture(fixtures[0]).meta
+    assert meta["scale_case"] == "rows2-kpool4-bf16-rope64-h128" and meta["shrunk"]["check"] == ["plan != intent"], meta
+
+
 @pytest.mark.parametrize("layout", ["compacted", "strided"])
 def test_the_fixture_of_some_rows_is_the_whole_fixtures_rows_bit_for_bit(device, layout):
     """A batch too large to build whole is dumped as the fixture of its failing rows, built from

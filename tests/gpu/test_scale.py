@@ -21,6 +21,7 @@ import torch
 
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
 from harness.launch import DEVICE
+from harness.pipeline import prepare_step
 from harness.scale import (
     SCALE_LAYOUT,
     SCALE_SEED,
@@ -94,6 +95,10 @@ def test_every_row_within_its_budget_at_scale(impl, features, request, regime_lo
         result = run_case_in_child(case, request.config.stash[IMPL_SPEC])
         if died_apart(result):  # the case a failure dumps: a recipe, replayed apart
             note_crash(build_scenario(case.spec, SCALE_SEED), SCALE_LAYOUT, result.get("stage"), result["detail"])
+        elif result["outcome"] == "invalid" and failure_dump.directory:
+            # A wrong plan, seen before any launch: the host stages run again here, without the
+            # kernel, so that the dump writes the fixture of the failing rows.
+            prepare_step(impl, build_scenario(case.spec, SCALE_SEED), SCALE_LAYOUT, device=DEVICE)
     else:
         result = check_scale_case(impl, case, DEVICE)
     record_regimes(regime_log, result.get("regimes", {}))
