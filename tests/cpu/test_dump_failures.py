@@ -357,27 +357,35 @@ def test_a_step_too_large_to_build_is_written_as_its_failing_rows_or_else_as_a_r
     assert fx.meta["rows"] == [0] and "plan != intent" in replay(fx).failures(), fx.meta
 
 
+def run_scale_case_apart(pytester, monkeypatch, rows: int, select: str, bug: str, dump: Path):
+    """The scale case(s) of ``rows`` rows selected by ``select`` run in a child process, as the
+    cases past the work capacity do, on the simulated SM90 machine, under ``tests.bugs:<bug>``
+    with ``--dump-failures=dump``: the nested run's output lines and status."""
+    import harness.scale
+
+    if not simulated_sm90.can_simulate_in_process():
+        pytest.skip("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
+    monkeypatch.setattr(harness.scale, "exceeds_work_capacity", lambda n: n == rows)
+    simulated_sm90.simulate_in_process(monkeypatch)
+    with simulated_sm90.nested_failures_released():
+        result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k", select,
+                            f"--impl=tests.bugs:{bug}", f"--dump-failures={dump}")
+    return "\n".join(result.outlines), result.ret
+
+
 @pytest.mark.gpu_stand_in
 def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves_a_recipe(
     pytester, tmp_path, monkeypatch
 ):
     """The scale cases past the work capacity run in a child process; one whose child dies in the
     stages of the implementation under test (not at the plan: no work-capacity finding) fails,
-    naming the case and the stage, and leaves a recipe. Here the 1-row case runs apart as such a
-    case would, on the simulated SM90 machine."""
+    naming the case and the stage, and leaves a recipe. Here the 1-row case runs apart."""
     import harness.scale
 
-    if not simulated_sm90.can_simulate_in_process():
-        pytest.skip("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
-    monkeypatch.setattr(harness.scale, "exceeds_work_capacity", lambda rows: rows == 1)
-    simulated_sm90.simulate_in_process(monkeypatch)
     dump = tmp_path / "dumps"
-    with simulated_sm90.nested_failures_released():
-        result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k", "rows1-kpool4",
-                            "--impl=tests.bugs:ConvertKillsItsProcess", f"--dump-failures={dump}")
-    out = "\n".join(result.outlines)
+    out, ret = run_scale_case_apart(pytester, monkeypatch, 1, "rows1-kpool4", "ConvertKillsItsProcess", dump)
     case = next(c for c in harness.scale.scale_cases() if c.rows == 1 and c.kpool == 4)
-    assert result.ret == 1 and "1 failed" in out, out[-3000:]
+    assert ret == 1 and "1 failed" in out, out[-3000:]
     assert f"{case.id}: crashed at stage convert" in out, out[-3000:]
     recipes = list(dump.glob("*.recipe.json"))
     assert len(recipes) == 1 and recipes[0].stat().st_size < 10_000, sorted(p.name for p in dump.iterdir())
@@ -391,27 +399,17 @@ def test_a_scale_case_run_apart_whose_plan_is_wrong_leaves_the_fixture_of_its_fa
 ):
     """A scale case past the work capacity runs in a child process, which reports a wrong plan
     (outcome invalid) without a step the dump could write: the test runs the host stages again
-    and the dump writes the shrunk fixture of the failing rows. Here the 2-row case runs apart as
-    such a case would, on the simulated SM90 machine, under a bug that plans regime C rows as a
-    prefix."""
-    import harness.scale
-
-    if not simulated_sm90.can_simulate_in_process():
-        pytest.skip("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
-    monkeypatch.setattr(harness.scale, "exceeds_work_capacity", lambda rows: rows == 2)
-    simulated_sm90.simulate_in_process(monkeypatch)
+    and the dump writes the shrunk fixture of the failing rows. Here the 2-row case runs apart,
+    under a bug that plans regime C rows as a prefix."""
     dump = tmp_path / "dumps"
-    with simulated_sm90.nested_failures_released():
-        result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k",
-                            "rows2-kpool4-bf16-rope64-h128", "--impl=tests.bugs:CompactionPlansPrefix",
-                            f"--dump-failures={dump}")
-    out = "\n".join(result.outlines)
-    assert result.ret == 1 and "1 failed" in out, out[-3000:]
+    case = "rows2-kpool4-bf16-rope64-h128"
+    out, ret = run_scale_case_apart(pytester, monkeypatch, 2, case, "CompactionPlansPrefix", dump)
+    assert ret == 1 and "1 failed" in out, out[-3000:]
     assert "invalid at stage selection" in out, out[-3000:]
     fixtures = list(dump.glob("*.safetensors"))
     assert len(fixtures) == 1 and not list(dump.glob("*.recipe.json")), sorted(p.name for p in dump.iterdir())
     meta = load_fixture(fixtures[0]).meta
-    assert meta["scale_case"] == "rows2-kpool4-bf16-rope64-h128" and meta["shrunk"]["check"] == ["plan != intent"], meta
+    assert meta["scale_case"] == case and meta["shrunk"]["check"] == ["plan != intent"], meta
 
 
 @pytest.mark.parametrize("layout", ["compacted", "strided"])
