@@ -113,6 +113,7 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
 
     from .case_log import fixture_from_step, fixture_of_rows, plan_failing_rows
     from .dump import MAX_BUILD_BYTES, MAX_FAILING_ROWS, build_bytes, smallest_rows
+    from .shrink import subset_fixture
 
     try:
         scenario = build_scenario(spec_from_dict(recipe["spec"]), recipe["seed"])
@@ -127,9 +128,13 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
     rows = recipe.get("failing_rows")
     if not isinstance(rows, list) and not whole and build_bytes(step) > MAX_BUILD_BYTES:
         rows = smallest_rows(step, plan_failing_rows(step) or rows_per_regime(step), MAX_FAILING_ROWS)
-    fx = fixture_of_rows(step, rows, source="recipe", **meta) if isinstance(rows, list) else None
+    fx = None
+    if isinstance(rows, list) and (recipe.get("scale_case") or build_bytes(step) > MAX_BUILD_BYTES):
+        fx = fixture_of_rows(step, rows, source="recipe", **meta)  # q drawn per row, as the scale cases do
     if fx is None:
         fx = fixture_from_step(step, build_attention_inputs(scenario), source="recipe", **meta)
+        if isinstance(rows, list):  # the rows with the inputs their test built
+            fx = subset_fixture(fx, rows)
     fx.path = Path(path)
     return fx
 

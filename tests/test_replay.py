@@ -76,9 +76,10 @@ def rerun_on_installed(request, fx):
 def load_case(path, request):
     """The fixture in ``path``, or the case a recipe rebuilds through the implementation under
     test (only the rows it names, where its batch is too large to build whole and no kernel
-    re-runs it here). The recipe of a scale case that names no failing rows is first checked
-    whole where a kernel runs, as its test did, in a child process (harness.scale); then its
-    rows are replayed."""
+    re-runs it here). A recipe whose stages once killed their process runs them apart first
+    (harness.pipeline.run_step_in_child); the recipe of a scale case that names no failing rows
+    is first checked whole where a kernel runs, as its test did, in a child process
+    (harness.scale); then the rows are replayed."""
     if not is_recipe(path):
         return load_fixture(path)
     recipe = load_recipe(path)
@@ -86,20 +87,20 @@ def load_case(path, request):
 
     impl_spec, device = request.config.stash[IMPL_SPEC], request.getfixturevalue("device")
     kernel_here = rerun_unavailable_reason(request.config) is None
-    if recipe.get("scale_case") and kernel_here and not recipe.get("failing_rows"):
-        from harness.scale import case_by_id, run_case_in_child
-
-        result = run_case_in_child(case_by_id(recipe["scale_case"]), impl_spec, recipe["seed"])
-        if result["outcome"] != "right":
-            pytest.fail(f"{path}: {recipe['scale_case']}: {result['outcome']} at stage {result.get('stage')}: "
-                        f"{result.get('detail', '')}", pytrace=False)
-    elif recipe.get("crashed_at"):  # its stages killed a process once: run them apart first
+    if recipe.get("crashed_at"):  # its stages killed a process once: run them apart first
         from harness.pipeline import run_step_in_child
         from harness.scenario import spec_from_dict
 
         result = run_step_in_child(impl_spec, spec_from_dict(recipe["spec"]), recipe["seed"], recipe["layout"], device)
         if result["outcome"] != "ok":
             pytest.fail(f"{path}: {result['detail']}", pytrace=False)
+    elif recipe.get("scale_case") and kernel_here and not recipe.get("failing_rows"):
+        from harness.scale import case_by_id, run_case_in_child
+
+        result = run_case_in_child(case_by_id(recipe["scale_case"]), impl_spec, recipe["seed"])
+        if result["outcome"] != "right":
+            pytest.fail(f"{path}: {recipe['scale_case']}: {result['outcome']} at stage {result.get('stage')}: "
+                        f"{result.get('detail', '')}", pytrace=False)
     whole = kernel_here and not recipe.get("scale_case")
     return rebuild_fixture(path, recipe, request.getfixturevalue("impl"), device, whole=whole)
 

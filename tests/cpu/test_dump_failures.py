@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -357,6 +358,33 @@ def test_a_step_too_large_to_build_is_written_as_its_failing_rows_or_else_as_a_r
     assert fx.meta["rows"] == [0] and "plan != intent" in replay(fx).failures(), fx.meta
 
 
+def test_a_recipe_of_failing_rows_rebuilds_them_with_the_inputs_their_test_built(tmp_path, device):
+    """A failing case whose shrunk fixture is still too large is written as a recipe naming its
+    failing rows; rebuilt on replay, those rows hold the q, the KV slots and the plan of the
+    fixture the failing test built (not q drawn per row, as for a scale case), so a failure in
+    the kernel's output replays too."""
+    from harness.bits import bitwise_equal
+    from harness.pipeline import prepare_step
+    from harness.scenario import batch, build_attention_inputs, build_scenario
+    from recording.case_log import fixture_from_step
+    from recording.dump import WHY_SHRUNK_TOO_LARGE
+    from recording.recipe import recipe_of_step, save_recipe
+    from recording.shrink import subset_fixture
+    from tests.bugs import CompactionPlansPrefix
+
+    spec = batch((5, 1), (3000, 1), (2049, 1), (9, 2), kpool=4, topk=2048)
+    scenario = build_scenario(spec, 3)
+    step = prepare_step(CompactionPlansPrefix(), scenario, "compacted", device)
+    rows = [0, 2]
+    path = save_recipe(tmp_path / "case.recipe.json",
+                       recipe_of_step(step, name="case", why=WHY_SHRUNK_TOO_LARGE, failing_rows=rows))
+    fx = rebuild_fixture(path, load_recipe(path), CompactionPlansPrefix(), device, whole=False)
+    expected = subset_fixture(fixture_from_step(step, build_attention_inputs(scenario)), rows)
+    assert fx.meta["rows"] == rows
+    for name in ("q_nope", "q_pe", "ckv", "kpe", "kv_indptr", "kv_indices", "kv_len", "intended"):
+        assert bitwise_equal(fx.tensors[name].cpu(), expected.tensors[name].cpu()), name
+
+
 def run_scale_case_apart(pytester, monkeypatch, rows: int, select: str, bug: str, dump: Path):
     """The scale case(s) of ``rows`` rows selected by ``select`` run in a child process, as the
     cases past the work capacity do, on the simulated SM90 machine, under ``tests.bugs:<bug>``
@@ -438,3 +466,45 @@ def test_the_fixture_of_some_rows_is_the_whole_fixtures_rows_bit_for_bit(device,
     if layout == "compacted":  # the bug plans regime C as a prefix there: its row reads a poisoned slot
         assert replay(part).failures() == ["plan != intent"]
         assert torch.isnan(part["ckv"].float()).any(), "no poisoned slot read: a weak case"
+
+
+def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_kernel_runs(monkeypatch, tmp_path):
+    """The recipe of a scale case whose child died in the stages of the implementation under
+    test replays those stages in a child process of their own, as it was dumped; it is not run
+    whole (past the work capacity, a whole run is the work-capacity finding on every release, so
+    its replay could never pass)."""
+    import harness.pipeline
+    import harness.scale
+    from pytest_sparse_mla.impl import IMPL_SPEC
+    from tests import test_replay
+
+    calls = []
+
+    def stages_apart(*args):
+        calls.append("stages apart")
+        return {"outcome": "crashed", "detail": "died at convert"}
+
+    def whole(*args):
+        calls.append("whole")
+        return {"outcome": "refused"}
+
+    recipe = {"spec": {}, "seed": 0, "layout": "compacted", "scale_case": "rows32768-kpool4-bf16-rope64-h16",
+              "crashed_at": "convert"}
+    monkeypatch.setattr(test_replay, "rerun_unavailable_reason", lambda config: None)  # as where a kernel runs
+    monkeypatch.setattr(test_replay, "is_recipe", lambda path: True)
+    monkeypatch.setattr(test_replay, "load_recipe", lambda path: recipe)
+    monkeypatch.setattr(harness.pipeline, "run_step_in_child", stages_apart)
+    monkeypatch.setattr(harness.scale, "run_case_in_child", whole)
+    monkeypatch.setattr("harness.scenario.spec_from_dict", lambda spec: spec)
+    path = tmp_path / "case.recipe.json"
+
+    class Request:
+        config = SimpleNamespace(stash={IMPL_SPEC: "tests.bugs:CompactionPlansPrefix"})
+
+        @staticmethod
+        def getfixturevalue(name):
+            return "cpu"
+
+    with pytest.raises(pytest.fail.Exception, match="died at convert"):
+        test_replay.load_case(path, Request())
+    assert calls == ["stages apart"]
