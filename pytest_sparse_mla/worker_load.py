@@ -6,7 +6,13 @@ collection order, as each runs short. So the tests expected to take seconds (the
 a recorded run, ``durations.json`` beside this module) go first, heaviest first, one at the head
 of each worker's first block and the rest in the same rhythm; a test the file does not know
 counts as slow when it is marked ``gpu_large`` or ``suite_self_test`` or runs a nested pytest
-session. ``python3 -m scripts.test_durations JUNIT`` rewrites the file from a run's junit xml.
+session.
+
+    python3 -m pytest_sparse_mla.worker_load JUNIT [JUNIT ...]
+
+rewrites the file from the junit xml of a warm run of the main job on a GPU runner
+(``scripts/gpu_runner.py`` keeps one per release and phase); where several are given, a test's
+seconds are its longest.
 
 At the end of every run with two or more workers the "xdist workers" section says, per worker,
 the seconds its tests took, when its first test started and its last one ended, and its
@@ -15,9 +21,13 @@ longest tests, the worker that ended last first.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
+import xml.etree.ElementTree as ET
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,3 +199,57 @@ class WorkerLoadReport:
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         config.pluginmanager.register(WorkerLoadReport(time.time()), "sparse-mla-worker-load")
+
+
+# --- recording the durations ---------------------------------------------------------------------
+
+
+def node_id(classname: str, name: str, is_file: Callable[[str], bool]) -> str:
+    """The pytest node id of a junit test case: ``classname`` is the module's dotted path, then
+    any classes; the longest prefix naming a file is the module."""
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = "/".join(parts[:cut]) + ".py"
+        if is_file(path):
+            return "::".join([path, *parts[cut:], name])
+    raise ValueError(f"no test file for junit classname {classname!r}")
+
+
+def junit_seconds(text: str, is_file: Callable[[str], bool]) -> dict[str, float]:
+    """Seconds per node id (junit's time: setup, call and teardown) of one junit xml."""
+    out = {}
+    for case in ET.fromstring(text).iter("testcase"):
+        out[node_id(case.get("classname", ""), case.get("name", ""), is_file)] = float(case.get("time") or 0.0)
+    return out
+
+
+def merged(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each test's longest seconds over the runs, to a tenth of a second, sorted by id."""
+    seconds: dict[str, float] = {}
+    for run in runs:
+        for nodeid, s in run.items():
+            seconds[nodeid] = max(seconds.get(nodeid, 0.0), s)
+    return {nodeid: round(seconds[nodeid], 1) for nodeid in sorted(seconds)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite ``durations.json`` (or ``-o``) from junit xml files."""
+    parser = argparse.ArgumentParser(prog="python3 -m pytest_sparse_mla.worker_load",
+                                     description="Record each test's seconds from a run's junit xml.")
+    parser.add_argument("junit", nargs="+", type=Path)
+    parser.add_argument("-o", "--out", type=Path, default=DURATIONS_FILE)
+    args = parser.parse_args(argv)
+    root = Path(__file__).resolve().parent.parent
+
+    def is_file(path: str) -> bool:
+        return (root / path).is_file()
+
+    seconds = merged([junit_seconds(p.read_text(), is_file) for p in args.junit])
+    args.out.write_text(json.dumps({"from": [p.name for p in args.junit], "seconds": seconds}, indent=0) + "\n")
+    slow = sum(s >= SLOW_S for s in seconds.values())
+    print(f"{args.out}: {len(seconds)} tests, {slow} of them {SLOW_S} s or more, {sum(seconds.values()):.0f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -174,15 +174,15 @@ def shrink_fixture(fx: Fixture, impl=None, device="cpu") -> Fixture:
     """The smallest candidate of ``fx`` that fails the same checks (``fx`` itself when none
     does, or when nothing fails), with ``shrunk`` recorded in its metadata; the implementation
     runs on ``device`` (the run's)."""
+    # A fixture of some rows of a batch too large to build says what it was built from.
+    built_from = fx.meta.pop("built_from", None)
     if fx.tensors.get("capture/qo_indptr") is not None or fx.num_rows == 0:
         return fx  # a captured plan is the program's: its rows are not independent here
     report = judge(fx, impl, device)
     signature = failure_signature(report)
     if not signature:
         return fx
-    # A fixture of some rows of a batch too large to build says what it was built from.
-    before = fx.meta.pop("built_from", None) or dict(rows=fx.num_rows, heads=int(fx.meta["num_heads"]),
-                                                    bytes=fixture_bytes(fx))
+    before = built_from or dict(rows=fx.num_rows, heads=int(fx.meta["num_heads"]), bytes=fixture_bytes(fx))
     tried = 0
     best, best_report = fx, report
     for rows in row_candidates(fx, failing_rows_by_check(report)):

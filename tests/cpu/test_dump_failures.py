@@ -246,7 +246,7 @@ for script, flashinfer_root in json.loads(sys.argv[1]):
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     sys.path.remove(flashinfer_root)
     results.append({"code": code, "text": text.getvalue()})
 print("RESULTS " + json.dumps(results))
@@ -258,7 +258,10 @@ REPRO_CASES = [
 ]
 
 
-def test_the_reproducer_runs_each_call_form_on_its_own(tmp_path, capsys):
+def test_the_reproducer_runs_each_call_form_with_nothing_of_the_project(tmp_path, capsys):
+    """Each release's call form (flat on 0.6, canonical on 0.7) through a stand-in FlashInfer of
+    that release, from an empty folder without the project on the path: the regime C finding
+    fails, a good fixture passes. Both run in one child process, the stand-in swapped between."""
     runs = []
     for fixture, version, _ in REPRO_CASES:
         out = tmp_path / "repro"

@@ -61,7 +61,8 @@ def case_step(impl, device, case, layout: str):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_kv_len_equals_valid_count(impl, device, case, regime_log):
     """Every planned row's kv_len equals the convert kernel's count of valid entries, and the
-    planned rows are exactly the rows q hands to the kernel."""
+    planned rows are exactly the rows q hands to the kernel (on the indexer rows of seed 2, the
+    draw the layout tests of the case plan)."""
     scenario, step = case_step(impl, device, case, "compacted")
     regime_log.record(step.regimes(), focus=case.focus or None)
     counts = step.counts[: step.num_planned].cpu()

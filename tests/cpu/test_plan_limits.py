@@ -107,7 +107,7 @@ def test_search_near_finds_what_the_search_from_one_finds(limit, bound, data):
     if limit == expected < bound:
         assert log == [expected, expected + 1], "the expected limit takes two attempts"
     if limit >= bound > expected:
-        assert log == [expected, expected + 1, bound] if expected + 1 < bound else [expected, bound]
+        assert log == ([expected, expected + 1, bound] if expected + 1 < bound else [expected, bound])
 
 
 def test_search_near_at_the_work_capacity():

@@ -229,6 +229,7 @@ def test_under_xdist_what_the_workers_find_reaches_the_controller(pytester, monk
     counts, refused = summary_table(out), refused_column(out)
     assert counts["A"] == ("2", 1, 0, 0, 0) and refused["A"] == 1, out  # test_ran's 2 rows; the refused test's 3 not
     assert counts["B"] == ("1", 0, 1, 0, 0) and refused["B"] == 0, out  # failed after its refusal
+    assert counts["C"] == ("0", 0, 0, 0, 0) and refused["C"] == 1, out  # refused before any row was checked
     assert counts[EDGE_LABEL.format("stale-slots")] == ("0", 0, 0, 0, 0), out
     assert refused[EDGE_LABEL.format("stale-slots")] == 1, out
     assert ("attention kernel: ran in 2 tests; 3 ended at a refusal the installed FlashInfer is expected to make "

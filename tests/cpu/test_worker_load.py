@@ -10,13 +10,15 @@ from pytest_sparse_mla.worker_load import (
     deal_order,
     expected_seconds,
     first_block,
+    junit_seconds,
     load_lines,
+    merged,
+    node_id,
     read_durations,
     short_name,
     spread,
     worker_loads,
 )
-from scripts.test_durations import junit_seconds, merged, node_id
 
 
 def phase(worker, nodeid, start, stop):
