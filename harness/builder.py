@@ -71,6 +71,11 @@ class RowPlan:
         """Rows handed to the sparse kernel: the decode prefix when prefills go to MHA."""
         return self.num_decode_tokens if self.prefills_to_mha else int(self.ctx.numel())
 
+    @property
+    def planned_regimes(self) -> list[str]:
+        """The regime of each planned row."""
+        return self.regime[: self.planned_rows]
+
 
 def plan_rows(spec: BatchSpec) -> RowPlan:
     """Each row's context, identity, regime and the planned rows of ``spec``: no block table,

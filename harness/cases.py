@@ -218,8 +218,7 @@ def graph_replay_sequence(kpool: int, topk: int = TOPK, **config) -> list[Case]:
 def has_regime_c(case: Case) -> bool:
     """Whether a planned row of the case is in regime C, which the strided and packed layouts
     plan wrong (docs/findings.md#regime-c-planned-as-a-prefix)."""
-    rows = plan_rows(case.spec)
-    return "C" in rows.regime[: rows.planned_rows]
+    return "C" in plan_rows(case.spec).planned_regimes
 
 
 # --- the production input space (docs/input-space.md) ----------------------------------------

@@ -100,11 +100,11 @@ class RegimeLog:
 
 @functools.cache
 def planned_row_regimes(spec) -> tuple[str, ...]:
-    """The regimes of the rows a batch spec plans (the query rows handed to the kernel)."""
-    from harness.scenario import build_scenario
+    """The regimes of the rows a batch spec plans (the query rows handed to the kernel), read
+    from the spec alone (no scenario built)."""
+    from harness.builder import plan_rows
 
-    scenario = build_scenario(spec, seed=0)
-    return tuple(sorted(set(scenario.row_regime[: scenario.planned_rows])))
+    return tuple(sorted(set(plan_rows(spec).planned_regimes)))
 
 
 def case_regimes(case) -> tuple[str, ...]:

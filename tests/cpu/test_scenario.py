@@ -684,3 +684,15 @@ def test_empty_rows_select_nothing_and_the_oracle_gives_them_zero_and_minus_inf(
     assert bool(torch.isfinite(lse[keep]).all())
     with pytest.raises(ValueError, match="not query rows"):
         with_empty_rows(sc, [sc.num_rows])
+
+
+def test_the_row_plan_of_a_spec_names_the_regimes_its_scenario_plans():
+    """What is read from a spec alone (the declared regimes of a test, the regime C xfail) is
+    what the built scenario plans, on every regime case and batch situation."""
+    from harness.builder import plan_rows
+    from harness.cases import all_regime_cases, situation_cases
+
+    for case in all_regime_cases() + situation_cases(1) + situation_cases(4):
+        rows, sc = plan_rows(case.spec), build_scenario(case.spec, seed=0)
+        assert rows.planned_rows == sc.planned_rows, case.id
+        assert rows.planned_regimes == sc.row_regime[: sc.planned_rows], case.id
