@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK, variant_name
+from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, KERNEL_VARIANTS, TOPK, variant_name
 from reference import classify_row
 
 from .builder import plan_rows
@@ -151,8 +151,8 @@ class KernelConfig(KernelVariantDims):
         )
 
 
-#: The three kernel variants the tier builds: bf16 and fp8 KV with rope 64, bf16 NoPE.
-VARIANTS = (("bfloat16", True, 1.0), ("float8_e4m3fn", True, 0.5), ("bfloat16", False, 1.0))
+#: The three kernel variants the regime cases cycle: bf16 and fp8 KV with rope 64, bf16 NoPE.
+VARIANTS = KERNEL_VARIANTS[:3]
 
 
 def covering_config(index: int) -> KernelConfig:

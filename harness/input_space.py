@@ -24,7 +24,17 @@ from typing import Protocol
 
 import numpy as np
 
-from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, TOPK
+from mla_constants import (
+    BF16_NOPE,
+    BF16_ROPE64,
+    DEEPSEEK_V32_SM_SCALE,
+    FP8_NOPE,
+    FP8_ROPE64,
+    GLM_NOPE_SM_SCALE,
+    KERNEL_VARIANTS,
+    TOPK,
+    variant_name,
+)
 
 from .spec import BatchSpec, Request
 
@@ -55,7 +65,7 @@ SPACE: tuple[Dimension, ...] = (
     Dimension("context_source", ("host-bound", "positions", "seq-lens"), "context-sources"),
     Dimension("drafts", ("none-pending", "partly-rejected", "all-rejected"), "context-sources"),
     Dimension("layout", ("strided", "packed", "compacted"), "layouts"),
-    Dimension("variant", ("bf16-rope64", "fp8-rope64", "bf16-nope", "fp8-nope"), "kernel-variants-and-heads"),
+    Dimension("variant", (BF16_ROPE64, FP8_ROPE64, BF16_NOPE, FP8_NOPE), "kernel-variants-and-heads"),
     Dimension("heads", ("16", "32", "64", "128"), "kernel-variants-and-heads"),
     Dimension("slot_ids", ("below-2^23", "past-2^23"), "block-sizes"),
 )
@@ -123,7 +133,7 @@ def _drafts_class(spec: BatchSpec) -> str:
 
 
 def _variant_class(spec: BatchSpec) -> str:
-    return ("fp8" if spec.kv_dtype == "float8_e4m3fn" else "bf16") + ("-rope64" if spec.rope else "-nope")
+    return variant_name(spec.kv_dtype, spec.rope)
 
 
 def _slot_class(spec: BatchSpec) -> str:
@@ -335,12 +345,7 @@ class InputCase:
 
 
 BLOCK_SIZES = {"64": (64,), "pow2-multiple-of-64": (128, 256), "non-pow2-multiple-of-64": (192, 320, 576)}
-VARIANT_KNOBS = {
-    "bf16-rope64": ("bfloat16", True, 1.0),
-    "fp8-rope64": ("float8_e4m3fn", True, 0.5),
-    "bf16-nope": ("bfloat16", False, 1.0),
-    "fp8-nope": ("float8_e4m3fn", False, 0.5),
-}
+VARIANT_KNOBS = {variant_name(kv_dtype, rope): (kv_dtype, rope, k_scale) for kv_dtype, rope, k_scale in KERNEL_VARIANTS}
 MAX_PREFILL_ROWS = 24  # query rows of one drawn prefill chunk (keeps a case small on CPU)
 
 

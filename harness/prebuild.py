@@ -3,10 +3,11 @@ took: a cold JIT cache shows the build time, a warm or restored one the load tim
 
     python3 -m harness.prebuild [--parallel] [--only-missing]
 
-One variant after the other by default; ``--parallel`` builds each in a process of its own at
-the same time (FlashInfer locks each module's build, so a test that needs a variant being built
-waits for it and then loads it). ``--only-missing`` does nothing where FlashInfer's JIT cache
-already holds a built module for every variant. The main job starts
+The variants are ``mla_constants.KERNEL_VARIANTS``: every one the GPU tier launches. One after
+the other by default; ``--parallel`` builds each in a process of its own at the same time
+(FlashInfer locks each module's build, so a test that needs a variant being built waits for it
+and then loads it). ``--only-missing`` builds only the variants whose module FlashInfer's JIT
+cache does not hold built, and nothing where it holds them all. The main job starts
 ``--parallel --only-missing`` in the background at its start (``pytest_sparse_mla/gpus.py``), so
 a cold cache builds while the xdist workers start and collect."""
 
@@ -21,10 +22,10 @@ from pathlib import Path
 import torch
 
 from fast.impl import default_impl
-from mla_constants import TOPK
+from mla_constants import KERNEL_VARIANTS, ROPE_DIM, TOPK
 
 from .availability import sm90_flashinfer_unavailable_reason
-from .cases import VARIANTS, KernelConfig
+from .cases import KernelConfig
 from .launch import attention_config
 from .scenario import batch, build_scenario
 
@@ -39,14 +40,17 @@ def build_variant(impl, kv_dtype: str, rope: bool, k_scale: float) -> float:
     return time.perf_counter() - started
 
 
-#: FlashInfer's name for the folder of each built SM90 MLA module in its JIT cache (the same
-#: in every supported release): one per kernel variant.
-BUILT_MODULES = "batch_mla_attention_*_sm90/*.so"
+def built_module_glob(kv_dtype: str, rope: bool) -> str:
+    """FlashInfer's name for the folder of a variant's built SM90 MLA module in its JIT cache
+    (the same in every supported release; q and the output are bf16 in every variant), and the
+    library in it."""
+    kv = "e4m3" if kv_dtype == "float8_e4m3fn" else "bf16"
+    return f"batch_mla_attention_dtype_q_bf16_dtype_kv_{kv}_*_head_dim_kpe_{ROPE_DIM if rope else 0}_*sm90/*.so"
 
 
-def built_modules(jit_dir: Path) -> int:
-    """How many SM90 MLA modules FlashInfer's JIT cache folder holds built."""
-    return len(list(jit_dir.glob(BUILT_MODULES)))
+def missing_variants(jit_dir: Path) -> list[tuple[str, bool, float]]:
+    """The kernel variants whose module FlashInfer's JIT cache folder does not hold built."""
+    return [v for v in KERNEL_VARIANTS if not any(jit_dir.glob(built_module_glob(v[0], v[1])))]
 
 
 def flashinfer_jit_dir() -> Path:
@@ -56,15 +60,15 @@ def flashinfer_jit_dir() -> Path:
 
 
 def variant_by_name(name: str) -> tuple[str, bool, float]:
-    for kv_dtype, rope, k_scale in VARIANTS:
+    for kv_dtype, rope, k_scale in KERNEL_VARIANTS:
         if KernelConfig(kv_dtype, rope, 16).variant == name:
             return kv_dtype, rope, k_scale
     raise SystemExit(f"harness.prebuild: no kernel variant {name!r}")
 
 
-def build_in_parallel() -> int:
-    """Each variant built in a process of its own, all at once; the slowest sets the time."""
-    names = [KernelConfig(kv_dtype, rope, 16).variant for kv_dtype, rope, _ in VARIANTS]
+def build_in_parallel(variants) -> int:
+    """Each of ``variants`` built in a process of its own, all at once; the slowest sets the time."""
+    names = [KernelConfig(kv_dtype, rope, 16).variant for kv_dtype, rope, _ in variants]
     started = time.perf_counter()
     children = [subprocess.Popen([sys.executable, "-m", "harness.prebuild", "--variant", name]) for name in names]
     codes = [child.wait() for child in children]
@@ -85,15 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"harness.prebuild: nothing to build here: {reason}", file=sys.stderr)
         return 2
+    chosen = [variant_by_name(args.variant)] if args.variant else list(KERNEL_VARIANTS)
     if args.only_missing:
-        built = built_modules(flashinfer_jit_dir())
-        if built >= len(VARIANTS):
-            print(f"harness.prebuild: the JIT cache holds {built} built modules; nothing to build", flush=True)
+        chosen = [v for v in chosen if v in missing_variants(flashinfer_jit_dir())]
+        if not chosen:
+            print("harness.prebuild: the JIT cache holds every variant built; nothing to build", flush=True)
             return 0
     if args.parallel:
-        return build_in_parallel()
+        return build_in_parallel(chosen)
     impl = default_impl()
-    chosen = [variant_by_name(args.variant)] if args.variant else VARIANTS
     total = 0.0
     for kv_dtype, rope, k_scale in chosen:
         seconds = build_variant(impl, kv_dtype, rope, k_scale)

@@ -14,6 +14,7 @@ import pytest
 
 from harness import gpu_env
 from harness.gpu_env import pick_gpu, worker_index
+from mla_constants import KERNEL_VARIANTS
 from pytest_sparse_mla.gpus import THREAD_ENV, available_cores, share_cores, threads_per_worker
 
 
@@ -181,13 +182,31 @@ def test_the_background_build_starts_only_on_a_gpu_machine_with_flashinfer_once_
     assert asked == []  # nothing probed when the cheap checks already say no
 
 
-def test_the_prebuild_counts_built_modules_of_the_cache(tmp_path):
-    from harness.prebuild import built_modules
+def test_the_prebuild_finds_each_variant_missing_from_the_cache(tmp_path):
+    """Module names as FlashInfer 0.7.4 writes them; a folder without its library is a build
+    that did not finish, and the FA2 module (no ``_sm90``) is not the one the tier runs."""
+    from harness.prebuild import missing_variants
 
-    for name in ("batch_mla_attention_dtype_q_bf16_x_sm90", "batch_mla_attention_dtype_q_bf16_y_sm90"):
+    def module(kv: str, kpe: int, suffix: str = "_planabi2_sm90", built: bool = True) -> None:
+        name = (f"batch_mla_attention_dtype_q_bf16_dtype_kv_{kv}_dtype_o_bf16_dtype_idx_i32_head_dim_ckv_512"
+                f"_head_dim_kpe_{kpe}_profiler_False{suffix}")
         (tmp_path / name).mkdir()
-        (tmp_path / name / f"{name}.so").write_bytes(b"")
-    (tmp_path / "batch_mla_attention_dtype_q_bf16_z_sm90").mkdir()  # a build that did not finish
-    (tmp_path / "batch_mla_attention_dtype_q_bf16_w").mkdir()  # FA2, not the SM90 module
-    (tmp_path / "batch_mla_attention_dtype_q_bf16_w" / "batch_mla_attention_dtype_q_bf16_w.so").write_bytes(b"")
-    assert built_modules(tmp_path) == 2
+        if built:
+            (tmp_path / name / f"{name}.so").write_bytes(b"")
+
+    assert missing_variants(tmp_path) == list(KERNEL_VARIANTS)
+    module("bf16", 64)
+    module("e4m3", 0)
+    module("e4m3", 64, built=False)
+    module("bf16", 0, suffix="")
+    assert missing_variants(tmp_path) == [("float8_e4m3fn", True, 0.5), ("bfloat16", False, 1.0)]
+    module("bf16", 0, suffix="_sm90")
+    module("e4m3", 64, suffix="_sm90")
+    assert missing_variants(tmp_path) == []
+
+
+def test_the_prebuild_builds_every_variant_the_input_space_draws():
+    from harness.input_space import SPACE, VARIANT_KNOBS
+
+    drawn = next(d.classes for d in SPACE if d.name == "variant")
+    assert {VARIANT_KNOBS[name] for name in drawn} == set(KERNEL_VARIANTS)
