@@ -39,3 +39,9 @@ KERNEL_VARIANTS = (
 def variant_name(kv_dtype: str, rope: bool) -> str:
     """``bf16-rope64``, ``fp8-rope64``, ``bf16-nope`` or ``fp8-nope``."""
     return f"{'fp8' if kv_dtype == 'float8_e4m3fn' else 'bf16'}-{'rope64' if rope else 'nope'}"
+
+
+# --- the implementation under test ------------------------------------------------------------
+
+#: ``--impl``'s default: the project's production path (``fast/``).
+DEFAULT_IMPL_SPEC = "fast.impl:default_impl"

@@ -27,6 +27,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from mla_constants import DEFAULT_IMPL_SPEC  # noqa: F401  (re-exported: --impl's default)
+
 from . import convert as _convert
 from . import kvlen as _kvlen
 from . import layouts as _layouts
@@ -100,9 +102,6 @@ class FastImpl:
 
 def default_impl() -> FastImpl:
     return FastImpl()
-
-
-DEFAULT_IMPL_SPEC = "fast.impl:default_impl"
 
 
 def load_impl(spec: str) -> SparseMLAImpl:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import torch
-
-from .gpu_env import every_gpu_hidden
+from .gpu_env import every_gpu_hidden, torch_build
 
 
 def sm90_flashinfer_unavailable_reason() -> str | None:
     """Why the SM90 FlashInfer path cannot run here, or None when it can (SM90 GPU + an
     importable FlashInfer). Touches CUDA: call it after any per-process GPU pinning."""
+    import torch
+
     if not torch.cuda.is_available():
         return "no CUDA GPU visible to torch"
     major, minor = torch.cuda.get_device_capability()
@@ -34,8 +34,9 @@ def reason_without_cuda(gpus: list[tuple[str, str]]) -> str | None:
     import failure shows only in :func:`sm90_flashinfer_unavailable_reason`)."""
     if not gpus:
         return "no NVIDIA GPU found"
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a build without CUDA"
+    version, cuda = torch_build()
+    if cuda is None:
+        return f"torch {version} is a build without CUDA"
     if every_gpu_hidden():
         return f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU"
     name, capability = gpus[0]

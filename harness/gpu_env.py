@@ -7,10 +7,13 @@ touches CUDA, which is why this module imports neither torch nor triton.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 
 def worker_index(worker_id: str | None) -> int | None:
@@ -116,12 +119,27 @@ def gpus_without_cuda() -> list[tuple[str, str]]:
     return []
 
 
-def torch_can_use_an_nvidia_gpu() -> bool:
-    """Without initialising CUDA: a CUDA build of torch, a GPU not hidden by
-    CUDA_VISIBLE_DEVICES, and an NVIDIA GPU found by NVML or nvidia-smi."""
-    import torch
+def torch_build() -> tuple[str, str | None]:
+    """``torch.__version__`` and ``torch.version.cuda`` (None: a build without CUDA), read from
+    torch's ``version.py`` where torch is not imported yet: importing it takes seconds, which
+    a process that only decides (the controller of an xdist run, before its workers start)
+    need not pay."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        spec = importlib.util.find_spec("torch")
+        path = Path(spec.origin).with_name("version.py") if spec is not None and spec.origin else None
+        if path is not None and path.is_file():
+            namespace: dict = {}
+            exec(compile(path.read_text(), str(path), "exec"), namespace)  # plain assignments only
+            return str(namespace.get("__version__")), namespace.get("cuda")
+        import torch
+    return torch.__version__, torch.version.cuda
 
-    if torch.version.cuda is None:
+
+def torch_can_use_an_nvidia_gpu() -> bool:
+    """Without initialising CUDA (nor importing torch): a CUDA build of torch, a GPU not hidden
+    by CUDA_VISIBLE_DEVICES, and an NVIDIA GPU found by NVML or nvidia-smi."""
+    if torch_build()[1] is None:
         return False
     return not every_gpu_hidden() and count_gpus_without_cuda() > 0
 

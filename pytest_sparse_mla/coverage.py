@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import pytest
 
-from harness.input_space import SPACE, coverage_of
-
 from .keys import GROUP
 
 INPUT_SPACE_KEY = "sparse_mla_input_space"  # the classes of each case a test checked
@@ -57,6 +55,8 @@ def pytest_configure(config):
 
 def coverage_lines(cases, full: bool) -> list[str]:
     """The summary line, and with ``full`` the table, for a set of classified cases."""
+    from harness.input_space import SPACE, coverage_of
+
     cov = coverage_of(dict(c) for c in cases)
     classes = sum(len(v) for v in cov.classes_reached.values())
     total = sum(len(d.classes) for d in SPACE)

@@ -7,8 +7,6 @@ every value class; ``thorough``: every feasible pair)."""
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from harness.input_space import draw_assignment, realize
-
 settings.register_profile(
     "ci", derandomize=True, max_examples=30, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -40,5 +38,7 @@ class _DrawChooser:
 def input_cases(draw):
     """An ``harness.input_space.InputCase``: each dimension's class drawn among those that keep
     the combination feasible, then the case's free values."""
+    from harness.input_space import draw_assignment, realize
+
     assignment = draw_assignment(lambda classes: draw(st.sampled_from(classes)))
     return realize(assignment, _DrawChooser(draw))

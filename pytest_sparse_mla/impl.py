@@ -11,16 +11,20 @@ CUDA nor imports FlashInfer; it asks NVML / nvidia-smi and ``importlib`` for the
 ``--require-gpu-tier``. The processes that run tests (xdist workers, after their GPU pinning)
 make the full check (CUDA, the FlashInfer import) when they collect ``gpu`` tests, and hand
 its result to the controller (``workeroutput``) for the summary.
+
+The controller of an xdist run imports no torch before its workers start (seconds each worker
+would otherwise wait): it loads and checks ``--impl`` once they are started.
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import sys
 
-from fast import convert as fast_convert
-from fast.impl import DEFAULT_IMPL_SPEC, load_impl
+import pytest
+
 from harness import availability, gpu_env
+from mla_constants import DEFAULT_IMPL_SPEC
 
 from .keys import GROUP
 
@@ -61,33 +65,45 @@ def pytest_addoption(parser):
 # --- device ------------------------------------------------------------------------------------
 
 
-def resolve_device(choice: str, *, cuda_available: bool, interpreted: bool) -> torch.device:
-    """``auto``: cuda where CUDA is usable and the convert kernel is compiled, else cpu."""
+def resolve_device(choice: str, *, cuda_available: bool, interpreted: bool) -> str:
+    """The device type: ``auto`` is cuda where CUDA is usable and the convert kernel is
+    compiled, else cpu."""
     if choice == "auto":
-        return torch.device("cuda" if cuda_available and not interpreted else "cpu")
-    return torch.device(choice)
+        return "cuda" if cuda_available and not interpreted else "cpu"
+    return choice
 
 
-def run_device(config) -> torch.device:
-    """The device the run hands the implementation under test its inputs on (``--device``
-    resolved here; call it in a test process, after its GPU pinning)."""
-    return resolve_device(config.getoption("--device"), cuda_available=torch.cuda.is_available(),
-                          interpreted=fast_convert.INTERPRETED)
+def convert_interpreted() -> bool:
+    """Whether the convert kernel runs in Triton's interpreter (``fast.convert.INTERPRETED``,
+    asked of the environment where that module, which imports torch and Triton, is not loaded)."""
+    convert = sys.modules.get("fast.convert")
+    return convert.INTERPRETED if convert is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def device_problem(device: torch.device, *, cuda_available: bool, interpreted: bool, default_impl: bool) -> str | None:
-    """Why production code cannot run on ``device`` here, or None."""
-    if device.type == "cuda" and not cuda_available:
+def run_device(config):
+    """The ``torch.device`` the run hands the implementation under test its inputs on
+    (``--device`` resolved here; call it in a test process, after its GPU pinning)."""
+    import torch
+
+    from fast import convert
+
+    return torch.device(resolve_device(config.getoption("--device"), cuda_available=torch.cuda.is_available(),
+                                       interpreted=convert.INTERPRETED))
+
+
+def device_problem(device: str, *, cuda_available: bool, interpreted: bool, default_impl: bool) -> str | None:
+    """Why production code cannot run on ``device`` (a device type) here, or None."""
+    if device == "cuda" and not cuda_available:
         return "--device=cuda, but torch sees no CUDA GPU here"
-    if device.type == "cpu" and not interpreted and default_impl:
+    if device == "cpu" and not interpreted and default_impl:
         return ("the convert kernel is compiled (TRITON_INTERPRET is not 1) and takes CUDA tensors only; "
                 "for --device=cpu on a GPU machine set TRITON_INTERPRET=1")
     return None
 
 
-def kernel_line(device: torch.device, gpu_name: str | None, *, interpreted: bool) -> str:
-    """Where the project's convert kernel runs, for the header."""
-    if device.type == "cpu":
+def kernel_line(device: str, gpu_name: str | None, *, interpreted: bool) -> str:
+    """Where the project's convert kernel runs (``device``: a device type), for the header."""
+    if device == "cpu":
         return "convert kernel: Triton interpreter on CPU" if interpreted else "convert kernel: compiled Triton on CPU"
     where = f"cuda:0 ({gpu_name})" if gpu_name else "cuda:0"
     return f"convert kernel: {'Triton interpreter' if interpreted else 'compiled Triton'} on {where}"
@@ -97,6 +113,8 @@ def checked_impl(spec: str):
     """The implementation ``spec`` names, loaded and checked against the seam; a bad spec (no
     colon, a module or factory that cannot be loaded, a factory that raises, an object without
     the seam's methods) is one usage error naming it."""
+    from fast.impl import load_impl
+
     try:
         return load_impl(spec)
     except ValueError as exc:
@@ -112,14 +130,17 @@ def impl(pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def device(pytestconfig) -> torch.device:
-    """The device of the inputs every test hands the implementation under test (``--device``).
-    Inputs are built on the host (identical on every machine) and moved here; references may
-    run on the host and compare after ``.cpu()``."""
-    interpreted = fast_convert.INTERPRETED
+def device(pytestconfig):
+    """The ``torch.device`` of the inputs every test hands the implementation under test
+    (``--device``). Inputs are built on the host (identical on every machine) and moved here;
+    references may run on the host and compare after ``.cpu()``."""
+    import torch
+
+    from fast import convert
+
     cuda_available = torch.cuda.is_available()  # after this worker's GPU pinning
     chosen = run_device(pytestconfig)
-    problem = device_problem(chosen, cuda_available=cuda_available, interpreted=interpreted,
+    problem = device_problem(chosen.type, cuda_available=cuda_available, interpreted=convert.INTERPRETED,
                              default_impl=pytestconfig.stash[IMPL_SPEC] == DEFAULT_IMPL_SPEC)
     if problem:
         pytest.fail(f"device {chosen}: {problem}", pytrace=False)
@@ -167,31 +188,47 @@ def require_gpu_tier_error(status: GpuTierStatus) -> str:
 
 def cuda_seen_without_cuda(gpus: list[tuple[str, str]]) -> bool:
     """What ``torch.cuda.is_available()`` will say, asked without initialising CUDA."""
-    return bool(gpus) and torch.version.cuda is not None and not gpu_env.every_gpu_hidden()
+    return bool(gpus) and gpu_env.torch_build()[1] is not None and not gpu_env.every_gpu_hidden()
 
 
 def is_controller(config) -> bool:
     return not hasattr(config, "workerinput")
 
 
+def runs_tests_in_workers(config) -> bool:
+    """Whether xdist will hand the tests to worker processes (its own test of the options)."""
+    return (not config.getoption("collectonly") and config.getoption("dist", "no") != "no"
+            and bool(config.getoption("tx", None)))
+
+
 def pytest_configure(config):
     config.stash[IMPL_SPEC] = config.getoption("--impl")
     if not is_controller(config):
         return  # a worker loads the implementation after its GPU pinning (pytest_sparse_mla.gpus)
-    config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])
+    if not runs_tests_in_workers(config):
+        config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])
     gpus = gpu_env.gpus_without_cuda()
     status = GpuTierStatus(gpus, availability.reason_without_cuda(gpus))
     config.stash[GPU_STATUS] = status
     if config.getoption("--require-gpu-tier") and status.reason:
         raise pytest.UsageError(require_gpu_tier_error(status))
     cuda_seen = cuda_seen_without_cuda(gpus)
-    chosen = resolve_device(
-        config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED
-    )
-    problem = device_problem(chosen, cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED,
+    interpreted = convert_interpreted()
+    chosen = resolve_device(config.getoption("--device"), cuda_available=cuda_seen, interpreted=interpreted)
+    problem = device_problem(chosen, cuda_available=cuda_seen, interpreted=interpreted,
                              default_impl=config.stash[IMPL_SPEC] == DEFAULT_IMPL_SPEC)
     if problem:
         raise pytest.UsageError(problem)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """The controller of an xdist run loads and checks ``--impl`` once xdist has started the
+    workers (at the start of the session), before it hands them tests: the same usage error,
+    without the workers waiting for torch to load here first."""
+    config = session.config
+    if is_controller(config) and IMPL not in config.stash:
+        config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])
 
 
 def pytest_report_header(config):
@@ -199,13 +236,12 @@ def pytest_report_header(config):
         return []
     status = config.stash[GPU_STATUS]
     cuda_seen = cuda_seen_without_cuda(status.gpus)
-    chosen = resolve_device(
-        config.getoption("--device"), cuda_available=cuda_seen, interpreted=fast_convert.INTERPRETED
-    )
+    interpreted = convert_interpreted()
+    chosen = resolve_device(config.getoption("--device"), cuda_available=cuda_seen, interpreted=interpreted)
     spec = config.stash[IMPL_SPEC]
     lines = []
     if spec == DEFAULT_IMPL_SPEC:
-        lines.append(kernel_line(chosen, status.gpu_name, interpreted=fast_convert.INTERPRETED))
+        lines.append(kernel_line(chosen, status.gpu_name, interpreted=interpreted))
     else:
         lines.append(f"implementation under test: {spec}, inputs on {chosen}")
     lines.append(status.header_line())

@@ -31,8 +31,6 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from reference import REGIMES
-
 from .keys import DECLARED_EDGES_KEY, DECLARED_REGIMES_KEY, LAUNCH_KEY, REGIME_KEY
 
 NO_REGIME = "no regime"
@@ -241,6 +239,8 @@ class RegimeTally:
         return rows, outcomes
 
     def lines(self) -> list[str]:
+        from reference import REGIMES
+
         rows, outcomes = self.counts()
         meanings = [*REGIMES.items(), (NO_REGIME, "tests that cover no context regime"),
                     *((EDGE_LABEL.format(edge), meaning) for edge, meaning in EDGE_FAMILIES.items())]

@@ -112,7 +112,7 @@ def nested_run(pytester, monkeypatch, *args: str, gpus=(), controller_reason: bo
     ("cuda", True, True, "cuda"),
 ])
 def test_device_choice(choice, cuda, interpreted, expected):
-    assert resolve_device(choice, cuda_available=cuda, interpreted=interpreted).type == expected
+    assert resolve_device(choice, cuda_available=cuda, interpreted=interpreted) == expected
 
 
 @pytest.mark.parametrize(
@@ -267,15 +267,13 @@ def test_runs_anywhere(device):
 """
 
 
-def usage_run(pytester, *args: str, xdist: bool = False):
-    """A nested run of USAGE_TEST with ``args`` on this machine, in this process (under xdist: its
-    controlling process, which checks the options before it starts any worker)."""
+def usage_run(pytester, *args: str):
+    """A nested run of USAGE_TEST with ``args`` on this machine, in this process."""
     pytester.makeconftest("pytest_plugins = ('pytest_sparse_mla',)\n")
     pytester.makepyfile(test_gating=USAGE_TEST, bad_impls=BAD_IMPLS)
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
     pytester.syspathinsert()
-    workers = ("-n", "2") if xdist else ("-p", "no:xdist")
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *workers, *args)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", *args)
     return result, "\n".join(result.outlines + result.errlines)
 
 
@@ -301,8 +299,34 @@ def test_a_bad_impl_is_one_usage_error_before_any_test(pytester, spec, line):
     assert_one_usage_error(result, out, line)
 
 
-def test_a_bad_impl_is_a_usage_error_under_xdist_too(pytester):
-    result, out = usage_run(pytester, "--impl=bad_impls:raises", xdist=True)
+#: The controller of an xdist run, as xdist is about to start its workers: which of the heavy
+#: modules it has imported.
+CONTROLLER_AT_START = """
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ("pytest_sparse_mla",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        Path("at_start.txt").write_text(" ".join(m for m in ("torch", "triton", "flashinfer") if m in sys.modules))
+"""
+
+
+def test_the_xdist_controller_starts_its_workers_before_it_imports_torch_and_then_checks_impl(pytester, monkeypatch):
+    """Importing torch takes seconds every worker would wait for: the controller of an xdist run
+    (a process of its own here) imports none of it before the workers start, and checks
+    ``--impl`` after, still one usage error."""
+    pytester.makeconftest(CONTROLLER_AT_START)
+    pytester.makepyfile(test_gating=USAGE_TEST, bad_impls=BAD_IMPLS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "1", "--impl=bad_impls:raises")
+    out = "\n".join(result.outlines + result.errlines)
+    assert (pytester.path / "at_start.txt").read_text() == "", out[-3000:]
     assert_one_usage_error(result, out, "--impl 'bad_impls:raises': the factory raised RuntimeError: "
                                         "this backend needs its server")
 

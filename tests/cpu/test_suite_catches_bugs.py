@@ -168,14 +168,18 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESH
 
 
 def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, simulated: bool):
-    """Run GPU tests in a nested session: on the installed FlashInfer in a subprocess (a crash
-    or a CUDA error stays there), or on a simulated SM90 machine with every GPU hidden. The
-    simulated machine runs in this process where its convert kernel runs in Triton's
-    interpreter (no GPU: nothing there to crash, and no interpreter, torch and plugin to start
-    again), with its patches undone after the test; in a subprocess otherwise."""
+    """Run GPU tests in a nested session in this process (no interpreter, torch, FlashInfer and
+    plugin to start again): on the installed FlashInfer, or on a simulated SM90 machine with
+    every GPU hidden where this process's convert kernel runs in Triton's interpreter (its
+    patches undone after the test; in a subprocess otherwise). The re-created bugs run here
+    read and write only inside the attention state's reserved buffers: none of them can crash
+    the process or leave a CUDA error behind."""
     selection = ("-k", select) if select else ()
     common = (str(ROOT / path), *selection, "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT))
-    if simulated and simulated_sm90.can_simulate_in_process():
+    if not simulated:
+        with simulated_sm90.process_share_of_threads(), simulated_sm90.nested_failures_released():
+            return pytester.runpytest_inprocess(*common, "--require-gpu-tier", *args)
+    if simulated_sm90.can_simulate_in_process():
         simulated_sm90.simulate_in_process(monkeypatch)
         with (
             simulated_sm90.freed_memory_kept(),
@@ -184,16 +188,12 @@ def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, si
         ):
             return pytester.runpytest_inprocess(*common, *args)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    if simulated:
-        for name, value in KEEP_FREED_MEMORY.items():
-            monkeypatch.setenv(name, value)
-        monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-        args = ("-p", "tests.simulated_sm90", *args)
-    else:
-        args = ("--require-gpu-tier", *args)
-    return pytester.runpytest_subprocess(*common, *args, timeout=600)
+    for name, value in KEEP_FREED_MEMORY.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    return pytester.runpytest_subprocess(*common, "-p", "tests.simulated_sm90", *args, timeout=600)
 
 
 def assert_caught(result, entry: str, bug: str, message: str) -> None:
