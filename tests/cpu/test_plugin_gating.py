@@ -267,13 +267,15 @@ def test_runs_anywhere(device):
 """
 
 
-def usage_run(pytester, *args: str):
-    """A nested run of USAGE_TEST with ``args`` on this machine, in this process."""
+def usage_run(pytester, *args: str, xdist: bool = False):
+    """A nested run of USAGE_TEST with ``args`` on this machine, in this process (as the
+    controller of an xdist run with ``xdist``)."""
     pytester.makeconftest("pytest_plugins = ('pytest_sparse_mla',)\n")
     pytester.makepyfile(test_gating=USAGE_TEST, bad_impls=BAD_IMPLS)
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
     pytester.syspathinsert()
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", *args)
+    workers = ("-n", "2") if xdist else ("-p", "no:xdist")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *workers, *args)
     return result, "\n".join(result.outlines + result.errlines)
 
 
@@ -299,8 +301,8 @@ def test_a_bad_impl_is_one_usage_error_before_any_test(pytester, spec, line):
     assert_one_usage_error(result, out, line)
 
 
-#: The controller of an xdist run, as xdist is about to start its workers: which of the heavy
-#: modules it has imported.
+#: The controller of an xdist run as xdist is about to start its workers: which of the heavy
+#: modules it has imported; then the run ends there.
 CONTROLLER_AT_START = """
 import sys
 from pathlib import Path
@@ -312,21 +314,31 @@ pytest_plugins = ("pytest_sparse_mla",)
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    if not hasattr(session.config, "workerinput"):
-        Path("at_start.txt").write_text(" ".join(m for m in ("torch", "triton", "flashinfer") if m in sys.modules))
+    Path("at_start.txt").write_text(" ".join(m for m in ("torch", "triton", "flashinfer") if m in sys.modules))
+    pytest.exit("seen", returncode=0)
 """
 
 
-def test_the_xdist_controller_starts_its_workers_before_it_imports_torch_and_then_checks_impl(pytester, monkeypatch):
+def test_the_xdist_controller_imports_no_torch_before_it_starts_its_workers(pytester, monkeypatch):
     """Importing torch takes seconds every worker would wait for: the controller of an xdist run
-    (a process of its own here) imports none of it before the workers start, and checks
-    ``--impl`` after, still one usage error."""
+    (a process of its own here) imports none of it before xdist starts the workers."""
     pytester.makeconftest(CONTROLLER_AT_START)
-    pytester.makepyfile(test_gating=USAGE_TEST, bad_impls=BAD_IMPLS)
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "1", "--impl=bad_impls:raises")
-    out = "\n".join(result.outlines + result.errlines)
-    assert (pytester.path / "at_start.txt").read_text() == "", out[-3000:]
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    assert result.ret == 0, result.outlines[-20:] + result.errlines[-20:]
+    assert (pytester.path / "at_start.txt").read_text() == ""
+
+
+def test_a_bad_impl_is_a_usage_error_under_xdist_too(pytester, monkeypatch):
+    """The controller checks ``--impl`` once xdist has started the workers (here: none, so that
+    nothing waits for them), before it hands out any test."""
+    from xdist.workermanage import NodeManager
+
+    started = []
+    monkeypatch.setattr(NodeManager, "setup_nodes", lambda self, putevent: started.append(True) or [])
+    result, out = usage_run(pytester, "--impl=bad_impls:raises", xdist=True)
+    assert started == [True], out[-3000:]  # an xdist run, the check after its start
     assert_one_usage_error(result, out, "--impl 'bad_impls:raises': the factory raised RuntimeError: "
                                         "this backend needs its server")
 
