@@ -27,13 +27,15 @@ LAYERS = {
     "tests": 5,
     "conftest": 5,  # the root conftest.py loads the plugin for the tests
 }
-SKIPPED_DIRS = {".git", ".venv", "venv", "build", "dist", "__pycache__", "node_modules"}
+SKIPPED_DIRS = {"venv", "build", "dist", "__pycache__", "node_modules"}
 
 
 def project_modules(root: Path = ROOT) -> list[Path]:
-    """Every .py file of the project (ignored folders such as a virtual environment left out)."""
+    """Every .py file of the project: folders such as a virtual environment, and every hidden
+    file or folder (.git, .venv, a tool's cache or work folder), left out."""
     return sorted(p for p in root.rglob("*.py")
-                  if not SKIPPED_DIRS.intersection(p.relative_to(root).parts) and not p.name.startswith("."))
+                  if not SKIPPED_DIRS.intersection(p.relative_to(root).parts)
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
 def top_level_of(path: Path, root: Path = ROOT) -> str:
