@@ -4,18 +4,20 @@ FlashInfer unless ``--replay-recorded-only``. ``--dump-failures DIR`` writes a f
 failing differential case: the case the shared helpers last noted (recording.case_log), or
 what a test armed on the ``failure_dump`` fixture, shrunk on the implementation under test and
 written with its standalone reproducer, or as a recipe where it only fails at scale
-(recording.dump); the failure message ends with the command that replays it. Nothing is built
-or written for a passing test."""
+(recording.dump); the failure message ends with the command that replays it, and the run with
+what was written and the seconds writing and shrinking took (apart from the tests' own time).
+Nothing is built or written for a passing test."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import shlex
+import time
 
 import pytest
 
-from .keys import GROUP, REPLAY_KEY
+from .keys import DUMP_KEY, GROUP, REPLAY_KEY
 
 REPLAYS = pytest.StashKey[list]()  # the diagnostics texts the replay tests attached
 
@@ -69,10 +71,29 @@ class ReplayCollector:
 
     def __init__(self, config):
         self.config = config
+        self.dumps: list[dict] = []
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
             self.config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
+            self.dumps.extend({"nodeid": report.nodeid, **v} for k, v in report.user_properties if k == DUMP_KEY)
+
+
+def dump_summary_lines(directory: str, dumps: list[dict]) -> list[str]:
+    """What ``--dump-failures`` wrote: files, bytes, and the seconds writing and shrinking took
+    (spent after each failing test's own time), the longest named."""
+    if not dumps:
+        return [f"--dump-failures={directory}: no failing case written"]
+    written = [d for d in dumps if d.get("path")]
+    seconds = sum(d["seconds"] for d in dumps)
+    longest = max(dumps, key=lambda d: d["seconds"])
+    lines = [f"--dump-failures={directory}: {len(written)} failing cases written "
+             f"({sum(d.get('bytes', 0) for d in written) / 1e6:.1f} MB); writing and shrinking took {seconds:.1f} s "
+             f"after the tests' own time (longest: {longest['nodeid'].split('::', 1)[-1]}, {longest['seconds']:.1f} s)"]
+    unwritten = len(dumps) - len(written)
+    if unwritten:
+        lines.append(f"  {unwritten} failing cases could not be written (see their failure messages)")
+    return lines
 
 
 def replay_path_problem(path: str) -> str:
@@ -272,13 +293,19 @@ def pytest_runtest_makereport(item, call):
     dump = item.stash.get(DUMP, None)
     if dump is None or report.when != "call" or not report.failed or hasattr(report, "wasxfail"):
         return
+    started = time.perf_counter()
     try:
-        path = dump.dump()
-        line = f"failing case written to {path}\nreplay: pytest --replay={shlex.quote(path)}" if path else None
+        path, problem = dump.dump(), None
     except Exception as exc:  # a broken dump must not hide the failure itself
-        line = f"could not write the failing case under --dump-failures: {exc!r}"
-    if line:
-        _append_to_failure(report, line)
+        path, problem = None, f"could not write the failing case under --dump-failures: {exc!r}"
+    seconds = time.perf_counter() - started
+    size = os.path.getsize(path) if path and os.path.exists(path) else 0
+    report.user_properties.append((DUMP_KEY, {"path": path, "bytes": size, "seconds": round(seconds, 2)}))
+    if path:
+        _append_to_failure(report, f"failing case written to {path} ({size / 1e3:.0f} KB, written and shrunk in "
+                                   f"{seconds:.1f} s)\nreplay: pytest --replay={shlex.quote(path)}")
+    elif problem:
+        _append_to_failure(report, problem)
 
 
 def _append_to_failure(report, text: str) -> None:
@@ -293,6 +320,10 @@ def _append_to_failure(report, text: str) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workerinput"):
         return
+    collector = next((p for p in config.pluginmanager.get_plugins() if isinstance(p, ReplayCollector)), None)
+    if config.getoption("--dump-failures") and collector is not None:
+        for line in dump_summary_lines(config.getoption("--dump-failures"), collector.dumps):
+            terminalreporter.write_line(line)
     if config.getoption("--replay"):
         texts = config.stash.get(REPLAYS, [])
         if texts and importlib.util.find_spec("matplotlib") is None:

@@ -57,12 +57,20 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
     assert result.ret == 1 and failed >= 3, "\n".join(out[-30:])
     files = sorted([*dump.glob("*.safetensors"), *dump.glob("*.recipe.json")])
     assert len(files) == failed, "\n".join(out[-30:])
+    # the run ends saying what was written and what writing and shrinking cost, apart from the tests
+    total = sum(f.stat().st_size for f in files) / 1e6
+    summary = [line for line in out if line.startswith(f"--dump-failures={dump}: ")]
+    assert len(summary) == 1 and summary[0].startswith(
+        f"--dump-failures={dump}: {failed} failing cases written ({total:.1f} MB); writing and shrinking took "
+    ), "\n".join(out[-30:])
     blocks = failure_blocks(out)
     assert len(blocks) == failed
     for name, block in blocks.items():
         last = [line for line in block if line.strip()][-1]
         match = REPLAY_LINE.match(last)
         assert match, f"{name}: the failure message ends with {last!r}"
+        written = [line for line in block if line.startswith(f"failing case written to {match.group(1)} (")]
+        assert len(written) == 1 and re.search(r"\(\d+ KB, written and shrunk in [\d.]+ s\)$", written[0]), block
         rows = sorted({int(r) for r in re.findall(r"^E\s+row (\d+): regime", "\n".join(block), re.M)})
         if match.group(1).endswith(".recipe.json"):
             recipe = load_recipe(match.group(1))
@@ -89,6 +97,7 @@ def test_passing_cases_and_runs_without_the_option_write_nothing(pytester, tmp_p
     )
     assert result.ret == 0, "\n".join(result.outlines[-20:])
     assert not dump.exists()
+    assert f"--dump-failures={dump}: no failing case written" in result.outlines, "\n".join(result.outlines[-20:])
     result = run_pytest(pytester, str(ROOT / "tests/cpu/test_kvlen_regimes.py"), "--impl=tests.bugs:KpoolFromWrongSpec",
                         "-k", "test_kv_len_equals_valid_count and ctx2049")
     assert result.ret == 1 and not any("replay: pytest --replay" in line for line in result.outlines)
