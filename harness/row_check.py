@@ -198,19 +198,32 @@ def judge_rows(
 ) -> RowReport:
     """Every row of the kernel's ``out [N,H,512]`` and ``lse [N,H]`` against the float64 truth and
     the low-precision yardstick over ``slots``/``mask`` (the as-planned selection), a chunk of
-    rows at a time on the tensors' device."""
+    rows at a time on the tensors' device; a chunk the GPU has no memory for right now is tried
+    again in halves."""
     n, h = out.shape[0], out.shape[1]
     chunk = chunk_rows or rows_per_chunk(h, out.shape[2])
     parts_out, parts_lse = [], []
-    for start in range(0, n, chunk):
+    start = 0
+    while start < n:
         rows = slice(start, min(n, start + chunk))
         args = (q_nope[rows], q_pe[rows], ckv, kpe, slots[rows])
         kw = dict(mask=mask[rows], sm_scale=sm_scale, k_scale=k_scale, memory_budget_bytes=ORACLE_BUDGET_BYTES)
-        truth = sparse_mla_reference(*args, mode="float64", **kw)
-        lowp = sparse_mla_reference(*args, mode="lowp", **kw)
+        try:
+            truth = sparse_mla_reference(*args, mode="float64", **kw)
+            lowp = sparse_mla_reference(*args, mode="lowp", **kw)
+        except torch.cuda.OutOfMemoryError:
+            # Other processes (the suite's other workers) hold the memory now: the verdict does
+            # not depend on the chunk, so a smaller one, after what this process cached is freed.
+            if chunk == 1:
+                raise
+            truth = lowp = None
+            torch.cuda.empty_cache()
+            chunk = max(1, chunk // 2)
+            continue
         parts_out.append(row_errors("out", out[rows], truth[0], lowp[0], kv_dtype))
         parts_lse.append(row_errors("lse", lse[rows], truth[1], lowp[1], kv_dtype, ulps=LSE_ULPS))
         del truth, lowp
+        start = rows.stop
     if not parts_out:
         return RowReport(RowErrors.empty("out"), RowErrors.empty("lse"))
     return RowReport(RowErrors.cat(parts_out), RowErrors.cat(parts_lse))

@@ -243,6 +243,37 @@ def test_chunks_do_not_change_the_verdict():
         assert parts.bad_rows() == whole.bad_rows() == [11]
 
 
+def test_a_chunk_without_gpu_memory_is_judged_again_in_halves(monkeypatch):
+    """The other workers' tests can hold the GPU's memory while a large batch is judged: a chunk
+    that runs out of it is judged again in smaller chunks, with the same verdict."""
+    import harness.row_check
+
+    inputs, out, lse = attention_problem(rows=30)
+    out[11, 1, 7] += 0.02
+    whole = judge_rows(out, lse, *inputs, sm_scale=0.1, chunk_rows=1000)
+    reference, sizes = harness.row_check.sparse_mla_reference, []
+
+    def short_of_memory(q_nope, *args, **kwargs):
+        sizes.append(q_nope.shape[0])
+        if q_nope.shape[0] > 8:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (other processes)")
+        return reference(q_nope, *args, **kwargs)
+
+    monkeypatch.setattr(harness.row_check, "sparse_mla_reference", short_of_memory)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)  # no CUDA here
+    parts = judge_rows(out, lse, *inputs, sm_scale=0.1, chunk_rows=30)
+    assert sizes[:3] == [30, 15, 7] and max(sizes[2:]) <= 8
+    assert parts.bad_rows() == whole.bad_rows() == [11]
+    assert torch.equal(parts.out.max_err, whole.out.max_err) and torch.equal(parts.lse.max_budget, whole.lse.max_budget)
+
+    def no_memory_at_all(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (none left)")
+
+    monkeypatch.setattr(harness.row_check, "sparse_mla_reference", no_memory_at_all)
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # not even one row fits: the error stands
+        judge_rows(out, lse, *inputs, sm_scale=0.1, chunk_rows=4)
+
+
 def test_no_rows_give_an_empty_passing_report():
     inputs, out, lse = attention_problem(rows=3)
     report = judge_rows(

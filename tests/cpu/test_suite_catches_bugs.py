@@ -7,11 +7,13 @@ replaced by the reference), where the families must also pass on the project's o
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import simulated_sm90
 
@@ -177,8 +179,12 @@ def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, si
     selection = ("-k", select) if select else ()
     common = (str(ROOT / path), *selection, "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT))
     if not simulated:
-        with simulated_sm90.process_share_of_threads(), simulated_sm90.nested_failures_released():
-            return pytester.runpytest_inprocess(*common, "--require-gpu-tier", *args)
+        try:
+            with simulated_sm90.process_share_of_threads(), simulated_sm90.nested_failures_released():
+                return pytester.runpytest_inprocess(*common, "--require-gpu-tier", *args)
+        finally:  # the GPU memory the nested tests cached goes back to the other workers' tests
+            gc.collect()
+            torch.cuda.empty_cache()
     if simulated_sm90.can_simulate_in_process():
         simulated_sm90.simulate_in_process(monkeypatch)
         with (
