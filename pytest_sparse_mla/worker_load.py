@@ -11,8 +11,9 @@ session.
     python3 -m pytest_sparse_mla.worker_load JUNIT [JUNIT ...]
 
 rewrites the file from the junit xml of a warm run of the main job on a GPU runner
-(``scripts/gpu_runner.py`` keeps one per release and phase); where several are given, a test's
-seconds are its longest.
+(``scripts/gpu_runner.py`` keeps one per release and phase) and of a run on a CPU machine; a
+test's seconds are its longest of those given, so that each machine deals its own heaviest
+tests first.
 
 At the end of every run with two or more workers the "xdist workers" section says, per worker,
 the seconds its tests took, when its first test started and its last one ended, and its
