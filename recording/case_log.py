@@ -83,12 +83,13 @@ def fixture_from_step(step: Step, inputs, outputs=None, **meta) -> Fixture:
 
 def plan_failing_rows(step: Step) -> list[int]:
     """The planned rows whose plan is wrong: an invariant broken on the row, or its planned
-    selection (b) other than the intended one (a)."""
-    from harness.pipeline import selection_mismatches
+    selection (b) other than the intended one (a), compared on the device the step ran on (the
+    host's reference functions give the same rows, but take tens of seconds at 10^4 rows)."""
+    from harness.row_check import selection_mismatches_on
 
     n = step.num_planned
     rows = {v.row for v in step.violations if v.row is not None and v.row < n}
-    rows.update(r for r in selection_mismatches(step) if r < n)
+    rows.update(r for r in selection_mismatches_on(step, step.kv_indices.device) if r < n)
     return sorted(rows)
 
 
@@ -104,9 +105,9 @@ def fixture_of_rows(step: Step, rows: list[int], **meta) -> Fixture | None:
     the slot, as the poisoned cache holds), and the step's plan of those rows. For a failing
     batch too large to build (tens of thousands of rows), whose failure is in the plan. None
     where the scenario carries score offsets (written into q and the cache together)."""
-    from harness.device_inputs import nan_kv_buffer
+    from harness.device_inputs import nan_kv_buffer, readable_slots_on
     from harness.scenario import component_seed, query_rows, slot_values
-    from mla_constants import INVALID, KV_LORA_RANK
+    from mla_constants import KV_LORA_RANK
     from reference.rules import convert_rule
 
     from .shrink import subset_fixture
@@ -123,8 +124,7 @@ def fixture_of_rows(step: Step, rows: list[int], **meta) -> Fixture | None:
     used = torch.cat([*spans, intended.flatten()]) if rows else torch.zeros(0, dtype=torch.int64)
     ids = torch.unique(used[used >= 0])
     values = torch.from_numpy(slot_values(component_seed(sc.seed, "kv"), ids.numpy(), spec.head_dim))
-    readable = torch.unique(sc.intended_slots().to(torch.int64))
-    readable = readable[readable != INVALID]
+    readable = readable_slots_on(sc, step.kv_indices.device).cpu()  # every row's, on the step's device
     cache = values.to(spec.torch_kv_dtype)
     poisoned = ~torch.isin(ids, readable)
     cache[poisoned] = nan_kv_buffer((int(poisoned.sum()), spec.head_dim), spec.kv_dtype, "cpu")
