@@ -30,6 +30,7 @@ from harness.launch import (
 from harness.pipeline import selection_mismatches
 from pytest_sparse_mla.coverage import record_input
 from tests.cpu.test_input_space import MAX_ROWS, EvolvingBatch
+from tests.gpu.notes import record_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -42,11 +43,12 @@ def c_rows_planned(step) -> set[int]:
     return {r for r, g in enumerate(step.regimes()) if g == "C"}
 
 
-def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None):
+def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None, node=None):
     """One step through the kernel: the known findings asserted as themselves (regime C under
     strided/packed is not launched; a strided plan a page-count-checking FlashInfer refuses),
     otherwise launch and compare with the references. ``log`` (the ``regime_log`` fixture)
-    hears of each launch and each expected refusal."""
+    hears of each launch and each expected refusal; ``node``'s report gets the measured error
+    ratios (the run's table of them, fp8 NoPE included: only the drawn inputs reach it)."""
     max_rows = max(scenario.topk_indices.shape[0], 1) if max_rows is None else max_rows
     step = prepared(impl, scenario, layout, max_rows=max_rows)
     c_rows = c_rows_planned(step)
@@ -67,17 +69,20 @@ def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None)
     log.kernel_ran()
     problems = state_matches_step(state, step)
     assert not problems, f"{step.context()}: " + "; ".join(problems)
-    assert_within_budget(step, compare_with_references(step, inputs, out, lse), features.version)
+    comparisons = compare_with_references(step, inputs, out, lse)
+    if node is not None:
+        record_errors(node, step, comparisons, label="input space")
+    assert_within_budget(step, comparisons, features.version)
     del inputs
     return state
 
 
 @pytest.mark.parametrize(("case", "layout"), GPU_CASES)
-def test_drawn_production_inputs_through_the_kernel(impl, features, regime_log, case, layout):
+def test_drawn_production_inputs_through_the_kernel(impl, features, regime_log, case, layout, request):
     """A combined case of the production input space: the kernel's output within the error
     budget of the references over the planned selection."""
     record_input(classify(case.spec, layout))
-    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), layout, regime_log)
+    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), layout, regime_log, node=request.node)
 
 
 class EvolvingBatchOnGPU(EvolvingBatch):
