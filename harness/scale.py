@@ -32,6 +32,7 @@ import torch
 from mla_constants import TOPK
 
 from .cases import LONG_CTX, LONG_CTX_128K, VARIANTS, KernelConfig, regime_contexts
+from .memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory
 from .plan_limits import REPO_ROOT, child_env, exceeds_work_capacity
 from .scenario import BatchSpec, Scenario, batch, build_scenario
 
@@ -215,7 +216,18 @@ def run_case_in_child(
     case: ScaleCase, impl_spec: str, seed: int = SCALE_SEED, timeout: float = CHILD_TIMEOUT_S
 ) -> dict:
     """:func:`check_scale_case` in a child process: its result, or ``crashed`` / ``timeout``
-    with the last stage reached (and the regimes, once the scenario was built)."""
+    with the last stage reached (and the regimes, once the scenario was built). A child that
+    ran out of GPU memory is made again in a fresh one (:mod:`harness.memory_retry`)."""
+    result, made_again = retried_when_out_of_gpu_memory(
+        lambda: _case_in_one_child(case, impl_spec, seed, timeout), lambda r: bool(r.get("out_of_gpu_memory")))
+    if made_again:
+        result["memory_retries"] = made_again
+        result["detail"] = (result.get("detail") or "") + (
+            f" (made {made_again + 1} times: out of GPU memory, other processes holding it, before)")
+    return result
+
+
+def _case_in_one_child(case: ScaleCase, impl_spec: str, seed: int, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "harness.scale", "--case", case.id, "--impl", impl_spec, "--seed", str(seed)]
     started = time.perf_counter()
     try:
@@ -232,6 +244,7 @@ def run_case_in_child(
     regimes = next((s.get("regimes") for s in stages if s.get("regimes")), {})
     tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-4:])[-600:]
     return {"case": case.id, "rows": case.rows, "regimes": regimes, "stage": stages[-1]["stage"] if stages else None,
+            "out_of_gpu_memory": code is not None and out_of_gpu_memory(stderr),
             "outcome": "timeout" if code is None else "crashed",
             "detail": (f"no result within {timeout:.0f} s" if code is None else f"child exited with {code}") +
                       (f" at stage {stages[-1]['stage']}" if stages else "") + (f": {tail}" if tail else "")}

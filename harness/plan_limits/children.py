@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 
+from ..memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory
 from .search import PLAN_WIDTH, Attempt
 
 PLAN_TIMEOUT_S = 240.0  # the first plan of a fresh JIT cache builds the kernel module
@@ -42,7 +43,17 @@ def _died(kind: str, n: int, heads: int, returncode, stderr: str, stage: str | N
     where = f" at stage {stage}" if stage else ""
     tail = " | ".join(line.strip() for line in stderr.strip().splitlines()[-4:])[-600:]
     return Attempt(kind, n, heads, "crashed", f"child exited with {returncode}{where}: {tail}", seconds,
-                   {"returncode": returncode, "stage": stage})
+                   {"returncode": returncode, "stage": stage, "out_of_gpu_memory": out_of_gpu_memory(stderr)})
+
+
+def _with_memory_retries(run) -> Attempt:
+    """A rows attempt (``run()``: one fresh child each time), made again where it ran out of GPU
+    memory (:mod:`harness.memory_retry`); the retries are named in its detail."""
+    attempt, made_again = retried_when_out_of_gpu_memory(run, lambda a: bool(a.extra.get("out_of_gpu_memory")))
+    if made_again:
+        attempt.extra["memory_retries"] = made_again
+        attempt.detail += f" (made {made_again + 1} times: out of GPU memory, other processes holding it, before)"
+    return attempt
 
 
 class PlanWorker:
@@ -126,12 +137,16 @@ def run_rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, seed: int = 0,
     """A rows attempt in a fresh child: its RESULT, or how the child died (with the last stage
     it reached and its stderr tail), or a timeout."""
     cmd = command or child_command("--rows", str(n), "--heads", str(heads), "--width", str(width), "--seed", str(seed))
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=child_env())
-    except subprocess.TimeoutExpired as exc:
-        return _rows_timeout(n, heads, timeout, start, exc.stdout)
-    return _rows_outcome(n, heads, proc.returncode, proc.stdout, proc.stderr, start)
+
+    def once() -> Attempt:
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=child_env())
+        except subprocess.TimeoutExpired as exc:
+            return _rows_timeout(n, heads, timeout, start, exc.stdout)
+        return _rows_outcome(n, heads, proc.returncode, proc.stdout, proc.stderr, start)
+
+    return _with_memory_retries(once)
 
 
 class WarmRowsChildren:
@@ -151,17 +166,22 @@ class WarmRowsChildren:
 
     def attempt(self, n: int, heads: int, width: int = PLAN_WIDTH, seed: int = 0,
                 timeout: float = ROWS_TIMEOUT_S) -> Attempt:
-        """:func:`run_rows_attempt` in a waiting child; ``timeout`` counts from now."""
-        with self.lock:
-            proc = self.waiting.pop(0) if self.waiting else self._start()
-        start = time.perf_counter()
-        try:
-            stdout, stderr = proc.communicate(f"{n} {heads} {width} {seed}\n", timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, _ = proc.communicate()
-            return _rows_timeout(n, heads, timeout, start, stdout)
-        return _rows_outcome(n, heads, proc.returncode, stdout, stderr, start)
+        """:func:`run_rows_attempt` in a waiting child (made again in fresh ones where it ran out
+        of GPU memory); ``timeout`` counts from each start."""
+
+        def once() -> Attempt:
+            with self.lock:
+                proc = self.waiting.pop(0) if self.waiting else self._start()
+            start = time.perf_counter()
+            try:
+                stdout, stderr = proc.communicate(f"{n} {heads} {width} {seed}\n", timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, _ = proc.communicate()
+                return _rows_timeout(n, heads, timeout, start, stdout)
+            return _rows_outcome(n, heads, proc.returncode, stdout, stderr, start)
+
+        return _with_memory_retries(once)
 
     def close(self) -> None:
         with self.lock:

@@ -212,6 +212,7 @@ def test_rows_attempt_names_the_stage_a_dead_child_reached():
             'os._exit(1)\n')
     attempt = run_rows_attempt(9, 128, command=fake_rows_child(body), timeout=30)
     assert attempt.outcome == "crashed" and attempt.extra["stage"] == "run"
+    assert "memory_retries" not in attempt.extra  # a crash, not a memory shortage: made once
     assert "illegal memory access" in attempt.detail and attempt.rows == 9 and attempt.heads == 128
 
 
@@ -219,6 +220,42 @@ def test_rows_attempt_times_out():
     body = 'print("STAGE " + json.dumps({"stage": "judge"}), flush=True)\ntime.sleep(60)\n'
     attempt = run_rows_attempt(3, 16, command=fake_rows_child(body), timeout=2)
     assert attempt.outcome == "timeout" and attempt.extra["stage"] == "judge"
+
+
+#: A rows child that runs out of GPU memory the first ``{fails}`` times (counted in ``{marker}``).
+OUT_OF_MEMORY_CHILD = """
+from pathlib import Path
+marker = Path({marker!r})
+tries = int(marker.read_text()) + 1 if marker.exists() else 1
+marker.write_text(str(tries))
+print("STAGE " + json.dumps({{"stage": "judge"}}), flush=True)
+if tries <= {fails}:
+    sys.stderr.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB. "
+                     "Process 3732 has 15.41 GiB memory in use.\\n")
+    sys.stderr.flush()
+    os._exit(1)
+print("RESULT " + json.dumps({{"kind": "rows", "rows": 5, "heads": 16, "outcome": "right"}}), flush=True)
+"""
+
+
+def test_a_rows_child_that_ran_out_of_gpu_memory_is_made_again(tmp_path, monkeypatch):
+    """The other workers' tests can hold the GPU's memory for a while: an attempt that ran out
+    of it is made again in a fresh child; one that runs out every time ends as it did, its
+    retries named (a memory problem of the code under test still shows)."""
+    import harness.memory_retry
+
+    monkeypatch.setattr(harness.memory_retry, "OOM_PAUSE_S", 0.0)
+    once = fake_rows_child(OUT_OF_MEMORY_CHILD.format(marker=str(tmp_path / "once"), fails=1))
+    attempt = run_rows_attempt(5, 16, command=once, timeout=30)
+    assert attempt.outcome == "right" and attempt.extra["memory_retries"] == 1, attempt
+    assert "made 2 times: out of GPU memory" in attempt.detail
+    always = fake_rows_child(OUT_OF_MEMORY_CHILD.format(marker=str(tmp_path / "always"), fails=99))
+    with WarmRowsChildren(1, command=always) as rows:
+        attempt = rows.attempt(5, 16, timeout=30)
+    assert attempt.outcome == "crashed" and attempt.extra["stage"] == "judge", attempt
+    assert attempt.extra["memory_retries"] == harness.memory_retry.OOM_RETRIES
+    assert (tmp_path / "always").read_text() == str(harness.memory_retry.OOM_RETRIES + 1)
+    assert "made 3 times: out of GPU memory" in attempt.detail, attempt.detail
 
 
 WARM_ROWS_CHILD = r"""

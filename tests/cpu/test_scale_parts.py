@@ -372,6 +372,26 @@ def test_a_scale_child_that_dies_is_reported_with_its_stage_and_regimes(child_on
     assert result["outcome"] == "crashed" and result["stage"] == "selection", result
     assert result["regimes"] == {"G": 1}
     assert "exited with 3 at stage selection" in result["detail"] and "illegal memory access" in result["detail"]
+    assert "memory_retries" not in result  # a crash, not a memory shortage: made once
+
+
+def test_a_scale_child_that_ran_out_of_gpu_memory_is_made_again(monkeypatch):
+    """Another worker's test held the memory: the case runs again in a fresh child, and the
+    result says so; a child that runs out every time is reported as it ended."""
+    import harness.memory_retry
+    import harness.scale
+
+    monkeypatch.setattr(harness.memory_retry, "OOM_PAUSE_S", 0.0)
+    out_of_memory = {"outcome": "crashed", "stage": "judge", "detail": "child exited with 1 at stage judge: "
+                     "torch.OutOfMemoryError: CUDA out of memory", "out_of_gpu_memory": True}
+    results = [dict(out_of_memory), {"outcome": "right", "detail": "every row within budget"}]
+    monkeypatch.setattr(harness.scale, "_case_in_one_child", lambda *args: results.pop(0))
+    result = run_case_in_child(case_by_id("rows1-kpool4-bf16-rope64-h16"), "fast.impl:default_impl")
+    assert result["outcome"] == "right" and result["memory_retries"] == 1 and "made 2 times" in result["detail"]
+    monkeypatch.setattr(harness.scale, "_case_in_one_child", lambda *args: dict(out_of_memory))
+    result = run_case_in_child(case_by_id("rows1-kpool4-bf16-rope64-h16"), "fast.impl:default_impl")
+    assert result["outcome"] == "crashed" and result["memory_retries"] == harness.memory_retry.OOM_RETRIES
+    assert "CUDA out of memory" in result["detail"] and "made 3 times" in result["detail"]
 
 
 def test_a_scale_child_reports_a_refusal_at_plan(child_on_this_device):
