@@ -48,3 +48,16 @@ def flashinfer_warnings(request):
     new = distinct_warnings(start)
     if new:
         request.node.user_properties.append((WARNING_KEY, new))
+
+
+@pytest.fixture(autouse=True)
+def large_cases_give_their_memory_back(request):
+    """After a case marked ``gpu_large``, the GPU memory this worker's allocator cached for it
+    goes back to the driver: under xdist every worker shares the GPU, and the other workers'
+    largest cases (children of their own) need it while this worker runs small ones."""
+    yield
+    if request.node.get_closest_marker("gpu_large"):
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
