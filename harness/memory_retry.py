@@ -43,3 +43,10 @@ def retried_when_out_of_gpu_memory(
         sleep(pause)
         result, made_again = run(), made_again + 1
     return result, made_again
+
+
+def retries_note(made_again: int) -> str:
+    """What an attempt's detail says of its retries ("" where it was made once)."""
+    if not made_again:
+        return ""
+    return f" (made {made_again + 1} times: out of GPU memory, other processes holding it, before)"

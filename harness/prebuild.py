@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chosen = [variant_by_name(args.variant)] if args.variant else list(KERNEL_VARIANTS)
     if args.only_missing:
-        chosen = [v for v in chosen if v in missing_variants(flashinfer_jit_dir())]
+        missing = missing_variants(flashinfer_jit_dir())
+        chosen = [v for v in chosen if v in missing]
         if not chosen:
             print("harness.prebuild: the JIT cache holds every variant built; nothing to build", flush=True)
             return 0

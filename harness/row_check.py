@@ -25,7 +25,7 @@ import torch
 
 from mla_constants import INVALID
 from reference import sparse_mla_reference
-from reference.budget import LSE_ULPS, allowed_errors, element_errors, finite_mismatch
+from reference.budget import LSE_ULPS, allowed_errors, check_same_shapes, element_errors, finite_mismatch
 
 #: Output elements (rows x heads x 512) whose references one chunk computes: 2**26 float64
 #: values are 512 MiB, and the comparison holds a few tensors of that size at once.
@@ -93,10 +93,7 @@ def row_errors(
     """The policy of :func:`reference.budget.compare_to_budget` for every row (dim 0) of
     ``actual [N, H, ...]`` on its own, computed in float64 on ``truth``'s device; ``ulps`` raises
     the row's floor by that many float32 ulps of the row's largest finite ``|truth|``."""
-    if actual.shape != truth.shape or lowp.shape != truth.shape:
-        raise ValueError(
-            f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}"
-        )
+    check_same_shapes(name, actual, truth, lowp)
     n = truth.shape[0]
     a, t, lo = (
         x.detach().to(device=truth.device, dtype=torch.float64).reshape(n, truth.shape[1] if truth.dim() > 1 else 1, -1)

@@ -32,7 +32,7 @@ import torch
 from mla_constants import TOPK
 
 from .cases import LONG_CTX, LONG_CTX_128K, VARIANTS, KernelConfig, regime_contexts
-from .memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory
+from .memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory, retries_note
 from .plan_limits import REPO_ROOT, child_env, exceeds_work_capacity
 from .scenario import BatchSpec, Scenario, batch, build_scenario
 
@@ -222,8 +222,7 @@ def run_case_in_child(
         lambda: _case_in_one_child(case, impl_spec, seed, timeout), lambda r: bool(r.get("out_of_gpu_memory")))
     if made_again:
         result["memory_retries"] = made_again
-        result["detail"] = (result.get("detail") or "") + (
-            f" (made {made_again + 1} times: out of GPU memory, other processes holding it, before)")
+        result["detail"] = (result.get("detail") or "") + retries_note(made_again)
     return result
 
 

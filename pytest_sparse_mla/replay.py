@@ -90,9 +90,12 @@ def dump_summary_lines(directory: str, dumps: list[dict]) -> list[str]:
     lines = [f"--dump-failures={directory}: {len(written)} failing cases written "
              f"({sum(d.get('bytes', 0) for d in written) / 1e6:.1f} MB); writing and shrinking took {seconds:.1f} s "
              f"after the tests' own time (longest: {longest['nodeid'].split('::', 1)[-1]}, {longest['seconds']:.1f} s)"]
-    unwritten = len(dumps) - len(written)
+    unwritten = sum(1 for d in dumps if d.get("problem"))
     if unwritten:
-        lines.append(f"  {unwritten} failing cases could not be written (see their failure messages)")
+        lines.append(f"  {unwritten} failing cases could not be written (their failure messages say why)")
+    nothing = len(dumps) - len(written) - unwritten
+    if nothing:
+        lines.append(f"  {nothing} failing tests checked no differential case to write")
     return lines
 
 
@@ -300,7 +303,8 @@ def pytest_runtest_makereport(item, call):
         path, problem = None, f"could not write the failing case under --dump-failures: {exc!r}"
     seconds = time.perf_counter() - started
     size = os.path.getsize(path) if path and os.path.exists(path) else 0
-    report.user_properties.append((DUMP_KEY, {"path": path, "bytes": size, "seconds": round(seconds, 2)}))
+    report.user_properties.append((DUMP_KEY, {"path": path, "problem": problem, "bytes": size,
+                                              "seconds": round(seconds, 2)}))
     if path:
         _append_to_failure(report, f"failing case written to {path} ({size / 1e3:.0f} KB, written and shrunk in "
                                    f"{seconds:.1f} s)\nreplay: pytest --replay={shlex.quote(path)}")

@@ -58,6 +58,14 @@ def finite_mismatch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (torch.isinf(a) | torch.isinf(b)) & (a != b)
 
 
+def check_same_shapes(name: str, actual: torch.Tensor, truth: torch.Tensor, lowp: torch.Tensor) -> None:
+    """A ``ValueError`` naming the three shapes unless they are one."""
+    if actual.shape != truth.shape or lowp.shape != truth.shape:
+        raise ValueError(
+            f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}"
+        )
+
+
 def element_errors(
     a: torch.Tensor, t: torch.Tensor, lo: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,10 +141,7 @@ def compare_to_budget(
     raises the absolute floor by that many float32 ulps of max|truth| (LSE: ``LSE_ULPS``).
     Computed in float64 on ``truth``'s device; only the summary numbers and the worst rows
     come back to the host."""
-    if actual.shape != truth.shape or lowp.shape != truth.shape:
-        raise ValueError(
-            f"{name}: shapes differ: actual {tuple(actual.shape)}, truth {tuple(truth.shape)}, lowp {tuple(lowp.shape)}"
-        )
+    check_same_shapes(name, actual, truth, lowp)
     max_factor, mean_factor = FACTORS[kv_dtype]
     a, t, lo = (x.detach().to(device=truth.device, dtype=torch.float64) for x in (actual, truth, lowp))
     sums, err = _error_sums(a, t, lo)

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 
-from ..memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory
+from ..memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory, retries_note
 from .search import PLAN_WIDTH, Attempt
 
 PLAN_TIMEOUT_S = 240.0  # the first plan of a fresh JIT cache builds the kernel module
@@ -52,7 +52,7 @@ def _with_memory_retries(run) -> Attempt:
     attempt, made_again = retried_when_out_of_gpu_memory(run, lambda a: bool(a.extra.get("out_of_gpu_memory")))
     if made_again:
         attempt.extra["memory_retries"] = made_again
-        attempt.detail += f" (made {made_again + 1} times: out of GPU memory, other processes holding it, before)"
+        attempt.detail += retries_note(made_again)
     return attempt
 
 

@@ -103,6 +103,26 @@ def test_passing_cases_and_runs_without_the_option_write_nothing(pytester, tmp_p
     assert result.ret == 1 and not any("replay: pytest --replay" in line for line in result.outlines)
 
 
+def test_the_dump_summary_tells_written_unwritable_and_nothing_to_write_apart():
+    from pytest_sparse_mla.replay import dump_summary_lines
+
+    dumps = [
+        {"nodeid": "tests/x.py::test_a[big]", "path": "D/a.safetensors", "problem": None, "bytes": 2_500_000,
+         "seconds": 41.0},
+        {"nodeid": "tests/x.py::test_b", "path": "D/b.recipe.json", "problem": None, "bytes": 1_500, "seconds": 0.2},
+        {"nodeid": "tests/x.py::test_c", "path": None, "problem": "could not write ...: OSError()", "bytes": 0,
+         "seconds": 0.1},
+        {"nodeid": "tests/x.py::test_limits", "path": None, "problem": None, "bytes": 0, "seconds": 0.0},
+    ]
+    assert dump_summary_lines("D", dumps) == [
+        "--dump-failures=D: 2 failing cases written (2.5 MB); writing and shrinking took 41.3 s after the tests' "
+        "own time (longest: test_a[big], 41.0 s)",
+        "  1 failing cases could not be written (their failure messages say why)",
+        "  1 failing tests checked no differential case to write",
+    ]
+    assert dump_summary_lines("D", []) == ["--dump-failures=D: no failing case written"]
+
+
 # --- the CPU journey: dump, shrink, replay with and without the bug, standalone reproducer ---
 
 MAX_FIXTURE_BYTES = 2_000_000
