@@ -32,6 +32,11 @@ So the package folder and the cache keep fixed paths (--work, --jit-cache), ever
 gets one fixed modification time (INSTALL_MTIME), and a restored cache must keep its mtimes
 (tar does; never touch it).
 
+The installed package is compiled to bytecode once, after its mtimes are set, as a plain
+`pip install` does: where PYTHONDONTWRITEBYTECODE is set (as on many GPU images) Python never
+writes it at import, and every process that imports FlashInfer (each xdist worker, each child
+process of the scale and plan-limit cases) would compile the package again.
+
 The runner is also a pytest plugin (`-p gpu_runner`, with this folder on PYTHONPATH): it
 marks each test carrying the `gpu` marker with a junit property, so the table can say how
 many GPU tests ran.
@@ -40,6 +45,7 @@ many GPU tests ran.
 from __future__ import annotations
 
 import argparse
+import compileall
 import hashlib
 import json
 import os
@@ -251,11 +257,17 @@ def set_mtimes(root: Path, mtime: int = INSTALL_MTIME) -> None:
             os.utime(os.path.join(dirpath, name), (mtime, mtime), follow_symlinks=False)
 
 
+def compile_bytecode(site: Path) -> None:
+    """Write the bytecode of every module under site (timestamp pycs: valid while the sources
+    keep INSTALL_MTIME). A module that does not compile is left to fail at import, if ever."""
+    compileall.compile_dir(str(site), quiet=2, workers=os.cpu_count() or 1)
+
+
 def install(files: list[Path], site: Path) -> None:
     """pip install --no-index --no-deps into site (kept when the same wheels are there already),
-    every file stamped with INSTALL_MTIME."""
+    every file stamped with INSTALL_MTIME, then compiled to bytecode."""
     stamp_file = site / ".gpu-runner-stamp"
-    stamp = stamp_of(files)
+    stamp = stamp_of(files) + "+pyc"
     if stamp_file.exists() and stamp_file.read_text() == stamp:
         return
     shutil.rmtree(site, ignore_errors=True)
@@ -264,6 +276,7 @@ def install(files: list[Path], site: Path) -> None:
                     "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), *map(str, files)],
                    check=True, env=dict(os.environ, PIP_ROOT_USER_ACTION="ignore"))
     set_mtimes(site)
+    compile_bytecode(site)
     stamp_file.write_text(stamp)
 
 

@@ -118,6 +118,19 @@ def test_wheel_folders_and_fixed_mtimes(tmp_path):
     assert {int(os.stat(f).st_mtime) for f in tmp_path.rglob("*.whl")} == {runner.INSTALL_MTIME}
 
 
+def test_installed_modules_get_bytecode_that_stays_valid_at_the_fixed_mtime(tmp_path):
+    """Python checks a timestamp pyc against its source's mtime and size: the bytecode is written
+    after the mtimes are fixed, so imports use it where PYTHONDONTWRITEBYTECODE forbids writing."""
+    source = tmp_path / "pkg" / "mod.py"
+    source.parent.mkdir()
+    source.write_text("VALUE = 1\n")
+    runner.set_mtimes(tmp_path)
+    runner.compile_bytecode(tmp_path)
+    header = Path(importlib.util.cache_from_source(str(source))).read_bytes()[:16]
+    assert header[:4] == importlib.util.MAGIC_NUMBER and int.from_bytes(header[4:8], "little") == 0
+    assert int.from_bytes(header[8:12], "little") == runner.INSTALL_MTIME == int(source.stat().st_mtime)
+
+
 def test_extra_arguments_name_a_folder_per_run():
     extra = ["--record-baseline=base/{release}-{phase}", "-k", "not slow"]
     assert runner.expand_placeholders(extra, "0.7.4", "cold") == ["--record-baseline=base/0.7.4-cold", "-k", "not slow"]
