@@ -258,18 +258,11 @@ def set_mtimes(root: Path, mtime: int = INSTALL_MTIME) -> None:
 
 def compile_bytecode(site: Path) -> None:
     """Write the bytecode of every module under site (timestamp pycs: valid while the sources
-    keep their mtimes). A module that does not compile is left to fail at import, if ever; the
+    keep INSTALL_MTIME). A module that does not compile is left to fail at import, if ever; the
     SyntaxWarnings of the example scripts some wheels ship are not shown."""
-    compileall = ["-W", "ignore::SyntaxWarning", "-m", "compileall", "-q", "-q", "-j", "0", str(site)]
-    subprocess.run([sys.executable, *compileall], env=dict(os.environ, PYTHONWARNINGS="ignore::SyntaxWarning"),
-                   stdout=subprocess.DEVNULL)
-
-
-def settle_installed_files(site: Path) -> None:
-    """Every file under site stamped with INSTALL_MTIME, then the bytecode written: in that
-    order, or the pycs would record the installation's mtimes and never be used."""
-    set_mtimes(site)
-    compile_bytecode(site)
+    quiet = ["-W", "ignore::SyntaxWarning", "-m", "compileall", "-q", "-q", "-j", "0"]
+    subprocess.run([sys.executable, *quiet, str(site)],
+                   env=dict(os.environ, PYTHONWARNINGS="ignore::SyntaxWarning"), stdout=subprocess.DEVNULL)
 
 
 def install(files: list[Path], site: Path) -> None:
@@ -284,7 +277,8 @@ def install(files: list[Path], site: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), *map(str, files)],
                    check=True, env=dict(os.environ, PIP_ROOT_USER_ACTION="ignore"))
-    settle_installed_files(site)
+    set_mtimes(site)
+    compile_bytecode(site)
     stamp_file.write_text(stamp)
 
 

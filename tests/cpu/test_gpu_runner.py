@@ -118,13 +118,28 @@ def test_wheel_folders_and_fixed_mtimes(tmp_path):
     assert {int(os.stat(f).st_mtime) for f in tmp_path.rglob("*.whl")} == {runner.INSTALL_MTIME}
 
 
-def test_installed_modules_get_bytecode_that_stays_valid_at_the_fixed_mtime(tmp_path):
-    """Python checks a timestamp pyc against its source's mtime and size: the bytecode is written
-    after the mtimes are fixed, so imports use it where PYTHONDONTWRITEBYTECODE forbids writing."""
-    source = tmp_path / "pkg" / "mod.py"
-    source.parent.mkdir()
-    source.write_text("VALUE = 1\n")
-    runner.settle_installed_files(tmp_path)
+def test_an_installed_module_gets_bytecode_that_stays_valid_at_the_fixed_mtime(tmp_path, monkeypatch):
+    """Python checks a timestamp pyc against its source's mtime: ``install`` must write the
+    bytecode after it fixes the mtimes, so that imports use it where PYTHONDONTWRITEBYTECODE
+    forbids writing. pip is replaced by a stand-in that installs one module."""
+    import subprocess
+
+    real_run = subprocess.run
+
+    def run(cmd, **kwargs):
+        if cmd[1:3] == ["-m", "pip"]:
+            site = Path(cmd[cmd.index("--target") + 1])
+            (site / "pkg").mkdir(parents=True)
+            (site / "pkg" / "mod.py").write_text("VALUE = 1\n")
+            return subprocess.CompletedProcess(cmd, 0)
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(runner.subprocess, "run", run)
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    wheel.write_text("x")
+    site = tmp_path / "site"
+    runner.install([wheel], site)
+    source = site / "pkg" / "mod.py"
     header = Path(importlib.util.cache_from_source(str(source))).read_bytes()[:16]
     assert header[:4] == importlib.util.MAGIC_NUMBER and int.from_bytes(header[4:8], "little") == 0
     assert int.from_bytes(header[8:12], "little") == runner.INSTALL_MTIME == int(source.stat().st_mtime)
