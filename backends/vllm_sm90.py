@@ -1,0 +1,186 @@
+"""vLLM's SM90 sparse-MLA backend, driven as the engine drives it.
+
+One :class:`VllmLayer` is one attention layer of one vLLM release: vLLM's
+``FlashInferMLASparseSM90Impl`` and ``FlashInferMLASparseSM90Builder`` constructed from a
+configuration the suite builds per case (:class:`LayerConfig`), sharing one top-k buffer. A
+step is what the engine does each forward:
+
+1. ``build(cam)``: vLLM's ``build()`` (its ``_kv_lens_host``, the dense-MHA cut, its
+   ``_SM90State.plan``: a fresh plan, a kept plan or a replan, then on 0.32 and later the
+   device clamp of every work item's kv_end);
+2. the indexer's rows written into the shared top-k buffer;
+3. ``forward(q_nope, q_pe, kv_cache, metadata)``: vLLM's ``forward_mqa`` (its convert kernel,
+   its layout of kv_indices, FlashInfer's ``run``).
+
+:meth:`VllmLayer.schedule` reads FlashInfer's schedule back after ``build`` (what the kernel
+executes; ``backends.fa3_schedule``). Two designs ship: ``exact`` (0.30: exact host lengths,
+a plan every step, the strided layout) and ``bounded`` (0.32 to 0.34: host upper bounds plus
+32 tokens of slack, a plan kept while the bounds fit, the device clamp, packed indices); the
+design is read from the loaded module, not from its version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from mla_constants import KV_LORA_RANK
+
+from . import fa3_schedule
+from .vllm_shims import load_sm90_module, stand_ins_in_use
+from .vllm_source import VllmSource
+
+LAYER_NAME = "model.layers.0.self_attn.attn"
+#: vLLM's kv_cache_dtype string and the torch dtype of its cache tensor (fp8 is uint8 storage).
+CACHE_DTYPES = {"bfloat16": ("auto", torch.bfloat16), "float8_e4m3fn": ("fp8", torch.uint8)}
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    num_heads: int
+    rope_dim: int  # 64 or 0 (NoPE)
+    kv_dtype: str  # "bfloat16" or "float8_e4m3fn"
+    k_scale: float
+    sm_scale: float
+    topk: int
+    kpool: int
+    width: int  # the top-k buffer's width
+    block_size: int
+    max_tokens: int  # max_num_batched_tokens: rows the state's buffers hold
+    async_scheduling: bool = False
+    adaptive_verification: bool = False
+
+
+@dataclass
+class StepCommonMetadata:
+    """The step's ``CommonAttentionMetadata`` as vLLM's builder reads it (device tensors where
+    the engine keeps them on the device), plus the decode/prefill split the common builder
+    derives (``num_decodes`` ...) and the token rows incl. CUDA-graph padding."""
+
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor  # int32 [num_reqs], device
+    seq_lens_cpu_upper_bound: torch.Tensor | None
+    positions: torch.Tensor | None  # int64, device
+    block_table_tensor: torch.Tensor  # int32 [num_reqs, table width], device
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    req_id_rows: int  # token rows incl. padding
+    seq_lens_host: torch.Tensor  # the exact seq_lens, for the routing stand-in
+
+
+def common_metadata(meta, block_table: torch.Tensor, rows_with_padding: int, device) -> StepCommonMetadata:
+    """The step's common metadata on ``device`` from the project's step metadata (the fields
+    of ``harness.spec.StepMetadata``)."""
+    qsl = meta.query_start_loc_cpu.to(torch.int32)
+    return StepCommonMetadata(
+        num_reqs=meta.num_reqs,
+        num_actual_tokens=meta.num_actual_tokens,
+        query_start_loc=qsl.to(device),
+        query_start_loc_cpu=qsl,
+        seq_lens=meta.seq_lens.to(torch.int32).to(device),
+        seq_lens_cpu_upper_bound=meta.seq_lens_cpu_upper_bound,
+        positions=None if meta.positions is None else meta.positions.to(device),
+        block_table_tensor=block_table.to(torch.int32).to(device),
+        num_decodes=meta.num_decodes,
+        num_decode_tokens=meta.num_decode_tokens,
+        num_prefills=meta.num_prefills,
+        req_id_rows=rows_with_padding,
+        seq_lens_host=meta.seq_lens.to("cpu"),
+    )
+
+
+class VllmSM90Backend:
+    """One vLLM release's SM90 backend, loaded from ``source``."""
+
+    def __init__(self, source: VllmSource):
+        self.source = source
+        self.module = load_sm90_module(source)
+        self.version = source.version
+        self.name = f"vllm-{source.version}"
+        state_cls = self.module._SM90State
+        self.design = "bounded" if hasattr(state_cls, "_clamp_kv_end") else "exact"
+
+    def describe(self) -> str:
+        return (f"{self.source.describe()}: SM90 sparse backend, {self.design} design; "
+                f"stand-ins: {', '.join(n for n in stand_ins_in_use() if n.startswith('vllm'))}")
+
+    def layer(self, config: LayerConfig, device) -> VllmLayer:
+        return VllmLayer(self, config, torch.device(device))
+
+
+def _vllm_config(config: LayerConfig, layer) -> SimpleNamespace:
+    hf = SimpleNamespace(index_topk=config.topk, index_kpool=config.kpool, kv_lora_rank=KV_LORA_RANK,
+                         qk_rope_head_dim=config.rope_dim)
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context={LAYER_NAME: layer}),
+        model_config=SimpleNamespace(hf_text_config=hf),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=config.max_tokens,
+                                         async_scheduling=config.async_scheduling),
+        speculative_config=SimpleNamespace(enable_adaptive_verification=config.adaptive_verification),
+    )
+
+
+class VllmLayer:
+    """vLLM's impl and builder for one layer configuration; steps share its state."""
+
+    def __init__(self, backend: VllmSM90Backend, config: LayerConfig, device: torch.device):
+        m = backend.module
+        self.backend, self.config, self.device = backend, config, device
+        cache_dtype, self.cache_torch_dtype = CACHE_DTYPES[config.kv_dtype]
+        self.topk_indices_buffer = torch.full((config.max_tokens, config.width), -1, dtype=torch.int32, device=device)
+        head_size = KV_LORA_RANK + config.rope_dim
+        self.impl = m.FlashInferMLASparseSM90Impl(
+            config.num_heads, head_size, config.sm_scale, 1, None, None, cache_dtype, None, "decoder", None,
+            topk_indices_buffer=self.topk_indices_buffer, indexer=None, q_lora_rank=None,
+            kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=config.rope_dim,
+            qk_head_dim=128 + config.rope_dim, v_head_dim=128, kv_b_proj=None,
+        )
+        # The attention layer: its k_scale, and the Hopper routing of prefills to dense MHA that
+        # the common builder's stand-in decided.
+        self.attention_layer = SimpleNamespace(
+            impl=self.impl, _k_scale_float=config.k_scale,
+            _use_sparse_mha=lambda metadata: bool(metadata.prefill_use_dense_mha),
+        )
+        spec = SimpleNamespace(dtype=self.cache_torch_dtype, block_size=config.block_size,
+                               tokens_per_state=config.kpool)
+        self.builder = m.FlashInferMLASparseSM90Builder(spec, [LAYER_NAME], _vllm_config(config, self.attention_layer),
+                                                        device)
+        self.state = self.builder.state
+
+    # --- one step -----------------------------------------------------------------------
+
+    def host_lengths(self, cam: StepCommonMetadata) -> tuple[int, torch.Tensor, bool]:
+        """vLLM's ``_kv_lens_host``: (rows, host lengths, whether they are exact). The exact
+        design's lengths are always exact."""
+        result = self.builder._kv_lens_host(cam)
+        if len(result) == 2:
+            return result[0], result[1], True
+        return result
+
+    def build(self, cam: StepCommonMetadata):
+        return self.builder.build(0, cam)
+
+    def write_topk(self, topk_indices: torch.Tensor) -> None:
+        """The indexer's rows into the shared top-k buffer (rows past them keep what they held)."""
+        self.topk_indices_buffer[: topk_indices.shape[0]].copy_(topk_indices.to(self.device))
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, metadata) -> torch.Tensor:
+        """vLLM's ``forward_mqa`` on ``kv_cache [num_blocks, block_size, 512 + R]`` (an fp8
+        cache is handed over as vLLM holds it: uint8 storage)."""
+        cache = kv_cache.view(self.cache_torch_dtype) if kv_cache.dtype != self.cache_torch_dtype else kv_cache
+        q_rope = q_pe.reshape(q_pe.shape[0], -1)
+        out, _ = self.impl.forward_mqa((q_nope, q_rope), cache, metadata, self.attention_layer)
+        return out
+
+    def schedule(self) -> fa3_schedule.Schedule:
+        return fa3_schedule.read_schedule(self.state.wrapper)
+
+    def planned_lengths(self, num_rows: int) -> torch.Tensor:
+        """The host lengths of the plan in force (before any clamp)."""
+        return self.state._lens_cpu[:num_rows].clone()

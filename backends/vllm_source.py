@@ -1,0 +1,199 @@
+"""Where vLLM's code under test comes from: ``--vllm=PATH``.
+
+PATH is one of
+
+- a vLLM wheel file (``vllm-0.33.0-cp38-abi3-....whl``): the files the suite needs
+  (:data:`SLICE_FILES`) are extracted once into a cache folder keyed by the wheel's name and
+  size, and loaded from there;
+- a folder holding the ``vllm`` package (an unpacked wheel, a source checkout, or a slice this
+  module wrote), or the ``vllm`` package folder itself;
+- ``installed``: the ``vllm`` package the interpreter would import.
+
+A wheel is 240-340 MB and a GPU runner may receive only a few tens of MB, so
+``python3 -m backends.vllm_source slice WHEEL -o DIR`` writes the slice: the modules the SM90
+backend's code under test is read from, FlashMLA's compiled kernels when the wheel has them, and
+the wheel's METADATA (the release's version). ``--vllm=DIR`` then loads from the slice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+#: vLLM's modules the suite executes as they ship (the code under test and the launch
+#: machinery of its Triton kernels), relative to the folder that holds ``vllm/``.
+MODULE_FILES = (
+    "vllm/v1/attention/backends/mla/flashinfer_mla_sparse_sm90.py",
+    "vllm/v1/attention/backends/mla/sparse_utils.py",
+    "vllm/model_executor/warmup/jit_warmup.py",
+    "vllm/model_executor/warmup/jit_warmup_triton_helper.py",
+    "vllm/utils/math_utils.py",
+)
+#: Compiled kernels a slice carries when the wheel has them (FlashMLA's sparse kernels).
+OPTIONAL_FILES = ("vllm/_flashmla_C.abi3.so", "vllm/_flashmla_extension_C.abi3.so")
+SLICE_FILES = MODULE_FILES + OPTIONAL_FILES
+#: The file a slice keeps the release's version in (the wheel's METADATA, unchanged).
+SLICE_METADATA = "vllm-slice.METADATA"
+
+
+class VllmSourceError(ValueError):
+    """``--vllm`` names nothing the suite can load vLLM's backend from."""
+
+
+@dataclass(frozen=True)
+class VllmSource:
+    root: Path  # the folder holding vllm/
+    version: str  # the release, e.g. "0.33.0"
+    origin: str  # what the user named, for reports
+    installed: bool = False  # the importable vllm (its own imports, no stand-ins)
+
+    def path_of(self, relative: str) -> Path:
+        return self.root / relative
+
+    def describe(self) -> str:
+        return f"vLLM {self.version} ({self.origin})"
+
+
+def _version_from_metadata(text: str) -> str:
+    version = email.parser.Parser().parsestr(text).get("Version")
+    if not version:
+        raise VllmSourceError("the METADATA file has no Version field")
+    return version.strip()
+
+
+def _wheel_metadata_name(names: list[str]) -> str:
+    found = [n for n in names if re.fullmatch(r"vllm-[^/]+\.dist-info/METADATA", n)]
+    if len(found) != 1:
+        raise VllmSourceError(f"the wheel holds {len(found)} vllm-*.dist-info/METADATA files, expected 1")
+    return found[0]
+
+
+def _version_of_folder(root: Path) -> str:
+    """The release of the vllm package under ``root``: a slice's METADATA, a dist-info beside
+    the package, or ``vllm/_version.py``."""
+    slice_meta = root / SLICE_METADATA
+    if slice_meta.is_file():
+        return _version_from_metadata(slice_meta.read_text())
+    dist = sorted(root.glob("vllm-*.dist-info/METADATA"))
+    if dist:
+        return _version_from_metadata(dist[-1].read_text())
+    version_py = root / "vllm" / "_version.py"
+    if version_py.is_file():
+        match = re.search(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", version_py.read_text())
+        if match:
+            return match.group(1)
+    raise VllmSourceError(f"{root}: cannot tell the vLLM release (no {SLICE_METADATA}, dist-info or vllm/_version.py)")
+
+
+def _check_modules(root: Path, origin: str) -> None:
+    missing = [m for m in MODULE_FILES if not (root / m).is_file()]
+    if missing:
+        raise VllmSourceError(f"{origin}: lacks {missing}; a vLLM release without the SM90 sparse backend")
+
+
+def write_slice(wheel: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
+    """Extract :data:`SLICE_FILES` (the optional ones where present) and the METADATA of
+    ``wheel`` into ``out``; return the files written."""
+    wheel, out = Path(wheel), Path(out)
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise VllmSourceError(f"{wheel}: not a readable wheel ({exc})") from exc
+    with archive:
+        names = archive.namelist()
+        meta = _wheel_metadata_name(names)
+        missing = [m for m in MODULE_FILES if m not in names]
+        if missing:
+            raise VllmSourceError(f"{wheel}: lacks {missing}; a vLLM release without the SM90 sparse backend")
+        written = []
+        for name in [n for n in SLICE_FILES if n in names]:
+            target = out / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(name) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            written.append(target)
+        (out / SLICE_METADATA).write_bytes(archive.read(meta))
+        written.append(out / SLICE_METADATA)
+    return written
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("SPARSE_MLA_VLLM_CACHE", Path(tempfile.gettempdir()) / "sparse-mla-vllm"))
+
+
+def _slice_of_wheel(wheel: Path) -> Path:
+    """The wheel's slice in the cache, written once; workers racing to write it each write a
+    folder of their own and the first rename wins."""
+    key = f"{wheel.name}-{wheel.stat().st_size}"
+    target = _cache_root() / key
+    if (target / SLICE_METADATA).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=key + ".", dir=target.parent))
+    write_slice(wheel, scratch)
+    try:
+        scratch.rename(target)
+    except OSError:  # another process renamed its copy first
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def resolve(spec: str) -> VllmSource:
+    """The :class:`VllmSource` that ``--vllm=spec`` names."""
+    if spec == "installed":
+        found = importlib.util.find_spec("vllm")
+        if found is None or not found.submodule_search_locations:
+            raise VllmSourceError("--vllm=installed: no vllm package is importable here")
+        root = Path(list(found.submodule_search_locations)[0]).parent
+        _check_modules(root, "the installed vllm")
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            release = version("vllm")
+        except PackageNotFoundError:
+            release = _version_of_folder(root)
+        return VllmSource(root, release, "installed", installed=True)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".whl":
+        root = _slice_of_wheel(path.resolve())
+        return VllmSource(root, _version_of_folder(root), str(path))
+    if path.is_dir():
+        root = path.resolve()
+        if root.name == "vllm" and (root / "__init__.py").is_file() or (root / "v1").is_dir():
+            root = root.parent
+        _check_modules(root, str(path))
+        return VllmSource(root, _version_of_folder(root), str(path))
+    raise VllmSourceError(
+        f"--vllm={spec!r}: expected a vLLM wheel file, a folder holding the vllm package, or 'installed'"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m backends.vllm_source", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    cut = sub.add_parser("slice", help="write the files a GPU runner needs from a vLLM wheel")
+    cut.add_argument("wheel")
+    cut.add_argument("-o", "--out", required=True)
+    args = parser.parse_args(argv)
+    try:
+        written = write_slice(args.wheel, args.out)
+    except VllmSourceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    total = sum(p.stat().st_size for p in written)
+    version = _version_of_folder(Path(args.out))
+    print(f"vLLM {version}: {len(written)} files, {total / 2**20:.1f} MiB in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
