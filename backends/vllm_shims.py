@@ -215,7 +215,8 @@ SHIMS = (
          {"VllmConfig": object, "get_current_vllm_config": lambda: types.SimpleNamespace(model_config=None)}),
     Shim("vllm.config.cache", "the cache dtype type alias", {"CacheDType": str}),
     Shim("vllm.logger", "logging", {"init_logger": _logger}),
-    Shim("vllm.platforms", "the platform object: CUDA where torch sees a GPU", lambda: {"current_platform": _Platform()}),
+    Shim("vllm.platforms", "the platform object: CUDA where torch sees a GPU",
+         lambda: {"current_platform": _Platform()}),
     Shim("vllm.platforms.interface", "the capability type", {"DeviceCapability": _DeviceCapability}),
     Shim("vllm.distributed", "one rank, no context parallelism",
          {"get_dcp_group": lambda: _DcpGroup(), "is_global_first_rank": lambda: True}),
@@ -301,7 +302,8 @@ class VllmFinder(importlib.abc.MetaPathFinder):
         if fullname != ROOT and not fullname.startswith(ROOT + "."):
             return None
         if fullname in REAL_MODULES or fullname in SHIMS_BY_NAME or fullname in self.parents:
-            is_package = fullname in self.parents
+            # Stand-ins are packages too, so that an import below one reaches this finder.
+            is_package = fullname in self.parents or fullname in SHIMS_BY_NAME
             return importlib.machinery.ModuleSpec(fullname, _Loader(self), is_package=is_package)
         raise ShimGap(f"vLLM {self.source.version}'s code imports {fullname}, which the suite neither loads from "
                       f"the release nor stands in: add a stand-in in backends/vllm_shims.py")

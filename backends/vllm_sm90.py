@@ -30,7 +30,7 @@ from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
 from .vllm_shims import load_sm90_module, stand_ins_in_use
-from .vllm_source import VllmSource
+from .vllm_source import VllmSource, design_of
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
 #: vLLM's kv_cache_dtype string and the torch dtype of its cache tensor (fp8 is uint8 storage).
@@ -103,8 +103,7 @@ class VllmSM90Backend:
         self.module = load_sm90_module(source)
         self.version = source.version
         self.name = f"vllm-{source.version}"
-        state_cls = self.module._SM90State
-        self.design = "bounded" if hasattr(state_cls, "_clamp_kv_end") else "exact"
+        self.design = design_of(source)
 
     def describe(self) -> str:
         return (f"{self.source.describe()}: SM90 sparse backend, {self.design} design; "
@@ -152,6 +151,14 @@ class VllmLayer:
         self.builder = m.FlashInferMLASparseSM90Builder(spec, [LAYER_NAME], _vllm_config(config, self.attention_layer),
                                                         device)
         self.state = self.builder.state
+        self.plans = 0  # FlashInfer plan() calls made by vLLM's state (a kept plan makes none)
+        plan = self.state.wrapper.plan
+
+        def counted_plan(*args, **kwargs):
+            self.plans += 1
+            return plan(*args, **kwargs)
+
+        self.state.wrapper.plan = counted_plan
 
     # --- one step -----------------------------------------------------------------------
 
@@ -174,8 +181,7 @@ class VllmLayer:
         """vLLM's ``forward_mqa`` on ``kv_cache [num_blocks, block_size, 512 + R]`` (an fp8
         cache is handed over as vLLM holds it: uint8 storage)."""
         cache = kv_cache.view(self.cache_torch_dtype) if kv_cache.dtype != self.cache_torch_dtype else kv_cache
-        q_rope = q_pe.reshape(q_pe.shape[0], -1)
-        out, _ = self.impl.forward_mqa((q_nope, q_rope), cache, metadata, self.attention_layer)
+        out, _ = self.impl.forward_mqa((q_nope, q_pe), cache, metadata, self.attention_layer)
         return out
 
     def schedule(self) -> fa3_schedule.Schedule:

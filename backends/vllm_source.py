@@ -63,6 +63,29 @@ class VllmSource:
         return f"vLLM {self.version} ({self.origin})"
 
 
+def design_of(source: VllmSource) -> str:
+    """``bounded`` (host upper bounds, a kept plan, the device clamp of the schedule: vLLM 0.32
+    to 0.34) or ``exact`` (exact host lengths, a plan every step: 0.30), read from the
+    backend's code: the bounded design's state has a clamp."""
+    text = source.path_of(MODULE_FILES[0]).read_text()
+    return "bounded" if "def _clamp_kv_end" in text else "exact"
+
+
+def incompatibility(design: str, flashinfer_version: tuple[int, int, int]) -> str | None:
+    """Why a vLLM design cannot run on a FlashInfer release, or None. The bounded design
+    clamps the schedule in the planned backend's int workspace (``wrapper._planned_backend``,
+    FlashInfer 0.7.0 and later); the exact design plans the strided layout, whose page counts
+    0.7.0 and later refuse at plan."""
+    text = ".".join(map(str, flashinfer_version))
+    if design == "bounded" and flashinfer_version < (0, 7, 0):
+        return (f"vLLM's bounded design writes into wrapper._planned_backend, which FlashInfer {text} lacks "
+                "(0.7.0 and later have it)")
+    if design == "exact" and flashinfer_version >= (0, 7, 0):
+        return (f"vLLM's exact design plans the strided layout, which FlashInfer {text} refuses at plan "
+                "(page counts must equal ceil(kv_len / page_size) from 0.7.0)")
+    return None
+
+
 def _version_from_metadata(text: str) -> str:
     version = email.parser.Parser().parsestr(text).get("Version")
     if not version:

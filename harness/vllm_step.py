@@ -60,7 +60,7 @@ class VllmStepOutcome:
     kv_indptr: torch.Tensor  # host, planned rows + 1
     kv_indices: torch.Tensor  # host
     out: torch.Tensor | None
-    plans: int  # FlashInfer plans made so far by the layer's wrapper, where it counts them
+    plans: int  # FlashInfer plans made so far by the layer
 
     @property
     def valid(self) -> torch.Tensor:
@@ -104,7 +104,7 @@ def run_step(layer: VllmLayer, scenario: Scenario, inputs: AttentionInputs | Non
         extents=fa3_schedule.row_extents(schedule, planned_rows),
         kv_indptr=_kv_indptr(state, planned_rows),
         kv_indices=state.kv_indices.detach().to("cpu"), out=out,
-        plans=int(getattr(state.wrapper, "plans", -1)),
+        plans=layer.plans,
     )
 
 

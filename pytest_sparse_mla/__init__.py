@@ -16,6 +16,8 @@ no ``-p`` is needed.
 - ``gpus``: per-worker GPU pinning, the GPU each xdist
   worker used, and the kernel error-ratio and FlashInfer-warning summary (JSON too where ``SPARSE_MLA_GPU_REPORT`` names
   a file);
+- ``vllm``: ``--vllm=PATH`` (a vLLM release's own SM90 backend under test, the ``vllm_backend``
+  fixture, the ``vllm`` marker), the release in the header, the rows read back in the summary;
 - ``worker_load``: the tests dealt to the xdist workers heaviest first (``durations.json``), and
   the "xdist workers" section: per worker, its tests' seconds, when its first test started and
   its last one ended, and its longest tests (the run's critical path).
@@ -33,4 +35,5 @@ pytest_plugins = [
     "pytest_sparse_mla.regimes",
     "pytest_sparse_mla.coverage",
     "pytest_sparse_mla.gpus",
+    "pytest_sparse_mla.vllm",
 ]

@@ -3,6 +3,7 @@
 with one table last.
 
     python3 scripts/gpu_runner.py [--wheels DIR] [--release V ...] [--cold-and-warm | --warm-only]
+                                  [--vllm PATH ...] [--pair VLLM:RELEASE ...]
                                   [--jit-cache DIR] [--work DIR] [--out DIR] [-- extra pytest args]
 
 --wheels DIR: install each release offline from DIR/common/*.whl (apache-tvm-ffi) and
@@ -14,6 +15,13 @@ then run again on the cache that run left (the cold and the warm wall). --warm-o
 whatever the cache holds (a CI runner that keeps --jit-cache between jobs). In the extra pytest
 arguments `{release}` and `{phase}` (cold, warm) are filled in per run, so that every run can
 record into a folder of its own: `-- --record-baseline=base/{release}-{phase}`.
+
+--vllm PATH (repeatable): a vLLM wheel, or a folder holding the vllm package (a slice written by
+`python3 -m backends.vllm_source slice WHEEL -o DIR`): each FlashInfer release then runs once
+per vLLM, with `--vllm=PATH` (the vLLM axis of the table: one row per vLLM x FlashInfer).
+--pair 0.33.0:0.7.2.post1 (repeatable) runs only the pairs named, by vLLM and FlashInfer
+release. A pair whose vLLM design cannot run on that FlashInfer
+(`backends.vllm_source.incompatibility`) is not run: its row names the incompatibility.
 
 Each run's log, junit xml and FlashInfer's JIT build log go to --out (default out/gpu-runner);
 the table is printed last and written as table.md and table.json there. Exit status 1 when a
@@ -48,6 +56,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -161,9 +170,12 @@ class Run:
     counts: Counts | None = None
     jit: tuple | None = None  # (builds, seconds) or None where FlashInfer wrote no build log
     log: str = ""
+    incompatible: str | None = None  # why the pair was not run (a known incompatibility, not a failure)
 
     def problem(self) -> str | None:
         """Why this run makes the job fail, or None."""
+        if self.incompatible:
+            return None
         if self.counts is None:
             return self.phase if self.wall_s is None else f"no junit xml (pytest exit {self.exit_code})"
         c = self.counts
@@ -193,6 +205,7 @@ def table_rows(runs: list[Run]) -> list[dict]:
         last = next((r for r in reversed(row["runs"]) if r.counts is not None), row["runs"][-1])
         c = last.counts
         problems = [f"{r.phase}: {p}" for r in row["runs"] if (p := r.problem())]
+        incompatible = [r.incompatible for r in row["runs"] if r.incompatible]
         jit = [f"{r.phase} {r.jit[0]} ({r.jit[1]:.0f} s)" for r in row["runs"] if r.jit is not None]
         out.append({
             "release": row["release"],
@@ -208,6 +221,7 @@ def table_rows(runs: list[Run]) -> list[dict]:
             "jit_builds": "; ".join(jit),
             "slowest": [(round(t, 1), n) for t, n in (c.slowest if c else [])],
             "problems": problems,
+            "incompatible": incompatible[0] if incompatible else None,
         })
     return out
 
@@ -221,7 +235,7 @@ def markdown_table(rows: list[dict]) -> str:
             return "-" if r[key] is None else str(r[key])
         gpu = "-" if r["gpu_total"] is None else f"{r['gpu_ran']}/{r['gpu_total']}"
         slow = ", ".join(f"{name.split('::')[-1][:50]} {t:.1f} s" for t, name in r["slowest"]) or "-"
-        status = "; ".join(r["problems"]) or "ok"
+        status = "; ".join(r["problems"]) or (f"not run: {r['incompatible']}" if r.get("incompatible") else "ok")
         lines.append("| " + " | ".join([r["release"], n("passed"), n("failed"), n("errors"), n("xfailed"), n("skipped"),
                                          gpu, fmt_s(r["cold_wall_s"]), fmt_s(r["warm_wall_s"]),
                                          r["jit_builds"] or "-", slow, status]) + " |")
@@ -293,16 +307,17 @@ def build_pytest_command(junit: Path, extra: list[str]) -> list[str]:
 def expand_placeholders(extra: list[str], release: str, phase: str) -> list[str]:
     """The extra pytest arguments with ``{release}`` and ``{phase}`` filled in, so that each run
     can write a folder of its own (``--record-baseline=base-{release}-{phase}``)."""
-    return [arg.replace("{release}", release).replace("{phase}", phase) for arg in extra]
+    return [arg.replace("{release}", file_label(release)).replace("{phase}", phase) for arg in extra]
 
 
 def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str], timeout: float) -> Run:
-    junit = out / f"junit-{release}-{phase}.xml"
-    log = out / f"log-{release}-{phase}.txt"
-    build_log = out / f"jit-{release}-{phase}.jsonl"
+    name = file_label(release)
+    junit = out / f"junit-{name}-{phase}.xml"
+    log = out / f"log-{name}-{phase}.txt"
+    build_log = out / f"jit-{name}-{phase}.jsonl"
     for f in (junit, build_log):
         f.unlink(missing_ok=True)
-    env = dict(env, FLASHINFER_JIT_BUILD_LOG=str(build_log), GPU_RUNNER_RUN=f"{release}-{phase}",
+    env = dict(env, FLASHINFER_JIT_BUILD_LOG=str(build_log), GPU_RUNNER_RUN=f"{name}-{phase}",
                PYTHONUNBUFFERED="1")
     command = build_pytest_command(junit, expand_placeholders(extra, release, phase))
     print(f"=== {release} {phase}: {' '.join(command[1:])}", flush=True)
@@ -341,10 +356,60 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", type=Path, default=Path("out/gpu-runner"),
                         help="logs, junit xml, table.md, table.json")
     parser.add_argument("--timeout-s", type=float, default=900, help="limit per pytest run")
+    parser.add_argument("--vllm", action="append", default=[], metavar="PATH",
+                        help="a vLLM wheel or a folder holding the vllm package (repeatable): the vLLM axis")
+    parser.add_argument("--pair", action="append", default=[], metavar="VLLM:RELEASE",
+                        help="run only these vLLM x FlashInfer pairs (repeatable; default: every pair)")
     args = parser.parse_args(argv)
+    if args.pair and not args.vllm:
+        parser.error("--pair needs --vllm")
     if args.release and not args.wheels:
         parser.error("--release needs --wheels")
     return args, extra
+
+
+@dataclass(frozen=True)
+class VllmAxis:
+    path: str  # what --vllm=PATH gets
+    version: str
+    design: str
+
+
+def vllm_axis(paths: list[str]) -> list[VllmAxis | None]:
+    """The vLLM entries of the axis (None: no --vllm, the project's own backend alone)."""
+    if not paths:
+        return [None]
+    from backends.vllm_source import design_of, resolve
+
+    axis = []
+    for path in paths:
+        source = resolve(str(Path(path).resolve()))
+        axis.append(VllmAxis(str(Path(path).resolve()), source.version, design_of(source)))
+    return axis
+
+
+def release_version(release: str) -> tuple[int, int, int]:
+    """A release folder's FlashInfer version; the installed one for ``installed``."""
+    from importlib.metadata import version
+
+    text = version("flashinfer-python") if release == INSTALLED else release
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    if not match:
+        raise ValueError(f"cannot read a FlashInfer version from {text!r}")
+    return tuple(int(g) for g in match.groups())
+
+
+def pair_label(release: str, vllm: VllmAxis | None) -> str:
+    return release if vllm is None else f"vLLM {vllm.version} on {release}"
+
+
+def file_label(label: str) -> str:
+    """A run label as a file name part."""
+    return re.sub(r"[^\w.+-]+", "_", label)
+
+
+def pair_wanted(release: str, vllm: VllmAxis | None, pairs: list[str]) -> bool:
+    return vllm is None or not pairs or f"{vllm.version}:{release}" in pairs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,11 +442,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         env["FLASHINFER_WORKSPACE_BASE"] = str(cache)
-        for phase in phases:
-            if phase == "cold":
-                shutil.rmtree(cache, ignore_errors=True)
-            cache.mkdir(parents=True, exist_ok=True)
-            runs.append(run_pytest(release, phase, env, out, extra, args.timeout_s))
+        for vllm in vllm_axis(args.vllm):
+            if not pair_wanted(release, vllm, args.pair):
+                continue
+            label = pair_label(release, vllm)
+            if vllm is not None:
+                from backends.vllm_source import incompatibility
+
+                reason = incompatibility(vllm.design, release_version(release))
+                if reason:
+                    print(f"=== {label}: not run: {reason}", flush=True)
+                    runs.append(Run(label, "not run", incompatible=reason))
+                    continue
+            run_extra = extra if vllm is None else [f"--vllm={vllm.path}", *extra]
+            for phase in phases:
+                if phase == "cold":
+                    shutil.rmtree(cache, ignore_errors=True)
+                cache.mkdir(parents=True, exist_ok=True)
+                runs.append(run_pytest(label, phase, env, out, run_extra, args.timeout_s))
     rows = table_rows(runs)
     text = markdown_table(rows)
     (out / "table.md").write_text(text + "\n")

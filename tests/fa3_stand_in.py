@@ -45,7 +45,8 @@ class StandInWrapper:
     def __init__(self, float_workspace, use_cuda_graph=False, qo_indptr=None, kv_indptr=None, kv_indices=None,
                  kv_len_arr=None, backend="auto"):
         self.backend = backend
-        self.qo_indptr, self._kv_indptr_buf, self.kv_indices, self.kv_len_arr = qo_indptr, kv_indptr, kv_indices, kv_len_arr
+        self.qo_indptr, self._kv_indptr_buf = qo_indptr, kv_indptr
+        self.kv_indices, self.kv_len_arr = kv_indices, kv_len_arr
         buffer = torch.zeros(8 * CAPACITY * 4 + 64 * 4, dtype=torch.uint8, device=float_workspace.device)
         if self.release == "0.7":
             self._planned_backend = None

@@ -19,13 +19,14 @@ LAYERS = {
     "mla_constants": 0,
     "reference": 1,
     "fast": 1,
-    "harness": 2,
-    "recording": 3,
-    "pytest_sparse_mla": 4,
-    "scripts": 4,
-    "bench": 4,
-    "tests": 5,
-    "conftest": 5,  # the root conftest.py loads the plugin for the tests
+    "backends": 2,
+    "harness": 3,
+    "recording": 4,
+    "pytest_sparse_mla": 5,
+    "scripts": 5,
+    "bench": 5,
+    "tests": 6,
+    "conftest": 6,  # the root conftest.py loads the plugin for the tests
 }
 SKIPPED_DIRS = {"venv", "build", "dist", "__pycache__", "node_modules"}
 

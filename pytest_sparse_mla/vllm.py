@@ -1,0 +1,95 @@
+"""``--vllm=PATH``: a vLLM release's own SM90 sparse backend under test (``backends.vllm_sm90``).
+
+PATH is a vLLM wheel, a folder holding the ``vllm`` package (an unpacked wheel, a checkout, a
+slice written by ``python3 -m backends.vllm_source slice``), or ``installed``. It is resolved
+once when the run starts (a usage error of one line when it names nothing loadable) and the
+header names the release. Tests marked ``vllm`` take the ``vllm_backend`` fixture; without
+``--vllm`` they are skipped with that reason, and the header says no vLLM is under test.
+
+The summary counts the rows whose executed KV length was read back from FlashInfer's schedule
+(tests attach them as ``VLLM_ROWS_KEY``), and names the vLLM release and its design.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.vllm_source import VllmSourceError, resolve
+
+from .keys import GROUP
+
+VLLM_SOURCE = pytest.StashKey[object]()
+VLLM_ROWS_KEY = "sparse_mla_vllm_rows"  # (release, rows whose executed length was read back)
+NO_VLLM = "no vLLM under test: give --vllm=WHEEL|DIR|installed to run vLLM's own SM90 backend"
+
+
+def pytest_addoption(parser):
+    parser.getgroup(*GROUP).addoption(
+        "--vllm",
+        default=None,
+        metavar="PATH",
+        help="run vLLM's own SM90 sparse backend from PATH: a vLLM wheel, a folder holding the vllm package, "
+        "or 'installed'",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: drives a vLLM release's own SM90 backend (needs --vllm)")
+    spec = config.getoption("--vllm")
+    if spec is None:
+        return
+    try:
+        config.stash[VLLM_SOURCE] = resolve(spec)
+    except VllmSourceError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+
+
+def pytest_report_header(config):
+    source = config.stash.get(VLLM_SOURCE, None)
+    return [f"vLLM under test: {source.describe()}" if source else NO_VLLM]
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.stash.get(VLLM_SOURCE, None) is not None:
+        return
+    skip = pytest.mark.skip(reason=NO_VLLM)
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_backend(pytestconfig):
+    """The vLLM release's SM90 backend (loaded once per test process)."""
+    source = pytestconfig.stash.get(VLLM_SOURCE, None)
+    if source is None:
+        pytest.skip(NO_VLLM)
+    from backends.vllm_sm90 import VllmSM90Backend
+
+    return VllmSM90Backend(source)
+
+
+def rows_read_back(reports) -> dict[str, int]:
+    """Rows read back per vLLM release, over the test reports."""
+    rows: dict[str, int] = {}
+    for report in reports:
+        for key, value in getattr(report, "user_properties", ()):
+            if key == VLLM_ROWS_KEY:
+                release, count = value
+                rows[release] = rows.get(release, 0) + int(count)
+    return rows
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):
+        return
+    source = config.stash.get(VLLM_SOURCE, None)
+    if source is None:
+        return  # the header said so; the skipped tests give the reason
+    reports = [r for stat in terminalreporter.stats.values() for r in stat if getattr(r, "when", "") == "call"]
+    counted = rows_read_back(reports)
+    ran = sum(1 for r in reports if any(k == VLLM_ROWS_KEY for k, _ in getattr(r, "user_properties", ())))
+    terminalreporter.write_line(
+        f"vLLM under test: {source.describe()}: {ran} tests read FlashInfer's schedule back, "
+        f"{counted.get(source.version, 0)} rows' executed KV length checked against their valid count"
+    )

@@ -1,0 +1,174 @@
+"""A vLLM release's own SM90 backend (``--vllm``) on a machine without a GPU.
+
+vLLM's code runs as it ships: its ``_kv_lens_host``, its ``build()``, its ``_SM90State`` (plan,
+kept plan, replan, and the device clamp of the bounded design), its convert kernel and its pack
+kernel (in Triton's interpreter without a GPU). FlashInfer is the stand-in of
+``tests.fa3_stand_in``, which keeps its schedule in an int workspace as fa3 does and attends
+what that schedule says at run time, so the executed KV length of every row is read back and
+checked against its valid count. The GPU tier (``tests/gpu/test_vllm_sm90.py``) runs the same
+cases on FlashInfer itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import sys
+
+import pytest
+import torch
+
+from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap
+from harness.builder import build_scenario
+from harness.cases import KernelConfig, situation_cases
+from harness.device_inputs import build_attention_inputs
+from harness.vllm_step import executed_length_problems, layer_config, run_step
+from tests import fa3_stand_in
+from tests.vllm_cases import check_step, run_case, run_sequence, step_params
+
+pytestmark = pytest.mark.vllm
+
+BF16 = KernelConfig("bfloat16", True, 16)
+
+
+@pytest.fixture
+def stand_in(vllm_backend, monkeypatch):
+    wrapper = fa3_stand_in.StandInWrapper if vllm_backend.design == "bounded" else fa3_stand_in.StandIn06Wrapper
+    fa3_stand_in.install(monkeypatch, wrapper)
+    return wrapper
+
+
+def test_release_and_design_are_read_from_its_code(vllm_backend):
+    plan = inspect.signature(vllm_backend.module._SM90State.plan)
+    assert (vllm_backend.design == "bounded") == ("cam" in plan.parameters)
+    assert f"vLLM {vllm_backend.version}" in vllm_backend.describe()
+    assert vllm_backend.module.__file__.startswith(str(vllm_backend.source.root))
+
+
+def _names_read_from_stand_ins(path) -> set[tuple[str, str]]:
+    """(module, name) for every ``from vllm.X import name`` of a stand-in X in ``path``, and
+    every ``envs.NAME`` read where ``envs`` is vLLM's."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in SHIMS_BY_NAME:
+            found.update((node.module, alias.name) for alias in node.names)
+        if isinstance(node, ast.ImportFrom) and node.module == "vllm":
+            found.update((f"vllm.{a.name}", None) for a in node.names if f"vllm.{a.name}" in SHIMS_BY_NAME)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "envs":
+            found.add(("vllm.envs", node.attr))
+    return found
+
+
+def test_every_name_the_release_reads_from_a_stand_in_is_there(vllm_backend):
+    """Read statically from the release's files, so a new release that needs more of a stand-in
+    fails here by name, whichever of its paths the other tests take."""
+    missing = []
+    for module_name, relative in REAL_MODULES.items():
+        for shim, name in sorted(_names_read_from_stand_ins(vllm_backend.source.path_of(relative)),
+                                 key=lambda x: (x[0], x[1] or "")):
+            module = sys.modules.get(shim) or importlib.import_module(shim)
+            if name is not None and name not in module.__dict__:
+                missing.append(f"{module_name} reads {shim}.{name}")
+    assert not missing, f"vLLM {vllm_backend.version} needs what the stand-ins lack:\n" + "\n".join(missing)
+
+
+def test_an_import_no_stand_in_covers_fails_by_name(vllm_backend):
+    with pytest.raises(ShimGap, match=r"vllm\.distributed\.parallel_state.*backends/vllm_shims\.py"):
+        importlib.import_module("vllm.distributed.parallel_state")
+    envs = importlib.import_module("vllm.envs")
+    with pytest.raises(ShimGap, match=r"vllm\.envs\.VLLM_NOT_A_SETTING"):
+        envs.VLLM_NOT_A_SETTING  # noqa: B018
+
+
+@pytest.mark.parametrize("case, config", step_params())
+def test_step_executes_each_rows_valid_count(vllm_backend, stand_in, case, config, device, request):
+    run_case(vllm_backend, case, config, device, request)
+
+
+@pytest.mark.parametrize("kpool", [1, 4])
+def test_sequence_keeps_clamps_and_replans(vllm_backend, stand_in, kpool, device, request):
+    """Steps through one layer: every step's executed lengths are its own valid counts, whether
+    the plan was made fresh, kept or made again. The bounded design keeps its plan while the
+    bounds stay within its slack, so it plans fewer times than there are steps; the exact
+    design plans every step."""
+    layer, outcomes = run_sequence(vllm_backend, kpool, BF16, device, request)
+    plans = layer.plans
+    if vllm_backend.design == "bounded":
+        assert plans < len(outcomes), f"vLLM {vllm_backend.version} planned {plans} times for {len(outcomes)} steps"
+    else:
+        assert plans == len(outcomes)
+
+
+@pytest.mark.parametrize("source", ["host bound", "positions", "seq_lens"])
+def test_every_context_source(vllm_backend, stand_in, source, device, request):
+    """The spec-decode and async situations with the host bound, without it (the builder reads
+    the positions or the seq_lens), and the bound's exactness as the design says."""
+    changes = {"host bound": {}, "positions": dict(with_host_bound=False),
+               "seq_lens": dict(with_host_bound=False, with_positions=False)}[source]
+    for case in [c for c in situation_cases(4) if "spec-decode" in c.name]:
+        spec = BF16.apply(case.spec).replace(**changes)
+        scenario = build_scenario(spec, 3)
+        layer = vllm_backend.layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
+        outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
+        bounded = vllm_backend.design == "bounded" and source == "host bound"
+        assert outcome.host_exact is not bounded, f"{case.name}: host lengths exact={outcome.host_exact}"
+
+
+def test_adaptive_verification_bounds_every_row_by_the_longest(vllm_backend, stand_in, device, request):
+    case = next(c for c in situation_cases(4) if c.name.startswith("spec-decode"))
+    spec = BF16.apply(case.spec)
+    scenario = build_scenario(spec, 5)
+    layer = vllm_backend.layer(layer_config(spec, scenario.topk_indices.shape[0], adaptive_verification=True), device)
+    outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
+    if vllm_backend.design == "bounded":
+        longest = min(max(r.seq_len for r in spec.requests), spec.topk + spec.kpool - 1)
+        assert outcome.host_lengths.tolist() == [longest] * scenario.num_rows
+
+
+def test_a_clamp_that_loses_valid_tokens_is_caught(vllm_backend, stand_in, device, request, monkeypatch):
+    """The executed length, not the output, catches a clamp one token short on rows past topk."""
+    if vllm_backend.design != "bounded":
+        pytest.skip(f"vLLM {vllm_backend.version} has the exact design: no clamp to break")
+    state_cls = vllm_backend.module._SM90State
+    clamp = state_cls._clamp_kv_end
+
+    def short_clamp(self, cam, req_id_per_token):
+        clamp(self, cam, req_id_per_token)
+        total = int(self._int_ws[self._plan_offsets[0]])
+        ends = self._int_ws[self._plan_offsets[3] : self._plan_offsets[3] + total]
+        ends.sub_((ends > 2048).to(ends.dtype))
+
+    monkeypatch.setattr(state_cls, "_clamp_kv_end", short_clamp)
+    case = next(c for c in situation_cases(4) if c.name.startswith("decode-mixed"))
+    spec = BF16.apply(case.spec)
+    scenario = build_scenario(spec, 0)
+    layer = vllm_backend.layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
+    problems = executed_length_problems(run_step(layer, scenario, None))
+    past_topk = [r for r in range(scenario.num_rows) if int(scenario.row_ctx[r]) > spec.topk]
+    assert past_topk and len(problems) == len(past_topk), problems
+    assert all("is cut short" in p and "regime" in p for p in problems)
+
+
+def test_stand_in_reads_the_schedule_at_run_time(vllm_backend, stand_in, device):
+    """The stand-in attends what the schedule says when run() is called, so a clamp after the
+    plan changes what it reads (otherwise the CPU tier could not see the clamp)."""
+    ws = torch.zeros(16, dtype=torch.uint8, device=device)
+    rows = 2
+    buffers = dict(qo_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                   kv_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                   kv_indices=torch.arange(8, dtype=torch.int32, device=device),
+                   kv_len_arr=torch.zeros(rows, dtype=torch.int32, device=device))
+    wrapper = stand_in(ws, use_cuda_graph=True, **buffers)
+    wrapper.plan(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32),
+                 buffers["kv_indices"], torch.tensor([4, 4], dtype=torch.int32), 1, 512, 0, 1, False, 1.0)
+    ckv = torch.eye(8, 512, device=device).to(torch.bfloat16).unsqueeze(1)
+    q = torch.zeros(rows, 1, 512, dtype=torch.bfloat16, device=device)
+    before = wrapper.run(q, q[..., :0], ckv, ckv[..., :0])
+    ws32 = wrapper._planned_backend._int_workspace_buffer.view(torch.int32) if stand_in.release == "0.7" \
+        else wrapper._int_workspace_buffer.view(torch.int32)
+    end_off = wrapper._plan_info[14] // 4
+    ws32[end_off] = 1  # the first work item now reads one slot
+    after = wrapper.run(q, q[..., :0], ckv, ckv[..., :0])
+    assert not torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])

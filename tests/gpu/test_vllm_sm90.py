@@ -1,0 +1,69 @@
+"""A vLLM release's own SM90 backend (``--vllm``) on FlashInfer itself, every regime case and
+batch situation, the large batches and the multi-step sequences.
+
+Each step runs vLLM's ``build()`` (host lengths, plan, kept plan or replan, the clamp of the
+bounded design) and ``forward_mqa()`` (its convert kernel, its kv_indices layout, FlashInfer's
+run); FlashInfer's schedule is read back after the plan and the clamp, and every planned row's
+executed KV length must equal its valid count, its executed slots its intended selection (a),
+and its output the float64 oracle over (a) within the error budget. A vLLM release whose design
+cannot run on the installed FlashInfer fails one test with the reason
+(:func:`backends.vllm_source.incompatibility`); its other tests are skipped with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.vllm_source import incompatibility
+from harness.cases import KernelConfig
+from tests.vllm_cases import large_params, run_case, run_sequence, step_params
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+DEVICE = "cuda"
+
+
+def _installed_flashinfer() -> tuple[int, int, int]:
+    import flashinfer
+
+    from fast.flashinfer_compat import parse_version
+
+    return parse_version(flashinfer.__version__)
+
+
+@pytest.fixture(scope="module")
+def pairing(vllm_backend) -> str | None:
+    return incompatibility(vllm_backend.design, _installed_flashinfer())
+
+
+@pytest.fixture
+def vllm_on_gpu(vllm_backend, pairing):
+    if pairing:
+        pytest.skip(f"not run: {pairing} (test_vllm_release_runs_on_this_flashinfer fails with it)")
+    return vllm_backend
+
+
+def test_vllm_release_runs_on_this_flashinfer(vllm_backend, pairing):
+    assert pairing is None, f"vLLM {vllm_backend.version} cannot run here: {pairing}"
+
+
+@pytest.mark.parametrize("case, config", step_params())
+def test_step_on_flashinfer(vllm_on_gpu, case, config, request):
+    run_case(vllm_on_gpu, case, config, DEVICE, request)
+
+
+@pytest.mark.gpu_large
+@pytest.mark.parametrize("case, config", large_params())
+def test_large_batch_on_flashinfer(vllm_on_gpu, case, config, request):
+    run_case(vllm_on_gpu, case, config, DEVICE, request)
+
+
+@pytest.mark.parametrize("kpool", [1, 4])
+@pytest.mark.parametrize("config", [KernelConfig("bfloat16", True, 64), KernelConfig("float8_e4m3fn", False, 16, 0.5)],
+                         ids=lambda c: c.id)
+def test_sequence_on_flashinfer(vllm_on_gpu, kpool, config, request):
+    layer, outcomes = run_sequence(vllm_on_gpu, kpool, config, DEVICE, request)
+    if vllm_on_gpu.design == "bounded":
+        assert layer.plans < len(outcomes), f"planned {layer.plans} times for {len(outcomes)} steps"
+    else:
+        assert layer.plans == len(outcomes)

@@ -1,0 +1,139 @@
+"""The cases both tiers run through a vLLM release's SM90 backend, and the checks they share.
+
+Every regime case and batch situation (``harness.cases``), with kernel configurations from the
+covering design, and the multi-step sequences that exercise a kept plan, a replan and the
+clamp of a kept plan. The CPU tier runs them on a stand-in FlashInfer that keeps its schedule
+as fa3 does (``tests.fa3_stand_in``); the GPU tier on FlashInfer itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from harness.builder import build_scenario
+from harness.cases import (
+    Case,
+    KernelConfig,
+    all_regime_cases,
+    batch,
+    context_case,
+    covering_config,
+    identity_case,
+    large_batch_cases,
+    situation_cases,
+)
+from harness.device_inputs import build_attention_inputs
+from harness.findings import FINDINGS_DOC
+from harness.vllm_step import (
+    executed_length_problems,
+    layer_config,
+    output_comparison,
+    run_step,
+    selection_problems,
+)
+from mla_constants import TOPK
+from pytest_sparse_mla.vllm import VLLM_ROWS_KEY
+
+#: vLLM dequantises the kpe part of an fp8 cache with 1.0, not the layer's k_scale.
+KPE_SCALE_FINDING = "vLLM's fp8 kpe read without k_scale: " + FINDINGS_DOC + "#vllm-fp8-kpe-scale"
+
+
+class KpeScaleIgnored(AssertionError):
+    """vLLM's output is beyond the budget on an fp8 cache with rope and k_scale != 1, and only
+    there (its forward_mqa passes kpe_scale=1.0)."""
+
+
+def kpe_scale_ignored(config) -> bool:
+    return config.kv_dtype == "float8_e4m3fn" and config.rope and config.k_scale != 1.0
+
+
+def vllm_config(index: int) -> KernelConfig:
+    """The covering design's ``index``-th configuration, at k_scale 1 where vLLM's fp8 kpe
+    finding would decide the outcome (the finding has cases of its own)."""
+    config = covering_config(index)
+    return dataclasses.replace(config, k_scale=1.0) if kpe_scale_ignored(config) else config
+
+
+def step_cases() -> list[tuple[Case, KernelConfig]]:
+    cases = all_regime_cases() + situation_cases(1) + situation_cases(4)
+    return [(case, vllm_config(i)) for i, case in enumerate(cases)]
+
+
+#: The fp8 kpe finding's cases: rope 64, k_scale 0.5, a row past topk and the identity fill.
+KPE_SCALE_CASES = [
+    (context_case(TOPK + 952, 4), KernelConfig("float8_e4m3fn", True, 16, 0.5)),
+    (identity_case(1), KernelConfig("float8_e4m3fn", True, 64, 0.5)),
+]
+
+
+def step_params(extra=()):
+    params = []
+    for case, config in list(step_cases()) + KPE_SCALE_CASES + list(extra):
+        marks = [pytest.mark.xfail(raises=KpeScaleIgnored, strict=True, reason=KPE_SCALE_FINDING)] \
+            if kpe_scale_ignored(config) else []
+        params.append(pytest.param(case, config, id=f"{case.id}-{config.id}", marks=marks))
+    return params
+
+
+def large_params():
+    return step_params([(case, vllm_config(i)) for i, case in enumerate(large_batch_cases())])[-2:]
+
+
+def sequence_specs(kpool: int) -> list:
+    """One layer, steps in order: decode rows around topk advancing one token a step (the
+    bounded design keeps its plan), a jump past the slack (a replan), spec-decode rows that
+    straddle topk, fewer rows (a replan of fewer rows over buffers that hold the larger step's
+    slots), the first batch again, an empty step."""
+    base = [TOPK - 3, 17, TOPK + 5, 3 * TOPK + 1]
+    steps = [batch(*[(s + t, 1) for s in base], kpool=kpool) for t in range(4)]
+    steps.append(batch(*[(s + 40, 1) for s in base], kpool=kpool))
+    steps.append(batch((TOPK + 3, 4), (TOPK - 2, 4), kpool=kpool, decode_threshold=4))
+    steps.append(batch((TOPK + 1, 1), kpool=kpool))
+    steps.append(batch(*[(s, 1) for s in base], kpool=kpool))
+    steps.append(batch(kpool=kpool))
+    return steps
+
+
+def check_step(backend, layer, scenario, inputs, request, *, compare=True):
+    """Run one step and assert what a user of vLLM relies on; return the outcome."""
+    outcome = run_step(layer, scenario, inputs)
+    problems = executed_length_problems(outcome) + selection_problems(outcome)
+    request.node.user_properties.append((VLLM_ROWS_KEY, (backend.version, outcome.planned_rows)))
+    regimes = scenario.row_regime[: outcome.planned_rows]
+    regime_log = request.getfixturevalue("regime_log")
+    regime_log.record(regimes)
+    if problems:
+        bad = [r for r in range(outcome.planned_rows) if any(p.startswith(f"row {r} ") for p in problems)]
+        regime_log.blame([regimes[r] for r in bad])
+    assert not problems, f"{outcome.context()}\n" + "\n".join(problems[:12])
+    if compare and inputs is not None and outcome.planned_rows:
+        comparison = output_comparison(outcome, inputs)
+        if not comparison.ok:
+            summary = comparison.summary(scenario.row_regime)
+            if kpe_scale_ignored(scenario.spec):
+                raise KpeScaleIgnored(f"{outcome.context()}\n{summary}")
+            raise AssertionError(f"vLLM's output vs (a) beyond the error budget; {outcome.context()}\n{summary}")
+    return outcome
+
+
+def run_case(backend, case, config, device, request, seed: int = 0):
+    spec = config.apply(case.spec)
+    scenario = build_scenario(spec, seed)
+    layer = backend.layer(layer_config(spec, max(scenario.topk_indices.shape[0], 1)), device)
+    inputs = build_attention_inputs(scenario, device)
+    return check_step(backend, layer, scenario, inputs, request)
+
+
+def run_sequence(backend, kpool, config, device, request, *, with_inputs=True):
+    """All steps of :func:`sequence_specs` through one layer; the plans the wrapper made."""
+    specs = [config.apply(s) for s in sequence_specs(kpool)]
+    scenarios = [build_scenario(s, seed) for seed, s in enumerate(specs)]
+    max_tokens = max(s.topk_indices.shape[0] for s in scenarios)
+    layer = backend.layer(layer_config(specs[0], max_tokens), device)
+    outcomes = []
+    for scenario in scenarios:
+        inputs = build_attention_inputs(scenario, device) if with_inputs else None
+        outcomes.append(check_step(backend, layer, scenario, inputs, request))
+    return layer, outcomes
