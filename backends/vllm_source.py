@@ -123,9 +123,9 @@ def _check_modules(root: Path, origin: str) -> None:
         raise VllmSourceError(f"{origin}: lacks {missing}; a vLLM release without the SM90 sparse backend")
 
 
-def write_slice(wheel: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
-    """Extract :data:`SLICE_FILES` (the optional ones where present) and the METADATA of
-    ``wheel`` into ``out``; return the files written."""
+def write_slice(wheel: str | os.PathLike, out: str | os.PathLike, *, kernels: bool = True) -> list[Path]:
+    """Extract :data:`SLICE_FILES` (the optional ones where present; without ``kernels`` the
+    modules alone) and the METADATA of ``wheel`` into ``out``; return the files written."""
     wheel, out = Path(wheel), Path(out)
     try:
         archive = zipfile.ZipFile(wheel)
@@ -138,7 +138,7 @@ def write_slice(wheel: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
         if missing:
             raise VllmSourceError(f"{wheel}: lacks {missing}; a vLLM release without the SM90 sparse backend")
         written = []
-        for name in [n for n in SLICE_FILES if n in names]:
+        for name in [n for n in (SLICE_FILES if kernels else MODULE_FILES) if n in names]:
             target = out / name
             target.parent.mkdir(parents=True, exist_ok=True)
             with archive.open(name) as src, open(target, "wb") as dst:
@@ -206,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     cut = sub.add_parser("slice", help="write the files a GPU runner needs from a vLLM wheel")
     cut.add_argument("wheel")
     cut.add_argument("-o", "--out", required=True)
+    cut.add_argument("--modules-only", action="store_true",
+                     help="leave out FlashMLA's compiled kernels (4 MB): the SM90 FlashInfer backend alone")
     args = parser.parse_args(argv)
     try:
-        written = write_slice(args.wheel, args.out)
+        written = write_slice(args.wheel, args.out, kernels=not args.modules_only)
     except VllmSourceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
