@@ -379,6 +379,8 @@ def vllm_axis(paths: list[str]) -> list[VllmAxis | None]:
     """The vLLM entries of the axis (None: no --vllm, the project's own backend alone)."""
     if not paths:
         return [None]
+    if str(REPO) not in sys.path:  # run as a script: its own folder is on the path, not the project
+        sys.path.insert(0, str(REPO))
     from backends.vllm_source import design_of, resolve
 
     axis = []
