@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from harness.builder import build_scenario
 from harness.cases import (
@@ -24,7 +25,7 @@ from harness.cases import (
     large_batch_cases,
     situation_cases,
 )
-from harness.device_inputs import build_attention_inputs
+from harness.device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
 from harness.findings import FINDINGS_DOC
 from harness.vllm_step import (
     executed_length_problems,
@@ -126,14 +127,25 @@ def run_case(backend, case, config, device, request, seed: int = 0):
     return check_step(backend, layer, scenario, inputs, request)
 
 
+def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInputs:
+    """The step's inputs with its KV cache written into the front of ``cache``, the one cache
+    every step of a sequence shares (as the engine's does; the rest stays NaN)."""
+    flat = cache.view(-1, cache.shape[-1])
+    own = inputs.kv_cache.view(-1, cache.shape[-1])
+    flat[: own.shape[0]] = own
+    return AttentionInputs(inputs.q_nope, inputs.q_pe, cache)
+
+
 def run_sequence(backend, kpool, config, device, request, *, with_inputs=True):
-    """All steps of :func:`sequence_specs` through one layer; the plans the wrapper made."""
+    """All steps of :func:`sequence_specs` through one layer and one KV cache; the layer."""
     specs = [config.apply(s) for s in sequence_specs(kpool)]
     scenarios = [build_scenario(s, seed) for seed, s in enumerate(specs)]
     max_tokens = max(s.topk_indices.shape[0] for s in scenarios)
     layer = backend.layer(layer_config(specs[0], max_tokens), device)
+    blocks = max(s.num_blocks for s in scenarios)
+    cache = nan_kv_buffer((blocks, specs[0].block_size, specs[0].head_dim), specs[0].kv_dtype, device)
     outcomes = []
     for scenario in scenarios:
-        inputs = build_attention_inputs(scenario, device) if with_inputs else None
+        inputs = in_one_cache(build_attention_inputs(scenario, device), cache) if with_inputs else None
         outcomes.append(check_step(backend, layer, scenario, inputs, request))
     return layer, outcomes
