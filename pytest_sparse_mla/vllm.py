@@ -7,7 +7,9 @@ header names the release. Tests marked ``vllm`` take the ``vllm_backend`` fixtur
 ``--vllm`` they are skipped with that reason, and the header says no vLLM is under test.
 
 The summary counts the rows whose executed KV length was read back from FlashInfer's schedule
-(tests attach them as ``VLLM_ROWS_KEY``), and names the vLLM release and its design.
+(tests attach them as ``VLLM_ROWS_KEY``), names the vLLM release, and lists the outputs beyond the
+error budget that were bit for bit the project's own FA3 path's on the same inputs
+(``VLLM_TWIN_KEY``: the kernel's rounding, not vLLM's).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .keys import GROUP
 
 VLLM_SOURCE = pytest.StashKey[object]()
 VLLM_ROWS_KEY = "sparse_mla_vllm_rows"  # (release, rows whose executed length was read back)
+# (max, mean error ratio) of an output beyond the budget that was bit for bit the project's FA3 path's
+VLLM_TWIN_KEY = "sparse_mla_vllm_kernel_twin"
 NO_VLLM = "no vLLM under test: give --vllm=WHEEL|DIR|installed to run vLLM's own SM90 backend"
 
 
@@ -93,3 +97,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"vLLM under test: {source.describe()}: {ran} tests read FlashInfer's schedule back, "
         f"{counted.get(source.version, 0)} rows' executed KV length checked against their valid count"
     )
+    twins = [v for r in reports for k, v in getattr(r, "user_properties", ()) if k == VLLM_TWIN_KEY]
+    if twins:
+        worst = max(t[0] for t in twins)
+        terminalreporter.write_line(
+            f"vLLM under test: {len(twins)} outputs beyond the error budget (worst max-error ratio {worst:.2f}) were "
+            "bit for bit FlashInfer's output through the project's own path on the same inputs: the kernel's "
+            "rounding there, not vLLM's", yellow=True)

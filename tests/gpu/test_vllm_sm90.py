@@ -5,7 +5,9 @@ Each step runs vLLM's ``build()`` (host lengths, plan, kept plan or replan, the 
 bounded design) and ``forward_mqa()`` (its convert kernel, its kv_indices layout, FlashInfer's
 run); FlashInfer's schedule is read back after the plan and the clamp, and every planned row's
 executed KV length must equal its valid count, its executed slots its intended selection (a),
-and its output the float64 oracle over (a) within the error budget. A vLLM release whose design
+and its output the float64 oracle over (a) within the error budget (an output beyond it passes
+only where it is bit for bit FlashInfer's output through the project's own path on the same
+inputs: the kernel's rounding, counted in the summary). A vLLM release whose design
 cannot run on the installed FlashInfer fails one test with the reason
 (:func:`backends.vllm_source.incompatibility`); its other tests are skipped with it.
 """
@@ -13,9 +15,12 @@ cannot run on the installed FlashInfer fails one test with the reason
 from __future__ import annotations
 
 import pytest
+import torch
 
 from backends.vllm_source import incompatibility
+from fast.impl import default_impl
 from harness.cases import KernelConfig
+from harness.launch import launch_step, prepared
 from tests.vllm_cases import large_params, run_case, run_sequence, step_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -43,26 +48,49 @@ def vllm_on_gpu(vllm_backend, pairing):
     return vllm_backend
 
 
+class _NoLaunchLog:
+    def kernel_ran(self) -> None:
+        pass
+
+    def expected_refusal(self, why: str) -> None:
+        raise AssertionError(f"the compacted layout was refused: {why}")
+
+
+@pytest.fixture(scope="module")
+def fa3_twin():
+    """FlashInfer's output through the project's own path (exact plan, compacted layout) on the
+    same scenario and inputs."""
+    from fast.flashinfer_compat import detect_features
+
+    impl, features = default_impl(), detect_features(torch.device(DEVICE))
+
+    def twin(scenario, inputs):
+        return launch_step(impl, features, prepared(impl, scenario, "compacted"), log=_NoLaunchLog(),
+                           inputs=inputs).out
+
+    return twin
+
+
 def test_vllm_release_runs_on_this_flashinfer(vllm_backend, pairing):
     assert pairing is None, f"vLLM {vllm_backend.version} cannot run here: {pairing}"
 
 
 @pytest.mark.parametrize("case, config", step_params())
-def test_step_on_flashinfer(vllm_on_gpu, case, config, request):
-    run_case(vllm_on_gpu, case, config, DEVICE, request)
+def test_step_on_flashinfer(vllm_on_gpu, fa3_twin, case, config, request):
+    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin)
 
 
 @pytest.mark.gpu_large
 @pytest.mark.parametrize("case, config", large_params())
-def test_large_batch_on_flashinfer(vllm_on_gpu, case, config, request):
-    run_case(vllm_on_gpu, case, config, DEVICE, request)
+def test_large_batch_on_flashinfer(vllm_on_gpu, fa3_twin, case, config, request):
+    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin)
 
 
 @pytest.mark.parametrize("kpool", [1, 4])
 @pytest.mark.parametrize("config", [KernelConfig("bfloat16", True, 64), KernelConfig("float8_e4m3fn", False, 16, 0.5)],
                          ids=lambda c: c.id)
-def test_sequence_on_flashinfer(vllm_on_gpu, kpool, config, request):
-    layer, outcomes = run_sequence(vllm_on_gpu, kpool, config, DEVICE, request)
+def test_sequence_on_flashinfer(vllm_on_gpu, fa3_twin, kpool, config, request):
+    layer, outcomes = run_sequence(vllm_on_gpu, kpool, config, DEVICE, request, twin=fa3_twin)
     if vllm_on_gpu.design == "bounded":
         assert layer.plans < len(outcomes), f"planned {layer.plans} times for {len(outcomes)} steps"
     else:
