@@ -21,6 +21,7 @@ design is read from the loaded module, not from its version.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -104,6 +105,10 @@ class VllmSM90Backend:
         self.version = source.version
         self.name = f"vllm-{source.version}"
         self.design = design_of(source)
+        # Whether the builder plans the cache spec's dtype as it is (uint8 for an fp8 cache),
+        # read from its code: the releases that map it name float8_e4m3fn there.
+        builder_init = inspect.getsource(self.module.FlashInferMLASparseSM90Builder.__init__)
+        self.plans_fp8_as_storage_dtype = "float8_e4m3fn" not in builder_init
 
     def describe(self) -> str:
         return (f"{self.source.describe()}: SM90 sparse backend, {self.design} design; "

@@ -8,7 +8,8 @@ each query row's planned KV length into work items of the scheduler's chunk leng
 an 18-field ``_plan_info``, laid out as FlashInfer lays them out. ``run()`` reads that
 workspace at run time, as the kernel does: each work item attends the slots
 ``kv_indices[kv_indptr + kv_start : kv_indptr + kv_end]`` of its row, so whatever rewrote
-kv_end since the plan (vLLM's clamp) decides what is read. It computes in float32 with the
+kv_end since the plan (vLLM's clamp) decides what is read. Like FlashInfer, plan() refuses a
+KV dtype other than float16, bfloat16 and float8_e4m3fn. It computes in float32 with the
 per-tensor scales it is given (``ckv_scale`` on the ckv part, ``kpe_scale`` on the kpe part).
 
 ``releases``: ``"0.7"`` keeps the workspace on ``_planned_backend`` (0.7.x), ``"0.6"`` on the
@@ -27,6 +28,8 @@ from backends import fa3_schedule as fs
 
 NUM_CLUSTERS = 4
 CAPACITY = 4096  # per-work slots of the stand-in's arrays
+#: The KV dtypes FlashInfer's MLA plan() takes (0.6.18.post1 refuses uint8 with this message).
+PLANNABLE_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def chunk_length(kv_lens: list[int]) -> int:
@@ -63,6 +66,9 @@ class StandInWrapper:
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
              causal, sm_scale, q_data_type=None, kv_data_type=None, **kwargs):
+        if kv_data_type not in PLANNABLE_KV_DTYPES:
+            raise ValueError(f"MLA kv_data_type {kv_data_type} is not supported. Supported dtypes: "
+                             f"{list(PLANNABLE_KV_DTYPES)}.")
         if self.release == "0.7":
             self._planned_backend = SimpleNamespace(_int_workspace_buffer=self._buffer)
         self.qo_indptr.copy_(qo_indptr)

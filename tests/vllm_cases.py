@@ -41,6 +41,15 @@ from pytest_sparse_mla.vllm import VLLM_ROWS_KEY, VLLM_TWIN_KEY
 KPE_SCALE_FINDING = "vLLM's fp8 kpe read without k_scale: " + FINDINGS_DOC + "#vllm-fp8-kpe-scale"
 
 
+#: vLLM plans an fp8 cache with its storage dtype (its cache spec's uint8), which FlashInfer refuses.
+FP8_AS_UINT8_FINDING = "vLLM plans an fp8 cache as uint8: " + FINDINGS_DOC + "#vllm-fp8-planned-as-uint8"
+UINT8_REFUSAL = "kv_data_type torch.uint8 is not supported"
+
+
+class Fp8PlannedAsUint8(AssertionError):
+    """FlashInfer refused vLLM's plan of an fp8 cache with kv_data_type uint8."""
+
+
 class KpeScaleIgnored(AssertionError):
     """vLLM's output is beyond the budget on an fp8 cache with rope and k_scale != 1, and only
     there (its forward_mqa passes kpe_scale=1.0)."""
@@ -70,12 +79,19 @@ KPE_SCALE_CASES = [
 
 
 def step_params(extra=()):
-    params = []
-    for case, config in list(step_cases()) + KPE_SCALE_CASES + list(extra):
-        marks = [pytest.mark.xfail(raises=KpeScaleIgnored, strict=True, reason=KPE_SCALE_FINDING)] \
-            if kpe_scale_ignored(config) else []
-        params.append(pytest.param(case, config, id=f"{case.id}-{config.id}", marks=marks))
-    return params
+    return [pytest.param(case, config, id=f"{case.id}-{config.id}")
+            for case, config in list(step_cases()) + KPE_SCALE_CASES + list(extra)]
+
+
+def expect_findings(backend, config, request) -> None:
+    """Mark the test a strict xfail where a known vLLM finding decides its outcome: an fp8 cache
+    on a release that plans it as uint8 (refused before anything runs), else an fp8 cache with
+    rope and k_scale != 1 (kpe read without k_scale)."""
+    fp8 = config.kv_dtype == "float8_e4m3fn"
+    if fp8 and backend.plans_fp8_as_storage_dtype:
+        request.applymarker(pytest.mark.xfail(raises=Fp8PlannedAsUint8, strict=True, reason=FP8_AS_UINT8_FINDING))
+    elif kpe_scale_ignored(config):
+        request.applymarker(pytest.mark.xfail(raises=KpeScaleIgnored, strict=True, reason=KPE_SCALE_FINDING))
 
 
 def large_params():
@@ -105,7 +121,13 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
     compacted layout). An output beyond the error budget that is bit for bit the twin's is the
     kernel's rounding on these inputs, not vLLM's doing: it passes here, counted in the summary
     (``VLLM_TWIN_KEY``), and the kernel's budget is the kernel tests' to judge."""
-    outcome = run_step(layer, scenario, inputs)
+    try:
+        outcome = run_step(layer, scenario, inputs)
+    except ValueError as exc:
+        if UINT8_REFUSAL in str(exc) and scenario.spec.kv_dtype == "float8_e4m3fn":
+            raise Fp8PlannedAsUint8(f"vLLM {backend.version}: FlashInfer refused the plan: {exc}; "
+                                    f"{scenario.describe()}") from exc
+        raise
     problems = executed_length_problems(outcome) + selection_problems(outcome)
     request.node.user_properties.append((VLLM_ROWS_KEY, (backend.version, outcome.planned_rows)))
     regimes = scenario.row_regime[: outcome.planned_rows]
@@ -130,6 +152,7 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
 
 
 def run_case(backend, case, config, device, request, seed: int = 0, twin=None):
+    expect_findings(backend, config, request)
     spec = config.apply(case.spec)
     scenario = build_scenario(spec, seed)
     layer = backend.layer(layer_config(spec, max(scenario.topk_indices.shape[0], 1)), device)
@@ -148,6 +171,7 @@ def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInput
 
 def run_sequence(backend, kpool, config, device, request, *, with_inputs=True, twin=None):
     """All steps of :func:`sequence_specs` through one layer and one KV cache; the layer."""
+    expect_findings(backend, config, request)
     specs = [config.apply(s) for s in sequence_specs(kpool)]
     scenarios = [build_scenario(s, seed) for seed, s in enumerate(specs)]
     max_tokens = max(s.topk_indices.shape[0] for s in scenarios)

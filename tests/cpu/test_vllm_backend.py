@@ -162,7 +162,8 @@ def test_stand_in_reads_the_schedule_at_run_time(vllm_backend, stand_in, device)
                    kv_len_arr=torch.zeros(rows, dtype=torch.int32, device=device))
     wrapper = stand_in(ws, use_cuda_graph=True, **buffers)
     wrapper.plan(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32),
-                 buffers["kv_indices"], torch.tensor([4, 4], dtype=torch.int32), 1, 512, 0, 1, False, 1.0)
+                 buffers["kv_indices"], torch.tensor([4, 4], dtype=torch.int32), 1, 512, 0, 1, False, 1.0,
+                 kv_data_type=torch.bfloat16)
     ckv = torch.eye(8, 512, device=device).to(torch.bfloat16).unsqueeze(1)
     q = torch.zeros(rows, 1, 512, dtype=torch.bfloat16, device=device)
     before = wrapper.run(q, q[..., :0], ckv, ckv[..., :0])
