@@ -113,14 +113,18 @@ def sequence_specs(kpool: int) -> list:
     return steps
 
 
-def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=None):
+def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=None, baseline=None, step=""):
     """Run one step and assert what a user of vLLM relies on; return the outcome.
 
     ``twin(scenario, inputs)``: where given (the GPU tier), FlashInfer's output on the same
     inputs through the project's own path (an exact plan of the intended selection, the
     compacted layout). An output beyond the error budget that is bit for bit the twin's is the
     kernel's rounding on these inputs, not vLLM's doing: it passes here, counted in the summary
-    (``VLLM_TWIN_KEY``), and the kernel's budget is the kernel tests' to judge."""
+    (``VLLM_TWIN_KEY``), and the kernel's budget is the kernel tests' to judge.
+
+    ``baseline`` (the upgrade check's note): the step's output, its rows' executed KV lengths
+    (what vLLM wrote into FlashInfer's schedule) and its error ratios are recorded under names
+    ending in ``step``, so that a comparison on another release shows any drift in either."""
     try:
         outcome = run_step(layer, scenario, inputs)
     except ValueError as exc:
@@ -139,6 +143,11 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
     assert not problems, f"{outcome.context()}\n" + "\n".join(problems[:12])
     if compare and inputs is not None and outcome.planned_rows:
         comparison = output_comparison(outcome, inputs)
+        if baseline is not None:
+            n = outcome.planned_rows
+            baseline.note(ratios={f"out{step}_max_ratio": comparison.max_ratio,
+                                  f"out{step}_mean_ratio": comparison.mean_ratio},
+                          outputs={f"out{step}": outcome.out[:n], f"executed_len{step}": outcome.executed_lengths()})
         if not comparison.ok:
             summary = comparison.summary(scenario.row_regime)
             if kpe_scale_ignored(scenario.spec):
@@ -151,13 +160,13 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
     return outcome
 
 
-def run_case(backend, case, config, device, request, seed: int = 0, twin=None):
+def run_case(backend, case, config, device, request, seed: int = 0, twin=None, baseline=None):
     expect_findings(backend, config, request)
     spec = config.apply(case.spec)
     scenario = build_scenario(spec, seed)
     layer = backend.layer(layer_config(spec, max(scenario.topk_indices.shape[0], 1)), device)
     inputs = build_attention_inputs(scenario, device)
-    return check_step(backend, layer, scenario, inputs, request, twin=twin)
+    return check_step(backend, layer, scenario, inputs, request, twin=twin, baseline=baseline)
 
 
 def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInputs:
@@ -169,7 +178,7 @@ def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInput
     return AttentionInputs(inputs.q_nope, inputs.q_pe, cache)
 
 
-def run_sequence(backend, kpool, config, device, request, *, with_inputs=True, twin=None):
+def run_sequence(backend, kpool, config, device, request, *, with_inputs=True, twin=None, baseline=None):
     """All steps of :func:`sequence_specs` through one layer and one KV cache; the layer."""
     expect_findings(backend, config, request)
     specs = [config.apply(s) for s in sequence_specs(kpool)]
@@ -179,7 +188,8 @@ def run_sequence(backend, kpool, config, device, request, *, with_inputs=True, t
     blocks = max(s.num_blocks for s in scenarios)
     cache = nan_kv_buffer((blocks, specs[0].block_size, specs[0].head_dim), specs[0].kv_dtype, device)
     outcomes = []
-    for scenario in scenarios:
+    for i, scenario in enumerate(scenarios):
         inputs = in_one_cache(build_attention_inputs(scenario, device), cache) if with_inputs else None
-        outcomes.append(check_step(backend, layer, scenario, inputs, request, twin=twin))
+        outcomes.append(check_step(backend, layer, scenario, inputs, request, twin=twin, baseline=baseline,
+                                   step=f"_step{i}"))
     return layer, outcomes

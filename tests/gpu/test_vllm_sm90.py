@@ -7,7 +7,9 @@ run); FlashInfer's schedule is read back after the plan and the clamp, and every
 executed KV length must equal its valid count, its executed slots its intended selection (a),
 and its output the float64 oracle over (a) within the error budget (an output beyond it passes
 only where it is bit for bit FlashInfer's output through the project's own path on the same
-inputs: the kernel's rounding, counted in the summary). A vLLM release whose design
+inputs: the kernel's rounding, counted in the summary). Under the upgrade check each case records
+its output and its rows' executed KV lengths, so a comparison shows drift in what vLLM writes
+into FlashInfer's schedule as well as in what the kernel returns. A vLLM release whose design
 cannot run on the installed FlashInfer fails one test with the reason
 (:func:`backends.vllm_source.incompatibility`); its other tests are skipped with it.
 """
@@ -76,21 +78,21 @@ def test_vllm_release_runs_on_this_flashinfer(vllm_backend, pairing):
 
 
 @pytest.mark.parametrize("case, config", step_params())
-def test_step_on_flashinfer(vllm_on_gpu, fa3_twin, case, config, request):
-    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin)
+def test_step_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, case, config, request):
+    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin, baseline=baseline)
 
 
 @pytest.mark.gpu_large
 @pytest.mark.parametrize("case, config", large_params())
-def test_large_batch_on_flashinfer(vllm_on_gpu, fa3_twin, case, config, request):
-    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin)
+def test_large_batch_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, case, config, request):
+    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin, baseline=baseline)
 
 
 @pytest.mark.parametrize("kpool", [1, 4])
 @pytest.mark.parametrize("config", [KernelConfig("bfloat16", True, 64), KernelConfig("float8_e4m3fn", False, 16, 0.5)],
                          ids=lambda c: c.id)
-def test_sequence_on_flashinfer(vllm_on_gpu, fa3_twin, kpool, config, request):
-    layer, outcomes = run_sequence(vllm_on_gpu, kpool, config, DEVICE, request, twin=fa3_twin)
+def test_sequence_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, kpool, config, request):
+    layer, outcomes = run_sequence(vllm_on_gpu, kpool, config, DEVICE, request, twin=fa3_twin, baseline=baseline)
     if vllm_on_gpu.design == "bounded":
         assert layer.plans < len(outcomes), f"planned {layer.plans} times for {len(outcomes)} steps"
     else:
