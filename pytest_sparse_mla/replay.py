@@ -219,15 +219,11 @@ class FailureDump:
         step = self.log.step if self.log is not None and self.log.fixture is None else None
         fixture = None
         if step is not None:  # the step armed builders build from too
-            from recording.dump import (
-                MAX_BUILD_BYTES,
-                WHY_TOO_LARGE,
-                build_bytes,
-                fixture_of_failing_rows,
-                write_step_recipe,
-            )
+            from recording import step_size
+            from recording.dump import WHY_TOO_LARGE, fixture_of_failing_rows, write_step_recipe
+            from recording.step_size import build_bytes
 
-            if build_bytes(step) > MAX_BUILD_BYTES:
+            if build_bytes(step) > step_size.MAX_BUILD_BYTES:
                 fixture = fixture_of_failing_rows(step, **self.meta)
                 if fixture is None:
                     meta = self._recipe_meta(too_large_to_build=build_bytes(step), why=WHY_TOO_LARGE)

@@ -21,7 +21,7 @@ from harness.pipeline import Step
 from harness.scenario import build_attention_inputs
 
 from .environment import flashinfer_version
-from .fixture import Fixture, build_fixture
+from .fixture import Fixture, build_fixture, subset_fixture
 
 
 class CaseLog(notes.CaseLog):
@@ -110,7 +110,6 @@ def fixture_of_rows(step: Step, rows: list[int], **meta) -> Fixture | None:
     from mla_constants import KV_LORA_RANK
     from reference.rules import convert_rule
 
-    from .shrink import subset_fixture
 
     sc, spec = step.scenario, step.scenario.spec
     if spec.score_offsets:

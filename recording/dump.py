@@ -13,33 +13,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
-from mla_constants import KV_LORA_RANK
-
 from .case_log import fixture_of_rows, plan_failing_rows
 from .fixture import Fixture, save_fixture
 from .recipe import RECIPE_SUFFIX, recipe_of_scenario, recipe_of_step, save_recipe
 from .repro import write_repro
 from .shrink import MAX_FIXTURE_BYTES, fixture_bytes, shrink_fixture
-
-#: A noted step whose fixture would take more host memory than this is written as a recipe
-#: without being built (a failing batch of tens of thousands of rows, say).
-MAX_BUILD_BYTES = 1 << 30
-
-
-def build_bytes(step) -> int:
-    """About the host bytes the fixture of a noted step takes before shrinking: q and out of
-    every planned row, and the KV slots their plans read."""
-    spec = step.scenario.spec
-    width = KV_LORA_RANK + spec.rope_dim
-    slots = int(step.planned_lens.to(torch.int64).sum()) if step.num_planned else 0
-    return step.num_planned * spec.num_heads * width * 2 * 2 + slots * width * 2
-
-
-#: At most this many failing rows (those that read the fewest KV slots) go into the fixture of
-#: a batch too large to build; the shrink then keeps fewer.
-MAX_FAILING_ROWS = 64
+from .step_size import MAX_FAILING_ROWS, build_bytes, smallest_rows
 
 WHY_TOO_LARGE = ("a batch too large to build whole whose plan is right on every row: the failure is in its "
                  "kernel run, which only the whole batch shows")
@@ -47,12 +26,6 @@ WHY_SHRUNK_TOO_LARGE = ("the smallest failing candidate is still larger than the
                         "(failing_rows) are rebuilt from the spec and seed on replay")
 WHY_FAILING_ROWS = ("a batch too large to build whole: the fixture of the rows whose plan is wrong, built from the "
                     "scenario (q drawn per row)")
-
-
-def smallest_rows(step, rows: list[int], limit: int) -> list[int]:
-    """At most ``limit`` of ``rows``, those that read the fewest KV slots first."""
-    size = step.planned_lens.to(torch.int64).cpu() + step.counts[: step.num_planned].to(torch.int64).cpu()
-    return sorted(sorted(rows, key=lambda r: (int(size[r]), r))[:limit])
 
 
 def fixture_of_failing_rows(step, **meta) -> Fixture | None:

@@ -111,9 +111,10 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
     from harness.pipeline import prepare_step
     from harness.scenario import build_attention_inputs, build_scenario, spec_from_dict
 
+    from . import step_size
     from .case_log import fixture_from_step, fixture_of_rows, plan_failing_rows
-    from .dump import MAX_BUILD_BYTES, MAX_FAILING_ROWS, build_bytes, smallest_rows
-    from .shrink import subset_fixture
+    from .fixture import subset_fixture
+    from .step_size import MAX_FAILING_ROWS, build_bytes, smallest_rows
 
     try:
         scenario = build_scenario(spec_from_dict(recipe["spec"]), recipe["seed"])
@@ -126,10 +127,10 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
     step = prepare_step(impl, scenario, recipe["layout"], device, max_rows=recipe["max_rows"])
     meta = {k: recipe[k] for k in ("name", "impl", "nodeid", "why", "scale_case") if isinstance(recipe.get(k), str)}
     rows = recipe.get("failing_rows")
-    if not isinstance(rows, list) and not whole and build_bytes(step) > MAX_BUILD_BYTES:
+    if not isinstance(rows, list) and not whole and build_bytes(step) > step_size.MAX_BUILD_BYTES:
         rows = smallest_rows(step, plan_failing_rows(step) or rows_per_regime(step), MAX_FAILING_ROWS)
     fx = None
-    if isinstance(rows, list) and (recipe.get("scale_case") or build_bytes(step) > MAX_BUILD_BYTES):
+    if isinstance(rows, list) and (recipe.get("scale_case") or build_bytes(step) > step_size.MAX_BUILD_BYTES):
         fx = fixture_of_rows(step, rows, source="recipe", **meta)  # q drawn per row, as the scale cases do
     if fx is None:
         fx = fixture_from_step(step, build_attention_inputs(scenario), source="recipe", **meta)
@@ -141,7 +142,7 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
 
 def rows_per_regime(step) -> list[int]:
     """The planned rows of each regime that reads the fewest KV slots: one row per regime."""
-    from .dump import smallest_rows
+    from .step_size import smallest_rows
 
     regimes = step.regimes()
     return sorted(smallest_rows(step, [r for r, g in enumerate(regimes) if g == regime], 1)[0]

@@ -17,11 +17,9 @@ A fixture still over :data:`MAX_FIXTURE_BYTES` after shrinking is written as a r
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from .fixture import Fixture, fixture_tensors, remap_slots
+from .fixture import Fixture, fixture_tensors, subset_fixture
 from .replay import ReplayReport, replay
 from .restage import restage_fixture
 
@@ -104,55 +102,6 @@ def worst_heads(report: ReplayReport, heads: int) -> list[int]:
                 if h < heads and h not in seen:
                     seen.append(h)
     return seen
-
-
-def subset_fixture(fx: Fixture, rows: list[int], heads: list[int] | None = None) -> Fixture:
-    """The fixture of ``rows`` (and ``heads``), keeping each row's planned span as recorded and
-    only the KV slots the kept rows read."""
-    meta, t = fx.meta, fx.tensors
-    heads = list(range(int(meta["num_heads"]))) if heads is None else heads
-    r = torch.tensor(rows, dtype=torch.int64)
-    h = torch.tensor(heads, dtype=torch.int64)
-    indptr, lens = t["kv_indptr"].to(torch.int64), t["kv_len"].to(torch.int64)
-    spans = [t["kv_indices"][int(indptr[i]) : int(indptr[i] + lens[i])] for i in rows]
-    width = int(meta["width"])
-    if meta.get("layout") == "strided":  # rows keep their fixed stride
-        new_indptr = torch.arange(len(rows) + 1, dtype=torch.int64) * width
-        indices = torch.full((len(rows) * width + 1,), -1, dtype=torch.int32)
-        for i, span in enumerate(spans):
-            indices[i * width : i * width + span.numel()] = span
-    else:
-        new_indptr = (
-            torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[r], 0)])
-            if rows
-            else torch.zeros(1, dtype=torch.int64)
-        )
-        indices = torch.cat(spans).to(torch.int32) if spans else torch.zeros(0, dtype=torch.int32)
-    old_ids, (indices_local, intended_local) = remap_slots(indices, t["intended"][r])
-    slot_ids = t["slot_ids"][old_ids] if t["slot_ids"].numel() else t["slot_ids"]
-    tensors = dict(
-        t,
-        q_nope=t["q_nope"][r][:, h],
-        q_pe=t["q_pe"][r][:, h],
-        ckv=t["ckv"][old_ids],
-        kpe=t["kpe"][old_ids],
-        slot_ids=slot_ids,
-        kv_indptr=new_indptr.to(torch.int32),
-        kv_indices=indices_local,
-        kv_len=lens[r].to(torch.int32),
-        intended=intended_local,
-    )
-    outputs = {v: (out[r][:, h], lse[r][:, h]) for v, (out, lse) in fx.outputs.items()}
-    old_rows = meta.get("rows")
-    new_meta = dict(meta, num_rows=len(rows), num_heads=len(heads), max_rows=max(len(rows), 1),
-                    rows=[old_rows[i] for i in rows] if old_rows is not None else list(rows),
-                    heads=[meta["heads"][i] for i in heads] if meta.get("heads") is not None else list(heads))
-    for key in ("regimes", "row_ctx"):
-        if isinstance(meta.get(key), list):
-            new_meta[key] = [meta[key][i] for i in rows]
-    if isinstance(meta.get("focus"), list) and isinstance(new_meta.get("regimes"), list):
-        new_meta["focus"] = [g for g in meta["focus"] if g in new_meta["regimes"]]
-    return dataclasses.replace(fx, meta=new_meta, tensors=tensors, outputs=outputs)
 
 
 def row_candidates(fx: Fixture, by_check: dict[str, list[int]]) -> list[list[int]]:

@@ -361,9 +361,9 @@ def test_a_step_too_large_to_build_is_written_as_its_failing_rows_or_else_as_a_r
     where its plan is wrong on some rows it is the fixture of those rows, built from the
     scenario; where the plan is right on every row (the failure is in the kernel run of the
     whole batch) a recipe that says why."""
-    import recording.dump
+    import recording.step_size
 
-    monkeypatch.setattr(recording.dump, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
+    monkeypatch.setattr(recording.step_size, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
     select = ("--impl=tests.bugs:CompactionPlansPrefix", "-k",
               "test_plan_reads_the_intended_slots and compacted and kpool4 and ctx5")
     dump = tmp_path / "rows"
@@ -400,8 +400,8 @@ def test_a_recipe_of_failing_rows_rebuilds_them_with_the_inputs_their_test_built
     from harness.scenario import batch, build_attention_inputs, build_scenario
     from recording.case_log import fixture_from_step
     from recording.dump import WHY_SHRUNK_TOO_LARGE
+    from recording.fixture import subset_fixture
     from recording.recipe import recipe_of_step, save_recipe
-    from recording.shrink import subset_fixture
     from tests.bugs import CompactionPlansPrefix
 
     spec = batch((5, 1), (3000, 1), (2049, 1), (9, 2), kpool=4, topk=2048)
@@ -480,7 +480,7 @@ def test_the_fixture_of_some_rows_is_the_whole_fixtures_rows_bit_for_bit(device,
     from harness.pipeline import prepare_step
     from harness.scenario import batch, build_attention_inputs_on, build_scenario
     from recording.case_log import fixture_from_step, fixture_of_rows
-    from recording.shrink import subset_fixture
+    from recording.fixture import subset_fixture
     from tests.bugs import CompactionPlansPrefix
 
     spec = batch((5, 1), (3000, 1), (2049, 1), (9, 2), kpool=4, topk=2048, kv_dtype="float8_e4m3fn", k_scale=0.5)

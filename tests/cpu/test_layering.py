@@ -85,6 +85,77 @@ def layering_violations(root: Path = ROOT) -> list[str]:
     return problems
 
 
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules of its own top-level package it imports (anywhere in it);
+    ``from . import x`` names the module x where x is one."""
+    paths = {module_name(p, root): p for p in project_modules(root)}
+    graph = {}
+    for name, path in paths.items():
+        package = list(path.relative_to(root).with_suffix("").parts[:-1])
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(package[: len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+                        if node.level else node.module)
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
+        top = name.split(".")[0]
+        graph[name] = {t for t in targets if t in paths and t != name and t.split(".")[0] == top}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(groups)
+
+
+def test_no_import_cycle_inside_a_package():
+    """Module-level and function-level imports alike: a cycle hidden in a function is still one."""
+    cycles = import_cycles(import_graph())
+    assert cycles == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from .b import f\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from . import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("from pkg import a\n")
+    assert import_cycles(import_graph(tmp_path)) == [["pkg.a", "pkg.b"]]
+
+
 def test_no_module_imports_from_a_higher_layer_or_a_peer():
     assert layering_violations() == [], "\n".join(layering_violations())
 

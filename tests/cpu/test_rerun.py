@@ -273,7 +273,7 @@ def test_a_shrunk_fixture_converts_only_its_own_rows_of_the_rebuilt_batch(monkey
     """The lens of a shrunk fixture come from the kv_len rule on the rebuilt batch, but only
     the fixture's rows of it are converted and compared (a batch may hold thousands)."""
     import recording.rerun as rerun_module
-    from recording.shrink import subset_fixture
+    from recording.fixture import subset_fixture
 
     fx = load_fixture(FIXTURES / "bdefg-pooled-decode-bf16.safetensors")
     keep = [r for r, g in enumerate(fx.meta["regimes"]) if g in ("E", "G")][:1]
