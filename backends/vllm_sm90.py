@@ -75,6 +75,19 @@ class StepCommonMetadata:
     seq_lens_host: torch.Tensor  # the exact seq_lens, for the routing stand-in
 
 
+def engine_block_table(block_table: torch.Tensor, device) -> torch.Tensor:
+    """The step's block table as the engine's persistent, zero-initialised device buffer holds it:
+    the ``num_reqs`` rows, then rows past them (here one spare row). The engine hands the backend
+    a view of its first ``num_reqs`` rows, and the convert kernel reads it by pointer, so a padding
+    row (request 0) of a step with no request reads the buffer's zero row. The whole buffer is
+    handed over here, which the backend reads alike (it takes only the width and strides from its
+    shape) and which Triton's interpreter can address (it maps a tensor's own elements only)."""
+    rows, width = block_table.shape
+    buffer = torch.zeros(rows + 1, width, dtype=torch.int32, device=device)
+    buffer[:rows] = block_table.to(torch.int32).to(device)
+    return buffer
+
+
 def common_metadata(meta, block_table: torch.Tensor, rows_with_padding: int, device) -> StepCommonMetadata:
     """The step's common metadata on ``device`` from the project's step metadata (the fields
     of ``harness.spec.StepMetadata``)."""
@@ -87,7 +100,7 @@ def common_metadata(meta, block_table: torch.Tensor, rows_with_padding: int, dev
         seq_lens=meta.seq_lens.to(torch.int32).to(device),
         seq_lens_cpu_upper_bound=meta.seq_lens_cpu_upper_bound,
         positions=None if meta.positions is None else meta.positions.to(device),
-        block_table_tensor=block_table.to(torch.int32).to(device),
+        block_table_tensor=engine_block_table(block_table, device),
         num_decodes=meta.num_decodes,
         num_decode_tokens=meta.num_decode_tokens,
         num_prefills=meta.num_prefills,

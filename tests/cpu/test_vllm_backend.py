@@ -18,14 +18,19 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 
 from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap
 from harness.builder import build_scenario
 from harness.cases import KernelConfig, situation_cases
 from harness.device_inputs import build_attention_inputs
+from harness.input_space import classify, covering_cases
 from harness.vllm_step import executed_length_problems, layer_config, run_step
+from pytest_sparse_mla.coverage import record_input
+from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from tests import fa3_stand_in
-from tests.vllm_cases import check_step, run_case, run_sequence, step_params
+from tests.vllm_cases import Fp8PlannedAsUint8, check_step, run_case, run_sequence, step_params
 
 pytestmark = pytest.mark.vllm
 
@@ -34,9 +39,49 @@ BF16 = KernelConfig("bfloat16", True, 16)
 
 @pytest.fixture
 def stand_in(vllm_backend, monkeypatch):
-    wrapper = fa3_stand_in.StandInWrapper if vllm_backend.design == "bounded" else fa3_stand_in.StandIn06Wrapper
+    wrapper = stand_in_for(vllm_backend)
     fa3_stand_in.install(monkeypatch, wrapper)
     return wrapper
+
+
+def stand_in_for(backend):
+    return fa3_stand_in.StandInWrapper if backend.design == "bounded" else fa3_stand_in.StandIn06Wrapper
+
+
+def with_covering_examples(test):
+    """The active profile's covering design as explicit examples (every value class under ci)."""
+    for i, case in enumerate(covering_cases(covering_strength())):
+        test = example(case=case, seed=i)(test)
+    return test
+
+
+def drawn_phases() -> tuple:
+    """Under ``ci`` the covering design's examples alone (every value class; the random draws of
+    this test take minutes in Triton's interpreter, up to 20 s an example); ``thorough`` draws too."""
+    if covering_strength() > 1:
+        return (Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink)
+    return (Phase.explicit,)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture],  # request only collects properties
+          phases=drawn_phases())
+@given(case=input_cases(), seed=st.integers(0, 2**31 - 1))
+@with_covering_examples
+def test_drawn_production_inputs_through_vllm(vllm_backend, device, case, seed, request):
+    """Any case of the production input space (block sizes, batch composition, context sources,
+    kpool and topk, kernel variants, heads) through vLLM's build() and forward_mqa(): every row
+    executes its valid count and its intended slots. The case's kv_indices layout is the
+    project's axis; vLLM lays out its own."""
+    record_input(classify(case.spec, case.layout))
+    scenario = build_scenario(case.spec, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        fa3_stand_in.install(mp, stand_in_for(vllm_backend))
+        layer = vllm_backend.layer(layer_config(case.spec, max(scenario.topk_indices.shape[0], 1)), device)
+        inputs = build_attention_inputs(scenario, device)
+        try:
+            check_step(vllm_backend, layer, scenario, inputs, request, compare=False)
+        except Fp8PlannedAsUint8:
+            assert vllm_backend.plans_fp8_as_storage_dtype, "an fp8 plan refused by a release that maps it to e4m3"
 
 
 def test_release_and_design_are_read_from_its_code(vllm_backend):
