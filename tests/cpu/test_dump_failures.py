@@ -361,6 +361,7 @@ def test_a_step_too_large_to_build_is_written_as_its_failing_rows_or_else_as_a_r
     where its plan is wrong on some rows it is the fixture of those rows, built from the
     scenario; where the plan is right on every row (the failure is in the kernel run of the
     whole batch) a recipe that says why."""
+    import recording.dump
     import recording.step_size
 
     monkeypatch.setattr(recording.step_size, "MAX_BUILD_BYTES", 0)  # as a batch of tens of thousands of rows
