@@ -19,6 +19,7 @@ or FlashInfer's kernel.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -28,6 +29,9 @@ import types
 from typing import Any
 
 import torch
+
+from fast.convert import request_ids
+from fast.kvlen import prefills_use_dense_mha
 
 from .vllm_source import MODULE_FILES, VllmSource
 
@@ -75,22 +79,12 @@ class StandInMetadata:
     prefill_use_dense_mha: bool = False
 
 
-def request_ids_of_rows(query_start_loc_cpu: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """int32 request id of each of ``num_rows`` token rows; rows past the last request's query
-    (CUDA-graph padding) get request 0, as the common sparse builder fills them."""
-    qsl = query_start_loc_cpu.to(torch.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    ids = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
-    out = torch.zeros(num_rows, dtype=torch.int32)
-    out[: ids.numel()] = ids.to(torch.int32)
-    return out
-
-
 class StandInSparseBuilder(_Subscriptable):
     """``FlashInferMLASparseMetadataBuilder``: keeps the constructor's arguments; ``build``
-    fills :class:`StandInMetadata` from the step's common metadata (request ids per token row,
-    padding rows to request 0; the decode/prefill split the step carries; the Hopper dense-MHA
-    routing of prefills, every prefill's seq_len <= index_topk)."""
+    fills :class:`StandInMetadata` from the step's common metadata: request ids per token row,
+    padding rows to request 0 (``fast.convert.request_ids``); the decode/prefill split the step
+    carries; the Hopper dense-MHA routing of prefills (``fast.kvlen.prefills_use_dense_mha``:
+    every prefill's seq_len <= index_topk)."""
 
     metadata_cls = StandInMetadata
 
@@ -102,10 +96,8 @@ class StandInSparseBuilder(_Subscriptable):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cam = common_attn_metadata
-        rows = cam.req_id_rows
-        req = request_ids_of_rows(cam.query_start_loc_cpu[: cam.num_reqs + 1], rows).to(cam.query_start_loc.device)
+        req = request_ids(cam.query_start_loc[: cam.num_reqs + 1], cam.req_id_rows)
         topk = int(self.vllm_config.model_config.hf_text_config.index_topk)
-        prefill_seq_lens = cam.seq_lens_host[cam.num_decodes : cam.num_reqs]
         return self.metadata_cls(
             num_reqs=cam.num_reqs,
             num_actual_tokens=cam.num_actual_tokens,
@@ -117,7 +109,7 @@ class StandInSparseBuilder(_Subscriptable):
             block_table=cam.block_table_tensor,
             block_size=self.kv_cache_spec.block_size,
             req_id_per_token=req,
-            prefill_use_dense_mha=bool(cam.num_prefills) and int(prefill_seq_lens.max()) <= topk,
+            prefill_use_dense_mha=prefills_use_dense_mha(cam, topk),
         )
 
 
@@ -324,8 +316,6 @@ def load_sm90_module(source: VllmSource):
     if _LOADED:
         raise RuntimeError(f"this process already loaded vLLM from {next(iter(_LOADED))}; one vLLM per process")
     if source.installed:
-        import importlib
-
         module = importlib.import_module(SM90_MODULE)
         _LOADED[key] = module
         return module
@@ -334,8 +324,6 @@ def load_sm90_module(source: VllmSource):
         raise RuntimeError(f"a vllm package is already imported here ({getattr(present, '__file__', present)}); "
                            "run the suite in a fresh process to load another vLLM")
     sys.meta_path.insert(0, VllmFinder(source))
-    import importlib
-
     module = importlib.import_module(SM90_MODULE)
     _LOADED[key] = module
     return module

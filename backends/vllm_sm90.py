@@ -72,7 +72,6 @@ class StepCommonMetadata:
     num_decode_tokens: int
     num_prefills: int
     req_id_rows: int  # token rows incl. padding
-    seq_lens_host: torch.Tensor  # the exact seq_lens, for the routing stand-in
 
 
 def engine_block_table(block_table: torch.Tensor, device) -> torch.Tensor:
@@ -105,7 +104,6 @@ def common_metadata(meta, block_table: torch.Tensor, rows_with_padding: int, dev
         num_decode_tokens=meta.num_decode_tokens,
         num_prefills=meta.num_prefills,
         req_id_rows=rows_with_padding,
-        seq_lens_host=meta.seq_lens.to("cpu"),
     )
 
 
@@ -177,16 +175,19 @@ class VllmLayer:
             return plan(*args, **kwargs)
 
         self.state.wrapper.plan = counted_plan
+        # What vLLM's _kv_lens_host returned in the last build(): (rows, host lengths, exact);
+        # the exact design's lengths are always exact.
+        self.host_lengths: tuple[int, torch.Tensor, bool] | None = None
+        kv_lens_host = self.builder._kv_lens_host
+
+        def noted_kv_lens_host(cam):
+            result = kv_lens_host(cam)
+            self.host_lengths = (result[0], result[1], True) if len(result) == 2 else tuple(result)
+            return result
+
+        self.builder._kv_lens_host = noted_kv_lens_host
 
     # --- one step -----------------------------------------------------------------------
-
-    def host_lengths(self, cam: StepCommonMetadata) -> tuple[int, torch.Tensor, bool]:
-        """vLLM's ``_kv_lens_host``: (rows, host lengths, whether they are exact). The exact
-        design's lengths are always exact."""
-        result = self.builder._kv_lens_host(cam)
-        if len(result) == 2:
-            return result[0], result[1], True
-        return result
 
     def build(self, cam: StepCommonMetadata):
         return self.builder.build(0, cam)

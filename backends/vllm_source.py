@@ -191,7 +191,7 @@ def resolve(spec: str) -> VllmSource:
         return VllmSource(root, _version_of_folder(root), str(path))
     if path.is_dir():
         root = path.resolve()
-        if root.name == "vllm" and (root / "__init__.py").is_file() or (root / "v1").is_dir():
+        if (root / "v1").is_dir():  # the vllm package folder itself (a slice's has no __init__.py)
             root = root.parent
         _check_modules(root, str(path))
         return VllmSource(root, _version_of_folder(root), str(path))

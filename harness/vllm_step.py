@@ -87,8 +87,8 @@ def run_step(layer: VllmLayer, scenario: Scenario, inputs: AttentionInputs | Non
     device = layer.device
     rows_with_padding = scenario.topk_indices.shape[0]
     cam = common_metadata(scenario.meta, scenario.block_table, rows_with_padding, device)
-    _, host, exact = layer.host_lengths(cam)
     metadata = layer.build(cam)
+    _, host, exact = layer.host_lengths
     planned_rows = scenario.planned_rows
     planned = layer.planned_lengths(planned_rows).to(torch.int64)
     schedule = layer.schedule()

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from backends import fa3_schedule as fs
+from harness.plan_limits.scheduler import scheduler_chunk
 
 NUM_CLUSTERS = 4
 CAPACITY = 4096  # per-work slots of the stand-in's arrays
@@ -33,13 +34,8 @@ PLANNABLE_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def chunk_length(kv_lens: list[int]) -> int:
-    """The scheduler's KV chunk from the average KV length per cluster (32, 64, 128, 192, then
-    multiples of 256)."""
-    average = max(-(-sum(kv_lens) // NUM_CLUSTERS), 1)
-    for limit, chunk in ((8, 32), (16, 64), (32, 128), (64, 192)):
-        if average <= limit:
-            return chunk
-    return -(-average // 256) * 256
+    """The scheduler's KV chunk for these planned lengths over the stand-in's clusters."""
+    return scheduler_chunk(max(-(-sum(kv_lens) // NUM_CLUSTERS), 1))
 
 
 class StandInWrapper:

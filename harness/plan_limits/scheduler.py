@@ -12,7 +12,7 @@ from __future__ import annotations
 from fast.flashinfer_compat import FA3_WORK_CAPACITY
 
 
-def _scheduler_chunk(average: int) -> int:
+def scheduler_chunk(average: int) -> int:
     """The KV chunk length the fa3 MLA scheduler splits rows at, from the average KV length per
     cluster (its rounding steps: 32, 64, 128, 192, then multiples of 256)."""
     for limit, chunk in ((8, 32), (16, 64), (32, 128), (64, 192)):
@@ -34,7 +34,7 @@ def fa3_work_items(q_lens, kv_lens, num_heads: int, num_sm: int) -> int:
     tile = 64 * cluster
     tiles = [-(-q * num_heads // tile) for q in q_lens]
     total = sum(t * kv for t, kv in zip(tiles, kv_lens, strict=True))
-    chunk = _scheduler_chunk(max(-(-total // clusters), 1))
+    chunk = scheduler_chunk(max(-(-total // clusters), 1))
     return sum(t * max(1, -(-kv // chunk)) for t, kv in zip(tiles, kv_lens, strict=True))
 
 
