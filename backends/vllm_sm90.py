@@ -30,28 +30,13 @@ import torch
 from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
+from .seam import LayerConfig
 from .vllm_shims import load_sm90_module, stand_ins_in_use
 from .vllm_source import VllmSource, design_of
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
 #: vLLM's kv_cache_dtype string and the torch dtype of its cache tensor (fp8 is uint8 storage).
 CACHE_DTYPES = {"bfloat16": ("auto", torch.bfloat16), "float8_e4m3fn": ("fp8", torch.uint8)}
-
-
-@dataclass(frozen=True)
-class LayerConfig:
-    num_heads: int
-    rope_dim: int  # 64 or 0 (NoPE)
-    kv_dtype: str  # "bfloat16" or "float8_e4m3fn"
-    k_scale: float
-    sm_scale: float
-    topk: int
-    kpool: int
-    width: int  # the top-k buffer's width
-    block_size: int
-    max_tokens: int  # max_num_batched_tokens: rows the state's buffers hold
-    async_scheduling: bool = False
-    adaptive_verification: bool = False
 
 
 @dataclass

@@ -1,0 +1,142 @@
+"""The backend seam: what the suite hands any production backend for one step, and the one
+record every backend hands back.
+
+A backend is a whole production path for one attention layer: host rules (per-row kv_len,
+dense-MHA routing), the convert kernel, the state and its plan, and the attention kernel. The
+suite knows backends only through this module:
+
+- :class:`LayerConfig`: one layer's configuration (heads, rope, cache dtype, scales, top-k,
+  kpool, buffer width, block size, the largest step, the scheduling mode);
+- :class:`StepInput`: one engine step (its metadata, block table, the indexer's rows, the
+  queries and the KV cache); the queries left out stops a step after its plan;
+- :class:`StepOutcome`: what the step did, as far as the backend can show it: the output (and
+  the natural-log LSE where the kernel returns one), the rows planned, each row's executed KV
+  length and slots where they can be read back, the host lengths and the plans made;
+- :class:`Backend` / :class:`Layer`: ``backend.open_layer(config, device)`` then
+  ``layer.step(step_input)`` for each step of a sequence (the layer keeps what production keeps
+  between steps: buffers, a kept plan).
+
+:func:`open_backend` names them: ``port-fa3`` and ``port-fa2`` (the project's own path, the
+seed's logic, vLLM 0.30.0's, on FlashInfer's fa3 or fa2 kernel), ``vllm`` (a vLLM release's own
+SM90 backend) and ``flashmla`` (FlashMLA's sparse kernels as vLLM's FLASHMLA_SPARSE backend
+calls them); the last two read a release named by ``--vllm``. Implementations are imported only
+when a backend is opened, so this module imports no vendor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    num_heads: int
+    rope_dim: int  # 64 or 0 (NoPE)
+    kv_dtype: str  # "bfloat16" or "float8_e4m3fn"
+    k_scale: float
+    sm_scale: float
+    topk: int
+    kpool: int
+    width: int  # the top-k buffer's width
+    block_size: int
+    max_tokens: int  # max_num_batched_tokens: rows the state's buffers hold
+    async_scheduling: bool = False
+    adaptive_verification: bool = False
+
+
+@dataclass
+class StepInput:
+    """One engine step. ``meta`` has the fields of ``harness.spec.StepMetadata``; host tensors
+    except the queries and the cache, which are on the layer's device."""
+
+    meta: object
+    block_table: torch.Tensor  # int32 [num_reqs, table width]
+    topk_indices: torch.Tensor  # int32 [rows incl. CUDA-graph padding, width]: request-local, -1 invalid
+    planned_rows: int  # rows the sparse kernel serves (the decode prefix when prefills go to dense MHA)
+    q_nope: torch.Tensor | None = None  # [rows incl. padding, H, 512] bf16
+    q_pe: torch.Tensor | None = None  # [rows incl. padding, H, R] bf16
+    kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, 512 + R] bf16 or float8_e4m3fn
+
+    @property
+    def runs_kernel(self) -> bool:
+        return self.q_nope is not None
+
+
+@dataclass
+class StepOutcome:
+    """What one step did. Tensors are host tensors except ``out``/``lse`` (the layer's device).
+    ``executed_lengths`` / ``executed_slots``: what the kernel reads per planned row, read back
+    from where the kernel reads it (None where the backend cannot show it); ``schedule_problems``:
+    what the read-back found malformed (work items past a row, stray rows)."""
+
+    backend: str
+    planned_rows: int
+    out: torch.Tensor | None = None  # [planned rows, H, 512]
+    lse: torch.Tensor | None = None  # [planned rows, H], natural log
+    executed_lengths: torch.Tensor | None = None  # int64 [planned rows]
+    executed_slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, mask) [planned rows, n]
+    host_lengths: torch.Tensor | None = None  # int64, the host rule's lengths of every row
+    host_exact: bool = True  # False: the host lengths are upper bounds
+    planned_lengths: torch.Tensor | None = None  # int64 [planned rows], the plan in force
+    schedule_problems: list[str] = field(default_factory=list)
+    refusal: str | None = None  # why the kernel refused the step, as it is expected to (nothing ran)
+    plans: int = 0  # plans made so far by the layer
+    reads_back: bool = False  # executed lengths come from the kernel's own schedule, not from the plan
+
+    def describe_row(self, row: int, valid: int | None = None) -> str:
+        parts = [f"row {row}"]
+        if self.host_lengths is not None and row < self.host_lengths.numel():
+            parts.append(f"host {'exact' if self.host_exact else 'bound'} {int(self.host_lengths[row])}")
+        if self.planned_lengths is not None and row < self.planned_lengths.numel():
+            parts.append(f"planned {int(self.planned_lengths[row])}")
+        if self.executed_lengths is not None and row < self.executed_lengths.numel():
+            parts.append(f"executed {int(self.executed_lengths[row])}")
+        if valid is not None:
+            parts.append(f"valid {valid}")
+        return ", ".join(parts)
+
+
+@runtime_checkable
+class Layer(Protocol):
+    def step(self, step: StepInput) -> StepOutcome: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "port-fa3", "vllm-0.33.0", "flashmla-0.33.0", ...
+    kernel: str  # "fa3", "fa2", "flashmla"
+    returns_lse: bool
+
+    def describe(self) -> str: ...
+
+    def unsupported(self, config: LayerConfig) -> str | None: ...
+
+    def open_layer(self, config: LayerConfig, device) -> Layer: ...
+
+
+#: The names :func:`open_backend` takes; ``vllm`` and ``flashmla`` need a vLLM release.
+BACKEND_NAMES = ("port-fa3", "port-fa2", "vllm", "flashmla")
+NEEDS_VLLM = ("vllm", "flashmla")
+
+
+def open_backend(name: str, vllm_source=None) -> Backend:
+    """The backend ``name`` (one of :data:`BACKEND_NAMES`); ``vllm_source``: a
+    ``backends.vllm_source.VllmSource`` for those that run a vLLM release's files."""
+    if name in NEEDS_VLLM and vllm_source is None:
+        raise ValueError(f"backend {name!r} runs a vLLM release's files: name one with --vllm")
+    if name in ("port-fa3", "port-fa2"):
+        from .port import PortBackend
+
+        return PortBackend(kernel=name.split("-", 1)[1])
+    if name == "vllm":
+        from .vllm_sm90 import VllmSM90Backend
+
+        return VllmSM90Backend(vllm_source)
+    if name == "flashmla":
+        from .flashmla import FlashMLABackend
+
+        return FlashMLABackend(vllm_source)
+    raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
