@@ -56,6 +56,7 @@ class StepInput:
     block_table: torch.Tensor  # int32 [num_reqs, table width]
     topk_indices: torch.Tensor  # int32 [rows incl. CUDA-graph padding, width]: request-local, -1 invalid
     planned_rows: int  # rows the sparse kernel serves (the decode prefix when prefills go to dense MHA)
+    prefills_to_mha: bool = False  # the engine's routing of this step's prefill rows to dense MHA
     q_nope: torch.Tensor | None = None  # [rows incl. padding, H, 512] bf16
     q_pe: torch.Tensor | None = None  # [rows incl. padding, H, R] bf16
     kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, 512 + R] bf16 or float8_e4m3fn
@@ -97,6 +98,17 @@ class StepOutcome:
         if valid is not None:
             parts.append(f"valid {valid}")
         return ", ".join(parts)
+
+
+def spans_selection(indptr: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor):
+    """``(slots, mask)`` ``[rows, max length]`` of each row's span
+    ``indices[indptr[r] : indptr[r] + lengths[r]]`` (host int64 tensors; -1 outside a span)."""
+    width = int(lengths.max()) if lengths.numel() else 0
+    cols = torch.arange(width)
+    mask = cols.unsqueeze(0) < lengths.unsqueeze(1)
+    pos = (indptr[: lengths.numel()].unsqueeze(1) + cols.unsqueeze(0)).clamp(min=0, max=max(indices.numel() - 1, 0))
+    slots = indices[pos] if indices.numel() else torch.zeros_like(pos)
+    return torch.where(mask, slots, torch.full_like(slots, -1)), mask
 
 
 @runtime_checkable

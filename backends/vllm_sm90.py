@@ -30,7 +30,7 @@ import torch
 from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
-from .seam import LayerConfig
+from .seam import LayerConfig, StepInput, StepOutcome, spans_selection
 from .vllm_shims import load_sm90_module, stand_ins_in_use
 from .vllm_source import VllmSource, design_of
 
@@ -93,7 +93,10 @@ def common_metadata(meta, block_table: torch.Tensor, rows_with_padding: int, dev
 
 
 class VllmSM90Backend:
-    """One vLLM release's SM90 backend, loaded from ``source``."""
+    """One vLLM release's SM90 backend, loaded from ``source`` (a ``backends.seam.Backend``)."""
+
+    kernel = "fa3"
+    returns_lse = False  # forward_mqa returns the output only
 
     def __init__(self, source: VllmSource):
         self.source = source
@@ -110,7 +113,10 @@ class VllmSM90Backend:
         return (f"{self.source.describe()}: SM90 sparse backend, {self.design} design; "
                 f"stand-ins: {', '.join(n for n in stand_ins_in_use() if n.startswith('vllm'))}")
 
-    def layer(self, config: LayerConfig, device) -> VllmLayer:
+    def unsupported(self, config: LayerConfig) -> str | None:
+        return None  # what the installed FlashInfer refuses shows at plan
+
+    def open_layer(self, config: LayerConfig, device) -> VllmLayer:
         return VllmLayer(self, config, torch.device(device))
 
 
@@ -194,3 +200,32 @@ class VllmLayer:
     def planned_lengths(self, num_rows: int) -> torch.Tensor:
         """The host lengths of the plan in force (before any clamp)."""
         return self.state._lens_cpu[:num_rows].clone()
+
+    def step(self, step: StepInput) -> StepOutcome:
+        """build (plan, clamp), the schedule read back, then forward when the step has queries."""
+        rows_with_padding = step.topk_indices.shape[0]
+        cam = common_metadata(step.meta, step.block_table, rows_with_padding, self.device)
+        metadata = self.build(cam)
+        _, host, exact = self.host_lengths
+        n = step.planned_rows
+        schedule = self.schedule()
+        extents = fa3_schedule.row_extents(schedule, n)
+        problems = [f"row {r} : {'; '.join(e.problems)}" for r, e in enumerate(extents) if e.problems]
+        stray = fa3_schedule.stray_works(schedule, n)
+        if stray:
+            problems.append(f"work items name rows {stray[:8]} past the {n} planned rows")
+        lengths = torch.tensor([e.length for e in extents], dtype=torch.int64)
+        indptr = self.state.wrapper._kv_indptr_buf[: n + 1].detach().to("cpu", torch.int64)
+        outcome = StepOutcome(
+            backend=self.backend.name, planned_rows=n, host_lengths=host.to(torch.int64), host_exact=bool(exact),
+            planned_lengths=self.planned_lengths(n).to(torch.int64), executed_lengths=lengths,
+            schedule_problems=problems, plans=self.plans, reads_back=True,
+        )
+        if step.runs_kernel:
+            self.write_topk(step.topk_indices)
+            q_rows = step.meta.num_decode_tokens if step.prefills_to_mha else rows_with_padding
+            outcome.out = self.forward(step.q_nope[:q_rows], step.q_pe[:q_rows], step.kv_cache, metadata)[:n]
+            # kv_indices as forward_mqa's convert and pack left them for the run
+            outcome.executed_slots = spans_selection(indptr, lengths,
+                                                     self.state.kv_indices.detach().to("cpu", torch.int64))
+        return outcome

@@ -295,8 +295,13 @@ def distinct_warnings(since: int = 0) -> list[str]:
 # --- the wrapper ---------------------------------------------------------------------------
 
 
+#: FlashInfer's MLA backends the suite runs: fa3 (what ``auto`` picks on SM90 and production
+#: runs) and fa2 (the same wrapper's other SM90-capable kernel).
+MLA_KERNELS = ("fa3", "fa2")
+
+
 class MLAWrapper:
-    """``BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, backend="fa3")`` with
+    """``BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, backend=kernel)`` with
     reserved metadata buffers, called the way the installed version wants."""
 
     def __init__(
@@ -309,7 +314,11 @@ class MLAWrapper:
         kv_len_arr: torch.Tensor,
         features: Features | None = None,
         lse_base_e: bool = True,
+        kernel: str = "fa3",
     ):
+        if kernel not in MLA_KERNELS:
+            raise ValueError(f"kernel must be one of {MLA_KERNELS}, got {kernel!r}")
+        self.kernel = kernel
         self.features = features or detect_features()
         self.lse_base_e = lse_base_e  # False: read FlashInfer's base-2 LSE raw (no normalisation)
         with recording():
@@ -322,7 +331,7 @@ class MLAWrapper:
                 kv_indptr=kv_indptr,
                 kv_indices=kv_indices,
                 kv_len_arr=kv_len_arr,
-                backend="fa3",
+                backend=kernel,
             )
         self._kv_dtype: torch.dtype | None = None
         self._kernel_lse_base_e = False

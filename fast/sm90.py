@@ -2,7 +2,8 @@
 run on the device with fixed shapes, so that the device part can be captured in a CUDA graph
 once at the maximum size and replayed after each replan (docs/computation.md#the-production-path).
 
-One ``BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, backend="fa3")`` owns
+One ``BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, backend=config.kernel)``
+(``fa3``, what production runs on SM90, or ``fa2``) owns
 reserved qo_indptr / kv_indptr / kv_indices / kv_len_arr device buffers sized for
 ``max_rows`` query rows of ``width`` columns; :meth:`SM90AttentionState.plan` fills host
 staging buffers in place (no per-step host tensors of its own) and hands them to the wrapper,
@@ -28,7 +29,7 @@ import torch
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
 from .flashinfer_compat import WORKSPACE_BYTES as WORKSPACE_BYTES  # re-exported: the state allocates it
-from .flashinfer_compat import Features, MLAWrapper, planning_kv_dtype
+from .flashinfer_compat import MLA_KERNELS, Features, MLAWrapper, planning_kv_dtype
 from .layouts import check_layout, indices_capacity
 
 
@@ -43,6 +44,7 @@ class AttentionConfig:
     rope_dim: int = ROPE_DIM  # 64, or 0 for NoPE
     kv_dtype: torch.dtype = torch.bfloat16  # or torch.float8_e4m3fn (uint8 storage is planned as e4m3)
     k_scale: float = 1.0  # fp8 dequantisation scale (ckv_scale = kpe_scale)
+    kernel: str = "fa3"  # FlashInfer's MLA backend: fa3 (SM90's) or fa2
     # Keep the last plan when a replan has the same num_rows and lens (FlashInfer's plan()
     # is a function of those metadata alone here; its device buffers still hold them).
     reuse_plan: bool = False
@@ -54,6 +56,8 @@ class AttentionConfig:
         if self.rope_dim not in (0, ROPE_DIM):
             raise ValueError(f"rope_dim must be 64 or 0 (NoPE), got {self.rope_dim}")
         planning_kv_dtype(self.kv_dtype)
+        if self.kernel not in MLA_KERNELS:
+            raise ValueError(f"kernel must be one of {MLA_KERNELS}, got {self.kernel!r}")
 
 
 class PlanDuringCaptureError(RuntimeError):
@@ -82,7 +86,7 @@ class SM90AttentionState:
             self.slots = torch.full((rows, width), -1, dtype=torch.int32, device=dev)
         self.wrapper = MLAWrapper(
             self.workspace, qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
-            kv_len_arr=self.kv_len, features=features, lse_base_e=lse_base_e,
+            kv_len_arr=self.kv_len, features=features, lse_base_e=lse_base_e, kernel=config.kernel,
         )
         self.features = self.wrapper.features
         # Host staging, reused by every plan.

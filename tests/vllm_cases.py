@@ -27,10 +27,13 @@ from harness.cases import (
 )
 from harness.device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
 from harness.findings import FINDINGS_DOC
-from harness.vllm_step import (
+from harness.backend_step import (
+    context,
     executed_length_problems,
     layer_config,
-    output_comparison,
+    output_comparisons,
+    problem_rows,
+    routing_problems,
     run_step,
     selection_problems,
 )
@@ -132,31 +135,35 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
             raise Fp8PlannedAsUint8(f"vLLM {backend.version}: FlashInfer refused the plan: {exc}; "
                                     f"{scenario.describe()}") from exc
         raise
-    problems = executed_length_problems(outcome) + selection_problems(outcome)
-    request.node.user_properties.append((VLLM_ROWS_KEY, (backend.version, outcome.planned_rows)))
+    where = f"{context(outcome, scenario)}; {backend.describe()}"
+    problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
+                + selection_problems(outcome, scenario))
+    if outcome.reads_back:
+        request.node.user_properties.append((VLLM_ROWS_KEY, (backend.version, outcome.planned_rows)))
     regimes = scenario.row_regime[: outcome.planned_rows]
     regime_log = request.getfixturevalue("regime_log")
     regime_log.record(regimes)
     if problems:
-        bad = [r for r in range(outcome.planned_rows) if any(p.startswith(f"row {r} ") for p in problems)]
-        regime_log.blame([regimes[r] for r in bad])
-    assert not problems, f"{outcome.context()}\n" + "\n".join(problems[:12])
+        regime_log.blame([regimes[r] for r in problem_rows(problems, outcome.planned_rows)])
+    assert not problems, f"{where}\n" + "\n".join(problems[:12])
     if compare and inputs is not None and outcome.planned_rows:
-        comparison = output_comparison(outcome, inputs)
+        comparisons = output_comparisons(outcome, scenario, inputs)
+        comparison = comparisons[0]
         if baseline is not None:
             n = outcome.planned_rows
             baseline.note(ratios={f"out{step}_max_ratio": comparison.max_ratio,
                                   f"out{step}_mean_ratio": comparison.mean_ratio},
-                          outputs={f"out{step}": outcome.out[:n], f"executed_len{step}": outcome.executed_lengths()})
-        if not comparison.ok:
-            summary = comparison.summary(scenario.row_regime)
-            if kpe_scale_ignored(scenario.spec):
-                raise KpeScaleIgnored(f"{outcome.context()}\n{summary}")
+                          outputs={f"out{step}": outcome.out[:n], f"executed_len{step}": outcome.executed_lengths})
+        bad = [c for c in comparisons if not c.ok]
+        if bad:
+            summary = "\n".join(c.summary(scenario.row_regime) for c in bad)
+            if kpe_scale_ignored(scenario.spec) and getattr(backend, "design", None):
+                raise KpeScaleIgnored(f"{where}\n{summary}")
             n = outcome.planned_rows
             if twin is not None and torch.equal(outcome.out[:n], twin(scenario, inputs)[:n]):
                 request.node.user_properties.append((VLLM_TWIN_KEY, (comparison.max_ratio, comparison.mean_ratio)))
                 return outcome
-            raise AssertionError(f"vLLM's output vs (a) beyond the error budget; {outcome.context()}\n{summary}")
+            raise AssertionError(f"{outcome.backend}'s output vs (a) beyond the error budget; {where}\n{summary}")
     return outcome
 
 
@@ -164,7 +171,7 @@ def run_case(backend, case, config, device, request, seed: int = 0, twin=None, b
     expect_findings(backend, config, request)
     spec = config.apply(case.spec)
     scenario = build_scenario(spec, seed)
-    layer = backend.layer(layer_config(spec, max(scenario.topk_indices.shape[0], 1)), device)
+    layer = backend.open_layer(layer_config(spec, max(scenario.topk_indices.shape[0], 1)), device)
     inputs = build_attention_inputs(scenario, device)
     return check_step(backend, layer, scenario, inputs, request, twin=twin, baseline=baseline)
 
@@ -184,7 +191,7 @@ def run_sequence(backend, kpool, config, device, request, *, with_inputs=True, t
     specs = [config.apply(s) for s in sequence_specs(kpool)]
     scenarios = [build_scenario(s, seed) for seed, s in enumerate(specs)]
     max_tokens = max(s.topk_indices.shape[0] for s in scenarios)
-    layer = backend.layer(layer_config(specs[0], max_tokens), device)
+    layer = backend.open_layer(layer_config(specs[0], max_tokens), device)
     blocks = max(s.num_blocks for s in scenarios)
     cache = nan_kv_buffer((blocks, specs[0].block_size, specs[0].head_dim), specs[0].kv_dtype, device)
     outcomes = []

@@ -26,7 +26,7 @@ from harness.builder import build_scenario
 from harness.cases import KernelConfig, situation_cases
 from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify, covering_cases
-from harness.vllm_step import executed_length_problems, layer_config, run_step
+from harness.backend_step import executed_length_problems, layer_config, run_step
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from tests import fa3_stand_in
@@ -76,7 +76,7 @@ def test_drawn_production_inputs_through_vllm(vllm_backend, device, case, seed, 
     scenario = build_scenario(case.spec, seed)
     with pytest.MonkeyPatch.context() as mp:
         fa3_stand_in.install(mp, stand_in_for(vllm_backend))
-        layer = vllm_backend.layer(layer_config(case.spec, max(scenario.topk_indices.shape[0], 1)), device)
+        layer = vllm_backend.open_layer(layer_config(case.spec, max(scenario.topk_indices.shape[0], 1)), device)
         inputs = build_attention_inputs(scenario, device)
         try:
             check_step(vllm_backend, layer, scenario, inputs, request, compare=False)
@@ -155,7 +155,7 @@ def test_every_context_source(vllm_backend, stand_in, source, device, request):
     for case in [c for c in situation_cases(4) if "spec-decode" in c.name]:
         spec = BF16.apply(case.spec).replace(**changes)
         scenario = build_scenario(spec, 3)
-        layer = vllm_backend.layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
+        layer = vllm_backend.open_layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
         outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
         bounded = vllm_backend.design == "bounded" and source == "host bound"
         assert outcome.host_exact is not bounded, f"{case.name}: host lengths exact={outcome.host_exact}"
@@ -165,7 +165,8 @@ def test_adaptive_verification_bounds_every_row_by_the_longest(vllm_backend, sta
     case = next(c for c in situation_cases(4) if c.name.startswith("spec-decode"))
     spec = BF16.apply(case.spec)
     scenario = build_scenario(spec, 5)
-    layer = vllm_backend.layer(layer_config(spec, scenario.topk_indices.shape[0], adaptive_verification=True), device)
+    layer = vllm_backend.open_layer(
+        layer_config(spec, scenario.topk_indices.shape[0], adaptive_verification=True), device)
     outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
     if vllm_backend.design == "bounded":
         longest = min(max(r.seq_len for r in spec.requests), spec.topk + spec.kpool - 1)
@@ -189,8 +190,8 @@ def test_a_clamp_that_loses_valid_tokens_is_caught(vllm_backend, stand_in, devic
     case = next(c for c in situation_cases(4) if c.name.startswith("decode-mixed"))
     spec = BF16.apply(case.spec)
     scenario = build_scenario(spec, 0)
-    layer = vllm_backend.layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
-    problems = executed_length_problems(run_step(layer, scenario, None))
+    layer = vllm_backend.open_layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
+    problems = executed_length_problems(run_step(layer, scenario, None), scenario)
     past_topk = [r for r in range(scenario.num_rows) if int(scenario.row_ctx[r]) > spec.topk]
     assert past_topk and len(problems) == len(past_topk), problems
     assert all("is cut short" in p and "regime" in p for p in problems)

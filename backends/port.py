@@ -1,0 +1,173 @@
+"""The project's own production path as a backend, and the FlashInfer facts the suite reads.
+
+``port-fa3`` / ``port-fa2``: the seed's logic (vLLM 0.30.0's SM90 backend as ``fast/`` ports
+it: exact host lengths, the dense-MHA routing, the convert kernel, a plan every step) on
+FlashInfer's ``BatchMLAPagedAttentionWrapper`` with ``backend="fa3"`` (what production runs on
+SM90) or ``"fa2"``. A :class:`PortLayer` plans each step's exact lengths with the compacted
+layout (the layout that lays out any selection; the strided and packed layouts are the port's own
+tests' to check) and reads back what the kernel was handed: each planned row's kv_len and the
+kv_indices its span holds.
+
+The rest of this module is what harness/ and recording/ need to know about FlashInfer through
+this seam (the port's state and wrapper, its configuration, the refusal texts and capacities
+that were measured, where its JIT cache lives), so that they import no vendor module themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fast.flashinfer_compat import FA3_WORK_CAPACITY, MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
+from fast.flashinfer_compat import WORKSPACE_BYTES as WORKSPACE_BYTES
+from fast.flashinfer_compat import detect_features as detect_features
+from fast.flashinfer_compat import parse_version as parse_version
+from fast.flashinfer_compat import signature_features as signature_features
+from fast.impl import default_impl
+from fast.layouts import indices_capacity as indices_capacity
+from fast.sm90 import AttentionConfig as AttentionConfig
+from mla_constants import KV_LORA_RANK
+
+from .seam import LayerConfig, StepInput, StepOutcome, spans_selection
+
+#: Work items FA3's scheduler holds per plan (rows at page size 1; measured, docs/findings.md).
+WORK_CAPACITY = FA3_WORK_CAPACITY
+#: The text of the refusal a FlashInfer that checks page counts gives a strided plan of short rows.
+PLAN_REFUSAL = PAGE_COUNT_REFUSAL
+KERNELS = MLA_KERNELS
+
+
+def installed_flashinfer_version() -> str | None:
+    """The importable FlashInfer's version, or None when it is not importable."""
+    try:
+        import flashinfer
+    except Exception:  # ImportError and broken installs alike
+        return None
+    return getattr(flashinfer, "__version__", "unknown")
+
+
+def flashinfer_import_problem() -> str | None:
+    """Why FlashInfer cannot be imported here, or None."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:
+        return f"flashinfer is not importable: {exc!r}"
+    return None
+
+
+def flashinfer_jit_dir() -> Path:
+    """Where the installed FlashInfer keeps the kernels it compiles."""
+    from flashinfer.jit import env
+
+    return Path(env.FLASHINFER_JIT_DIR)
+
+
+def wrapper_class():
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` (what production plans and runs)."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    return BatchMLAPagedAttentionWrapper
+
+
+def open_wrapper(device, *, kernel: str = "fa3", **buffers) -> MLAWrapper:
+    """A wrapper with its own workspace and the reserved metadata ``buffers`` (qo_indptr,
+    kv_indptr, kv_indices, kv_len_arr)."""
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return MLAWrapper(workspace, kernel=kernel, **buffers)
+
+
+def attention_config(config: LayerConfig, *, kernel: str = "fa3", layout: str = "compacted") -> AttentionConfig:
+    """The port's state configuration for a layer."""
+    return AttentionConfig(
+        num_heads=config.num_heads, max_rows=max(config.max_tokens, 1), width=config.width, layout=layout,
+        block_size=config.block_size, sm_scale=config.sm_scale, rope_dim=config.rope_dim,
+        kv_dtype=getattr(torch, config.kv_dtype), k_scale=config.k_scale, kernel=kernel,
+    )
+
+
+class PortBackend:
+    """The project's port on FlashInfer's ``kernel`` (``fa3`` or ``fa2``)."""
+
+    returns_lse = True
+
+    def __init__(self, kernel: str = "fa3", impl=None, layout: str = "compacted"):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.kernel = kernel
+        self.name = f"port-{kernel}"
+        self.impl = impl if impl is not None else default_impl()
+        self.layout = layout
+
+    def describe(self) -> str:
+        version = installed_flashinfer_version() or "not importable"
+        return (f"the project's port of the seed (vLLM 0.30.0's logic), {self.layout} layout, "
+                f"FlashInfer {version} backend={self.kernel}")
+
+    def unsupported(self, config: LayerConfig) -> str | None:
+        return None  # what FlashInfer refuses is probed at plan (fast.flashinfer_compat.unsupported_reason)
+
+    def open_layer(self, config: LayerConfig, device) -> PortLayer:
+        return PortLayer(self, config, torch.device(device))
+
+
+class PortLayer:
+    """One SM90 attention state; each step plans the port's exact lengths, then convert, layout
+    and run."""
+
+    def __init__(self, backend: PortBackend, config: LayerConfig, device: torch.device):
+        from fast.sm90 import make_attention_state
+
+        self.backend, self.config, self.device = backend, config, device
+        self.impl = backend.impl
+        self.state = make_attention_state(self.impl, attention_config(config, kernel=backend.kernel,
+                                                                      layout=backend.layout), device)
+        rows = max(config.max_tokens, 1)
+        self.topk = torch.full((rows, config.width), -1, dtype=torch.int32, device=device)
+
+    def step(self, step: StepInput) -> StepOutcome:
+        cfg, impl, state = self.config, self.impl, self.state
+        meta = step.meta
+        host = impl.kv_lens(meta, topk=cfg.topk, kpool=cfg.kpool, async_scheduling=cfg.async_scheduling)
+        planned = impl.planned_lens(meta, host, topk=cfg.topk).to(torch.int32)
+        n = int(planned.numel())
+        state.plan(n, planned)
+        outcome = StepOutcome(
+            backend=self.backend.name, planned_rows=n, host_lengths=host.to(torch.int64), host_exact=True,
+            planned_lengths=planned.to(torch.int64), plans=state.plans,
+        )
+        if not step.runs_kernel:
+            return outcome
+        rows = step.topk_indices.shape[0]
+        self.topk.fill_(-1)
+        self.topk[:rows] = step.topk_indices.to(self.device)
+        table = _block_table_buffer(step.block_table, self.device)
+        req = impl.request_ids(meta.query_start_loc_cpu.to(self.device), self.topk.shape[0])
+        heads = cfg.num_heads
+        out = torch.full((self.topk.shape[0], heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
+                         device=self.device)
+        lse = torch.full((self.topk.shape[0], heads), float("nan"), dtype=torch.float32, device=self.device)
+        q_nope, q_pe = _padded(step.q_nope, self.topk.shape[0]), _padded(step.q_pe, self.topk.shape[0])
+        flat = step.kv_cache.view(-1, 1, step.kv_cache.shape[-1])
+        state.step(self.topk, table, req, q_nope, q_pe, flat[..., :KV_LORA_RANK], flat[..., KV_LORA_RANK:], out, lse)
+        lengths = state.kv_len[:n].to("cpu", torch.int64)
+        outcome.out, outcome.lse = out[:n], lse[:n]
+        outcome.executed_lengths = lengths
+        outcome.executed_slots = spans_selection(state.kv_indptr[: n + 1].to("cpu", torch.int64), lengths,
+                                                state.kv_indices.to("cpu", torch.int64))
+        return outcome
+
+
+def _block_table_buffer(block_table: torch.Tensor, device) -> torch.Tensor:
+    """The block table with at least one row (padded rows read request 0's row)."""
+    rows, width = block_table.shape
+    out = torch.zeros((max(rows, 1), max(width, 1)), dtype=torch.int32, device=device)
+    out[:rows, :width] = block_table.to(device)
+    return out
+
+
+def _padded(q: torch.Tensor, rows: int) -> torch.Tensor:
+    if q.shape[0] >= rows:
+        return q
+    pad = torch.zeros((rows - q.shape[0],) + tuple(q.shape[1:]), dtype=q.dtype, device=q.device)
+    return torch.cat([q, pad])

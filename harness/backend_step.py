@@ -1,0 +1,147 @@
+"""One step of a scenario through any backend behind the seam (``backends.seam``), and the checks
+every backend answers to.
+
+:func:`run_step` hands the layer the scenario's step (:func:`step_input`) and returns the
+backend's :class:`~backends.seam.StepOutcome`. The checks, each naming the row, its regime, its
+context and its lengths when it fails:
+
+- :func:`routing_problems`: the backend serves the rows the reference's routing rule gives the
+  sparse kernel (all rows, or the decode prefix when prefills go to dense MHA);
+- :func:`executed_length_problems`: every planned row's executed KV length equals its valid
+  count (the count of valid entries of its converted indexer row); host bounds are bounds; what
+  the backend's read-back found malformed (work items past a row, stray rows);
+- :func:`selection_problems`: the slots each row's executed span holds are exactly its intended
+  selection (a), as a multiset;
+- :func:`output_comparisons`: the output (and the LSE where the kernel returns one) of the
+  planned rows against the float64 oracle over (a), within the error budget of
+  ``reference.budget``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from backends.seam import LayerConfig, StepInput, StepOutcome
+from reference import Comparison, sparse_mla_reference
+from reference.budget import compare_attention, compare_to_budget
+from reference.invariants import intended_selection, same_multisets
+from reference.rules import valid_counts
+
+from .device_inputs import AttentionInputs
+from .spec import BatchSpec, Scenario
+
+
+def layer_config(spec: BatchSpec, max_tokens: int, *, adaptive_verification: bool = False) -> LayerConfig:
+    """The layer configuration of a batch spec (one layer serves every step of a sequence with
+    the same kernel variant and model)."""
+    return LayerConfig(
+        num_heads=spec.num_heads, rope_dim=spec.rope_dim, kv_dtype=spec.kv_dtype, k_scale=spec.k_scale,
+        sm_scale=spec.sm_scale, topk=spec.topk, kpool=spec.kpool, width=spec.resolved_width,
+        block_size=spec.block_size, max_tokens=max_tokens, async_scheduling=spec.async_scheduling,
+        adaptive_verification=adaptive_verification,
+    )
+
+
+def step_input(scenario: Scenario, inputs: AttentionInputs | None) -> StepInput:
+    """The scenario's step as the seam hands it to a backend; ``inputs`` None: plan only."""
+    return StepInput(
+        meta=scenario.meta, block_table=scenario.block_table, topk_indices=scenario.topk_indices,
+        planned_rows=scenario.planned_rows, prefills_to_mha=scenario.prefills_to_mha,
+        q_nope=None if inputs is None else inputs.q_nope,
+        q_pe=None if inputs is None else inputs.q_pe,
+        kv_cache=None if inputs is None else inputs.kv_cache,
+    )
+
+
+def run_step(layer, scenario: Scenario, inputs: AttentionInputs | None) -> StepOutcome:
+    return layer.step(step_input(scenario, inputs))
+
+
+def valid_lengths(scenario: Scenario, rows: int) -> torch.Tensor:
+    """Each of the first ``rows`` rows' valid count (int64)."""
+    return valid_counts(scenario.intended_slots()[:rows]).to(torch.int64)
+
+
+def describe_row(outcome: StepOutcome, scenario: Scenario, row: int) -> str:
+    valid = valid_lengths(scenario, outcome.planned_rows)
+    where = f"regime {scenario.row_regime[row]}, ctx {int(scenario.row_ctx[row])}" if row < scenario.num_rows else "?"
+    return outcome.describe_row(row, int(valid[row])).replace(f"row {row}", f"row {row} ({where})", 1)
+
+
+def context(outcome: StepOutcome, scenario: Scenario) -> str:
+    return f"{outcome.backend}, {outcome.planned_rows} planned rows; {scenario.describe()}"
+
+
+def routing_problems(outcome: StepOutcome, scenario: Scenario) -> list[str]:
+    expected = scenario.planned_rows
+    if outcome.planned_rows == expected:
+        return []
+    return [f"the backend serves {outcome.planned_rows} rows with the sparse kernel, the routing rule {expected}"]
+
+
+def executed_length_problems(outcome: StepOutcome, scenario: Scenario) -> list[str]:
+    """Rows whose executed KV length is not their valid count, host bounds below it, and what
+    the read-back found malformed."""
+    n = outcome.planned_rows
+    valid = valid_lengths(scenario, n)
+    problems = [_with_row_context(p, outcome, scenario) for p in outcome.schedule_problems]
+    if outcome.executed_lengths is not None:
+        for row in range(n):
+            executed, v = int(outcome.executed_lengths[row]), int(valid[row])
+            if executed != v:
+                what = "reads past its valid prefix" if executed > v else "is cut short"
+                problems.append(f"{describe_row(outcome, scenario, row)}: executed length {what}")
+    if not outcome.host_exact and outcome.host_lengths is not None:
+        for row in range(min(n, outcome.host_lengths.numel())):
+            if int(outcome.host_lengths[row]) < int(valid[row]):
+                problems.append(f"{describe_row(outcome, scenario, row)}: the host bound is below the valid count")
+    return problems
+
+
+def _with_row_context(problem: str, outcome: StepOutcome, scenario: Scenario) -> str:
+    """A read-back problem ``row N : what`` with the row's regime, context and lengths."""
+    match = re.match(r"row (\d+) : (.*)", problem)
+    if not match or int(match.group(1)) >= outcome.planned_rows:
+        return problem
+    return f"{describe_row(outcome, scenario, int(match.group(1)))}: {match.group(2)}"
+
+
+def selection_problems(outcome: StepOutcome, scenario: Scenario) -> list[str]:
+    """Rows whose executed slots are not their intended selection (a)."""
+    n = outcome.planned_rows
+    if n == 0 or outcome.executed_slots is None:
+        return []
+    a_slots, a_mask = intended_selection(scenario.intended_slots(), n)
+    b_slots, b_mask = outcome.executed_slots
+    same = same_multisets(a_slots, a_mask, b_slots, b_mask)
+    return [f"{describe_row(outcome, scenario, r)}: executes slots other than its selection (a)"
+            for r in (~same).nonzero().flatten().tolist()]
+
+
+def problem_rows(problems: list[str], rows: int) -> list[int]:
+    """The rows the problems name (each problem of a row starts with ``row N ``)."""
+    return [r for r in range(rows) if any(p.startswith(f"row {r} ") for p in problems)]
+
+
+def references(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs):
+    """(truth, lowp) ``(out, lse)`` pairs over (a) for the planned rows."""
+    n = outcome.planned_rows
+    spec = scenario.spec
+    device = inputs.q_nope.device
+    slots, mask = intended_selection(scenario.intended_slots(), n)
+    args = (inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots.to(device))
+    kw = dict(mask=mask.to(device), sm_scale=spec.sm_scale, k_scale=spec.k_scale)
+    return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", **kw)
+
+
+def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs) -> list[Comparison]:
+    """The output of the planned rows (and the LSE where the backend returns one) against the
+    float64 oracle over (a)."""
+    n = outcome.planned_rows
+    truth, lowp = references(outcome, scenario, inputs)
+    kv_dtype = scenario.spec.kv_dtype
+    if outcome.lse is None:
+        return [compare_to_budget("out", outcome.out[:n], truth[0], lowp[0], kv_dtype)]
+    return compare_attention(outcome.out[:n], outcome.lse[:n], truth, lowp, kv_dtype)
