@@ -56,6 +56,7 @@ class RegimeLog:
         self.focus: set[str] = set()
         self.blamed: set[str] = set()
         self.launches = {"ran": 0, "refused": []}
+        self.backends: dict[str, dict[str, int]] = {}
 
     def record(self, regimes, focus=None) -> None:
         """Count checked rows; without declared regimes the test's outcome is credited to
@@ -63,6 +64,19 @@ class RegimeLog:
         self.rows.update(regimes)
         self.focus.update(focus if focus is not None else set(regimes))
         self._save()
+
+    def step(self, outcome, regimes) -> None:
+        """One step's ``backends.seam.StepOutcome``: its planned rows counted (``regimes``: theirs)
+        on the backend that ran them, a kernel launch when it produced an output, and the rows
+        whose executed length was read back from the kernel's own schedule."""
+        self.record(regimes)
+        counts = self.backends.setdefault(outcome.backend, {"rows": 0, "read_back": 0})
+        counts["rows"] += outcome.planned_rows
+        if outcome.reads_back:
+            counts["read_back"] += outcome.planned_rows
+        self._save()
+        if outcome.out is not None:
+            self.kernel_ran()
 
     def blame(self, regimes) -> None:
         """A check failed on rows of these regimes: credit the outcome to them alone."""
@@ -89,7 +103,8 @@ class RegimeLog:
 
     def _save(self) -> None:
         self._node.user_properties[:] = [p for p in self._node.user_properties if p[0] != REGIME_KEY]
-        entry = {"rows": dict(self.rows), "focus": sorted(self.focus), "blamed": sorted(self.blamed)}
+        entry = {"rows": dict(self.rows), "focus": sorted(self.focus), "blamed": sorted(self.blamed),
+                 "backends": {name: dict(c) for name, c in self.backends.items()}}
         self._node.user_properties.append((REGIME_KEY, entry))
 
 
@@ -257,6 +272,30 @@ class RegimeTally:
                        f"{o['skipped']:>9}{o['refused']:>9}  {meaning}")
         return out
 
+    def backend_rows(self) -> dict[str, dict[str, int]]:
+        """Per backend: rows checked through the seam by tests that ran (not skipped or refused),
+        and of those the rows whose executed length was read back."""
+        totals: dict[str, dict[str, int]] = {}
+        for test in self.tests.values():
+            outcome = tally_outcome(test["outcome"], test["launches"])
+            if outcome is None or outcome in ("skipped", "refused") or not test["recorded"]:
+                continue
+            for name, c in (test["recorded"].get("backends") or {}).items():
+                t = totals.setdefault(name, {"rows": 0, "read_back": 0, "tests": 0})
+                t["rows"] += c["rows"]
+                t["read_back"] += c["read_back"]
+                t["tests"] += 1
+        return totals
+
+    def backend_line(self) -> str | None:
+        totals = self.backend_rows()
+        if not totals:
+            return None
+        parts = [f"{name} {t['rows']} rows in {t['tests']} tests"
+                 + (f" ({t['read_back']} read back from the kernel's schedule)" if t["read_back"] else "")
+                 for name, t in sorted(totals.items())]
+        return "rows checked per backend: " + "; ".join(parts)
+
     def launch_counts(self) -> tuple[int, int]:
         """(tests that ran the attention kernel, tests that ended at an expected refusal)."""
         launches = [t["launches"] for t in self.tests.values() if t["launches"] and t["outcome"] is not None]
@@ -302,3 +341,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for line in tally.lines():
             terminalreporter.write_line(line)
         terminalreporter.write_line(tally.launch_line())
+        backends = tally.backend_line()
+        if backends:
+            terminalreporter.write_line(backends)

@@ -7,7 +7,7 @@ header names the release. Tests marked ``vllm`` take the ``vllm_backend`` fixtur
 ``--vllm`` they are skipped with that reason, and the header says no vLLM is under test.
 
 The summary counts the rows whose executed KV length was read back from FlashInfer's schedule
-(tests attach them as ``VLLM_ROWS_KEY``), names the vLLM release, and lists the outputs beyond the
+(what tests report through ``regime_log.step``), names the vLLM release, and lists the outputs beyond the
 error budget that were bit for bit the project's own FA3 path's on the same inputs
 (``VLLM_TWIN_KEY``: the kernel's rounding, not vLLM's).
 """
@@ -18,10 +18,9 @@ import pytest
 
 from backends.vllm_source import VllmSourceError, resolve
 
-from .keys import GROUP
+from .keys import GROUP, REGIME_KEY
 
 VLLM_SOURCE = pytest.StashKey[object]()
-VLLM_ROWS_KEY = "sparse_mla_vllm_rows"  # (release, rows whose executed length was read back)
 # (max, mean error ratio) of an output beyond the budget that was bit for bit the project's FA3 path's
 VLLM_TWIN_KEY = "sparse_mla_vllm_kernel_twin"
 NO_VLLM = "no vLLM under test: give --vllm=WHEEL|DIR|installed to run vLLM's own SM90 backend"
@@ -73,14 +72,18 @@ def vllm_backend(pytestconfig):
     return VllmSM90Backend(source)
 
 
-def rows_read_back(reports) -> dict[str, int]:
-    """Rows read back per vLLM release, over the test reports."""
-    rows: dict[str, int] = {}
+def rows_read_back(reports) -> dict[str, tuple[int, int]]:
+    """Per backend: (tests, rows) whose executed length was read back from the kernel's schedule,
+    over the test reports (the ``backends`` entry ``regime_log.step`` records)."""
+    rows: dict[str, tuple[int, int]] = {}
     for report in reports:
         for key, value in getattr(report, "user_properties", ()):
-            if key == VLLM_ROWS_KEY:
-                release, count = value
-                rows[release] = rows.get(release, 0) + int(count)
+            if key != REGIME_KEY:
+                continue
+            for name, counts in (value.get("backends") or {}).items():
+                if counts.get("read_back"):
+                    tests, total = rows.get(name, (0, 0))
+                    rows[name] = (tests + 1, total + int(counts["read_back"]))
     return rows
 
 
@@ -91,11 +94,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if source is None:
         return  # the header said so; the skipped tests give the reason
     reports = [r for stat in terminalreporter.stats.values() for r in stat if getattr(r, "when", "") == "call"]
-    counted = rows_read_back(reports)
-    ran = sum(1 for r in reports if any(k == VLLM_ROWS_KEY for k, _ in getattr(r, "user_properties", ())))
+    ran, rows = rows_read_back(reports).get(f"vllm-{source.version}", (0, 0))
     terminalreporter.write_line(
         f"vLLM under test: {source.describe()}: {ran} tests read FlashInfer's schedule back, "
-        f"{counted.get(source.version, 0)} rows' executed KV length checked against their valid count"
+        f"{rows} rows' executed KV length checked against their valid count"
     )
     twins = [v for r in reports for k, v in getattr(r, "user_properties", ()) if k == VLLM_TWIN_KEY]
     if twins:

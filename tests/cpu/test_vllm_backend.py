@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap
+from harness.backend_step import executed_length_problems, layer_config, run_step
 from harness.builder import build_scenario
 from harness.cases import KernelConfig, situation_cases
 from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify, covering_cases
-from harness.backend_step import executed_length_problems, layer_config, run_step
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from tests import fa3_stand_in

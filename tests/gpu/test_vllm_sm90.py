@@ -17,12 +17,11 @@ cannot run on the installed FlashInfer fails one test with the reason
 from __future__ import annotations
 
 import pytest
-import torch
 
+from backends.seam import open_backend
 from backends.vllm_source import incompatibility
-from fast.impl import default_impl
+from harness.backend_step import layer_config, run_step
 from harness.cases import KernelConfig
-from harness.launch import launch_step, prepared
 from tests.vllm_cases import large_params, run_case, run_sequence, step_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -50,25 +49,15 @@ def vllm_on_gpu(vllm_backend, pairing):
     return vllm_backend
 
 
-class _NoLaunchLog:
-    def kernel_ran(self) -> None:
-        pass
-
-    def expected_refusal(self, why: str) -> None:
-        raise AssertionError(f"the compacted layout was refused: {why}")
-
-
 @pytest.fixture(scope="module")
 def fa3_twin():
-    """FlashInfer's output through the project's own path (exact plan, compacted layout) on the
-    same scenario and inputs."""
-    from fast.flashinfer_compat import detect_features
-
-    impl, features = default_impl(), detect_features(torch.device(DEVICE))
+    """FlashInfer's output through the project's own path (``port-fa3``: an exact plan, the
+    compacted layout) on the same scenario and inputs."""
+    port = open_backend("port-fa3")
 
     def twin(scenario, inputs):
-        return launch_step(impl, features, prepared(impl, scenario, "compacted"), log=_NoLaunchLog(),
-                           inputs=inputs).out
+        layer = port.open_layer(layer_config(scenario.spec, max(scenario.topk_indices.shape[0], 1)), DEVICE)
+        return run_step(layer, scenario, inputs).out
 
     return twin
 

@@ -1,0 +1,32 @@
+"""Every regime case and batch situation through the project's port on each of FlashInfer's MLA
+kernels (``backend`` as an axis: fa3, what production runs on SM90, and fa2), behind the same
+seam as vLLM's backend and FlashMLA (``backends.seam``).
+
+Each step plans the port's exact lengths (compacted layout), converts, lays out and runs; the
+rows' kv_len and kv_indices spans handed to the kernel are read back and must equal every row's
+valid count and intended selection (a); output and LSE must be within the error budget of the
+float64 oracle over (a). The regime table's "rows checked per backend" line counts the rows each
+kernel served.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.port import KERNELS
+from backends.seam import open_backend
+from tests.vllm_cases import run_case, step_params
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module", params=[f"port-{k}" for k in KERNELS])
+def port_backend(request):
+    return open_backend(request.param)
+
+
+@pytest.mark.parametrize("case, config", step_params())
+def test_step_on_each_flashinfer_kernel(port_backend, case, config, request):
+    run_case(port_backend, case, config, DEVICE, request)
