@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
+from fast import sm90
 from fast.flashinfer_compat import FA3_WORK_CAPACITY, MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
-from fast.flashinfer_compat import WORKSPACE_BYTES as WORKSPACE_BYTES
-from fast.flashinfer_compat import detect_features as detect_features
 from fast.flashinfer_compat import parse_version as parse_version
 from fast.flashinfer_compat import signature_features as signature_features
 from fast.impl import default_impl
@@ -72,9 +71,10 @@ def wrapper_class():
 
 def open_wrapper(device, *, kernel: str = "fa3", **buffers) -> MLAWrapper:
     """A wrapper with its own workspace and the reserved metadata ``buffers`` (qo_indptr,
-    kv_indptr, kv_indices, kv_len_arr)."""
-    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    return MLAWrapper(workspace, kernel=kernel, **buffers)
+    kv_indptr, kv_indices, kv_len_arr): the one the port's state makes (read from ``fast.sm90``
+    when called, so a stand-in put there is the one made)."""
+    workspace = torch.empty(sm90.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return sm90.MLAWrapper(workspace, kernel=kernel, **buffers)
 
 
 def attention_config(config: LayerConfig, *, kernel: str = "fa3", layout: str = "compacted") -> AttentionConfig:
@@ -116,11 +116,9 @@ class PortLayer:
     and run."""
 
     def __init__(self, backend: PortBackend, config: LayerConfig, device: torch.device):
-        from fast.sm90 import make_attention_state
-
         self.backend, self.config, self.device = backend, config, device
         self.impl = backend.impl
-        self.state = make_attention_state(self.impl, attention_config(config, kernel=backend.kernel,
+        self.state = sm90.make_attention_state(self.impl, attention_config(config, kernel=backend.kernel,
                                                                       layout=backend.layout), device)
         rows = max(config.max_tokens, 1)
         self.topk = torch.full((rows, config.width), -1, dtype=torch.int32, device=device)

@@ -16,7 +16,7 @@ suite knows backends only through this module:
   ``layer.step(step_input)`` for each step of a sequence (the layer keeps what production keeps
   between steps: buffers, a kept plan).
 
-:func:`open_backend` names them: ``port-fa3`` and ``port-fa2`` (the project's own path, the
+:func:`backends.registry.open_backend` names them: ``port-fa3`` and ``port-fa2`` (the project's own path, the
 seed's logic, vLLM 0.30.0's, on FlashInfer's fa3 or fa2 kernel), ``vllm`` (a vLLM release's own
 SM90 backend) and ``flashmla`` (FlashMLA's sparse kernels as vLLM's FLASHMLA_SPARSE backend
 calls them); the last two read a release named by ``--vllm``. Implementations are imported only
@@ -127,28 +127,3 @@ class Backend(Protocol):
     def unsupported(self, config: LayerConfig) -> str | None: ...
 
     def open_layer(self, config: LayerConfig, device) -> Layer: ...
-
-
-#: The names :func:`open_backend` takes; ``vllm`` and ``flashmla`` need a vLLM release.
-BACKEND_NAMES = ("port-fa3", "port-fa2", "vllm", "flashmla")
-NEEDS_VLLM = ("vllm", "flashmla")
-
-
-def open_backend(name: str, vllm_source=None) -> Backend:
-    """The backend ``name`` (one of :data:`BACKEND_NAMES`); ``vllm_source``: a
-    ``backends.vllm_source.VllmSource`` for those that run a vLLM release's files."""
-    if name in NEEDS_VLLM and vllm_source is None:
-        raise ValueError(f"backend {name!r} runs a vLLM release's files: name one with --vllm")
-    if name in ("port-fa3", "port-fa2"):
-        from .port import PortBackend
-
-        return PortBackend(kernel=name.split("-", 1)[1])
-    if name == "vllm":
-        from .vllm_sm90 import VllmSM90Backend
-
-        return VllmSM90Backend(vllm_source)
-    if name == "flashmla":
-        from .flashmla import FlashMLABackend
-
-        return FlashMLABackend(vllm_source)
-    raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKEND_NAMES)}")

@@ -21,11 +21,9 @@ def sm90_flashinfer_unavailable_reason() -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         return f"GPU is sm_{major}{minor} ({torch.cuda.get_device_name()}), the fa3 path needs sm_90"
-    try:
-        import flashinfer  # noqa: F401
-    except Exception as exc:  # ImportError and broken installs alike
-        return f"flashinfer is not importable: {exc!r}"
-    return None
+    from backends.port import flashinfer_import_problem
+
+    return flashinfer_import_problem()
 
 
 def reason_without_cuda(gpus: list[tuple[str, str]]) -> str | None:

@@ -5,7 +5,7 @@ finding. A finding that gets fixed turns its xfails into failures that ask for t
 
 from __future__ import annotations
 
-from fast.flashinfer_compat import FA3_WORK_CAPACITY
+from backends.port import WORK_CAPACITY as FA3_WORK_CAPACITY
 
 FINDINGS_DOC = "docs/findings.md"
 

@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
-from fast.flashinfer_compat import PAGE_COUNT_REFUSAL
-from fast.sm90 import AttentionConfig
+from backends.port import PLAN_REFUSAL as PAGE_COUNT_REFUSAL
+from backends.port import AttentionConfig
 from mla_constants import KV_LORA_RANK
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
@@ -56,7 +56,7 @@ def attention_config(scenario: Scenario, layout: str, max_rows: int | None = Non
 def strided_plan_refused(features, step: Step) -> bool:
     """A FlashInfer whose plan() checks page counts (probed: ``features.plan_checks_page_counts``)
     refuses a strided plan whose planned rows are not all full width, with
-    ``fast.flashinfer_compat.PAGE_COUNT_REFUSAL``."""
+    ``backends.port.PLAN_REFUSAL``."""
     width = step.scenario.spec.resolved_width
     return (
         step.layout == "strided" and bool(features.plan_checks_page_counts) and bool((step.planned_lens != width).any())

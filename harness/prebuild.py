@@ -54,9 +54,9 @@ def missing_variants(jit_dir: Path) -> list[tuple[str, bool, float]]:
 
 
 def flashinfer_jit_dir() -> Path:
-    from flashinfer.jit import env
+    from backends.port import flashinfer_jit_dir as jit_dir
 
-    return Path(env.FLASHINFER_JIT_DIR)
+    return jit_dir()
 
 
 def variant_by_name(name: str) -> tuple[str, bool, float]:

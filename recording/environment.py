@@ -9,11 +9,9 @@ import torch
 
 
 def flashinfer_version() -> str | None:
-    try:
-        import flashinfer
-    except Exception:
-        return None
-    return getattr(flashinfer, "__version__", "unknown")
+    from backends.port import installed_flashinfer_version
+
+    return installed_flashinfer_version()
 
 
 def driver_version() -> str | None:

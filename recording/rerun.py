@@ -110,7 +110,7 @@ def _refusal(exc: Exception) -> str:
 
 
 def _rerun_pipeline(fx: Fixture, impl, impl_spec: str | None, device) -> Rerun:
-    from fast.sm90 import AttentionConfig
+    from backends.port import AttentionConfig
 
     version = flashinfer_version() or "unknown"
     meta, n = fx.meta, fx.num_rows
@@ -148,8 +148,7 @@ def _rerun_pipeline(fx: Fixture, impl, impl_spec: str | None, device) -> Rerun:
 
 
 def _rerun_captured(fx: Fixture, device) -> Rerun:
-    from fast.flashinfer_compat import MLAWrapper
-    from fast.sm90 import WORKSPACE_BYTES
+    from backends.port import open_wrapper
 
     version = flashinfer_version() or "unknown"
     how = "re-run exactly as captured: the recorded CSR arrays, plan arguments and kv_indices"
@@ -166,7 +165,7 @@ def _rerun_captured(fx: Fixture, device) -> Rerun:
     dev = torch.device(device)
     buffers = dict(qo_indptr=torch.zeros_like(qo, device=dev), kv_indptr=torch.zeros_like(kv_indptr, device=dev),
                    kv_indices=indices.to(dev), kv_len_arr=torch.zeros_like(kv_len, device=dev))
-    wrapper = MLAWrapper(torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), **buffers)
+    wrapper = open_wrapper(dev, **buffers)
     kv_dtype = getattr(torch, str(cap.get("kv_data_type") or fx.meta.get("kv_dtype", "bfloat16")).replace("torch.", ""))
     q_dtype = getattr(torch, str(cap.get("q_data_type") or "bfloat16").replace("torch.", ""))
     try:

@@ -52,9 +52,10 @@ DEVICE_BOUND_MODULES = ("harness.launch", "tests.gpu")
 class StandInWrapper(ReferenceWrapper):
     """The stand-in, with FlashInfer's base-2 LSE where natural log is not asked for."""
 
-    def __init__(self, *args, lse_base_e: bool = True, **kwargs):
+    def __init__(self, *args, lse_base_e: bool = True, kernel: str = "fa3", **kwargs):
         super().__init__(*args, **kwargs)
         self.lse_base_e = lse_base_e
+        self.kernel = kernel
         self.features = FEATURES
 
     def run(self, q_nope, q_pe, ckv, kpe, *, out, lse, k_scale=1.0):

@@ -36,14 +36,13 @@ def _limit_plan(n: int, heads: int, width: int, device, features=None):
     its own request reading ``width`` slots); returns ``(wrapper, plan_kwargs, kv_indices)``."""
     import torch
 
-    from fast.flashinfer_compat import MLAWrapper
-    from fast.sm90 import WORKSPACE_BYTES
+    from backends.port import open_wrapper
     from mla_constants import KV_LORA_RANK, ROPE_DIM
 
     i32 = dict(dtype=torch.int32)
     kv_indices = torch.zeros(n * width, device=device, **i32)
-    wrapper = MLAWrapper(
-        torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device),
+    wrapper = open_wrapper(
+        device,
         qo_indptr=torch.zeros(n + 1, device=device, **i32), kv_indptr=torch.zeros(n + 1, device=device, **i32),
         kv_indices=kv_indices, kv_len_arr=torch.zeros(n, device=device, **i32), features=features,
     )
@@ -165,7 +164,7 @@ def warm_up(device: str = "cuda") -> None:
     too, where it imports) and CUDA."""
     import torch
 
-    from fast.flashinfer_compat import signature_features
+    from backends.port import signature_features
     from harness import launch, row_check  # noqa: F401
 
     try:
@@ -192,10 +191,10 @@ def environment() -> dict:
     reason = sm90_flashinfer_unavailable_reason()
     if reason:
         return {"unavailable": reason}
-    import flashinfer
+    from backends.port import installed_flashinfer_version
 
     p = torch.cuda.get_device_properties(0)
-    return {"flashinfer": getattr(flashinfer, "__version__", "unknown"), "torch": torch.__version__, "device": p.name,
+    return {"flashinfer": installed_flashinfer_version(), "torch": torch.__version__, "device": p.name,
             "num_sm": p.multi_processor_count}
 
 

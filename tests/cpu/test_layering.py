@@ -3,6 +3,10 @@
 mla_constants < reference, fast < harness < recording < pytest_sparse_mla, scripts, bench < tests:
 a module imports only from its own package and from lower layers. Packages of one layer never
 import each other (reference and fast in particular), and nothing outside tests/ imports tests.
+
+harness/ and recording/ reach a vendor only through the backend seam: they import no vendor
+package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and from backends/ only
+the seam and the port's public face (:data:`SEAM_MODULES`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ LAYERS = {
     "tests": 6,
     "conftest": 6,  # the root conftest.py loads the plugin for the tests
 }
+#: What harness/ and recording/ may import from backends/.
+SEAM_MODULES = ("backends.seam", "backends.port")
+#: Vendor packages and the project's modules that wrap them.
+VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "fast.flashinfer_compat", "fast.sm90")
+BEHIND_THE_SEAM = ("harness", "recording")
 SKIPPED_DIRS = {"venv", "build", "dist", "__pycache__", "node_modules"}
 
 
@@ -154,6 +163,35 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
     (tmp_path / "pkg" / "b.py").write_text("def f():\n    from . import a\n")
     (tmp_path / "pkg" / "c.py").write_text("from pkg import a\n")
     assert import_cycles(import_graph(tmp_path)) == [["pkg.a", "pkg.b"]]
+
+
+def vendor_imports(root: Path = ROOT) -> list[str]:
+    """One line per import in harness/ or recording/ of a vendor module, or of a backends module
+    other than the seam."""
+    problems = []
+    for path in project_modules(root):
+        if top_level_of(path, root) not in BEHIND_THE_SEAM:
+            continue
+        for line, module in sorted(imported_modules(path.read_text(), path, root)):
+            vendor = any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
+            past_seam = module.startswith("backends") and module not in SEAM_MODULES
+            if vendor or past_seam:
+                problems.append(f"{path.relative_to(root)}:{line}: imports {module} (reach it through backends.seam)")
+    return problems
+
+
+def test_harness_and_recording_reach_vendors_only_through_the_seam():
+    problems = vendor_imports()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_seam_check_sees_a_vendor_import(tmp_path):
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "x.py").write_text("def f():\n    from flashinfer.mla import W\n"
+                                              "from backends.vllm_sm90 import L\nfrom backends.seam import S\n")
+    found = vendor_imports(tmp_path)
+    assert [p.split(": ")[1] for p in found] == ["imports flashinfer.mla (reach it through backends.seam)",
+                                                 "imports backends.vllm_sm90 (reach it through backends.seam)"]
 
 
 def test_no_module_imports_from_a_higher_layer_or_a_peer():

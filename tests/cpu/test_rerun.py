@@ -34,7 +34,8 @@ class ReferenceWrapper:
     refuse: str | None = None  # raise this ValueError at plan
     plans: list = []
 
-    def __init__(self, workspace, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr, features=None, lse_base_e=True):
+    def __init__(self, workspace, *, qo_indptr, kv_indptr, kv_indices, kv_len_arr, features=None, lse_base_e=True,
+                 kernel="fa3"):
         self.buffers = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_len_arr=kv_len_arr)
         self.kv_indices = kv_indices
         self.features = features or SimpleNamespace(version="stand-in")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from backends.port import KERNELS
-from backends.seam import open_backend
+from backends.registry import open_backend
 from tests.vllm_cases import run_case, step_params
 
 pytestmark = pytest.mark.gpu

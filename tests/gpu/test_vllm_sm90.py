@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.seam import open_backend
+from backends.registry import open_backend
 from backends.vllm_source import incompatibility
 from harness.backend_step import layer_config, run_step
 from harness.cases import KernelConfig
