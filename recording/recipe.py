@@ -24,7 +24,8 @@ from .fixture import FixtureError, tensor_digest
 RECIPE_SUFFIX = ".recipe.json"
 RECIPE_KEY = "sparse_mla_recipe"
 RECIPE_VERSION = 1
-REQUIRED = {"spec": dict, "seed": int, "layout": str, "max_rows": int, "scenario_digest": str, "name": str}
+LAYOUTS = ("strided", "packed", "compacted")
+HEX64 = frozenset("0123456789abcdef")
 
 
 def is_recipe(path) -> bool:
@@ -90,14 +91,177 @@ def load_recipe(path) -> dict:
         raise FixtureError(f"{path}: not a JSON recipe: {exc}") from exc
     if not isinstance(recipe, dict) or recipe.get(RECIPE_KEY) != RECIPE_VERSION:
         raise FixtureError(f"{path}: not a recipe of version {RECIPE_VERSION} (no '{RECIPE_KEY}': {RECIPE_VERSION})")
-    for key, kind in REQUIRED.items():
-        if not isinstance(recipe.get(key), kind) or isinstance(recipe.get(key), bool):
-            raise FixtureError(f"{path}: recipe field '{key}' is missing or not {kind.__name__}")
+    problem = recipe_problem(recipe)
+    if problem:
+        raise FixtureError(f"{path}: {problem}")
     if recipe.get("digest") != _file_digest(recipe):
         raise FixtureError(
             f"{path}: the recipe does not match its content digest: the file was changed after it was written"
         )
     return recipe
+
+
+# --- what a recipe may hold ----------------------------------------------------------------------
+
+
+def _shown(value) -> str:
+    return f"{type(value).__name__} {json.dumps(value)[:60]}"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and value == value and abs(value) != float("inf")
+
+
+def int_at_least(low: int):
+    def check(value) -> str | None:
+        return None if _is_int(value) and value >= low else f"expected an int >= {low}"
+    return check
+
+
+def positive_number(value) -> str | None:
+    return None if _is_number(value) and value > 0 else "expected a finite number > 0"
+
+
+def a_bool(value) -> str | None:
+    return None if isinstance(value, bool) else "expected true or false"
+
+
+def text(value) -> str | None:
+    return None if isinstance(value, str) else "expected a string"
+
+
+def one_of(*allowed):
+    def check(value) -> str | None:
+        return None if value in allowed and isinstance(value, str) else f"expected one of {', '.join(allowed)}"
+    return check
+
+
+def sha256_hex(value) -> str | None:
+    ok = isinstance(value, str) and len(value) == 64 and set(value) <= HEX64
+    return None if ok else "expected 64 hexadecimal digits (a SHA-256)"
+
+
+def impl_spec(value) -> str | None:
+    ok = isinstance(value, str) and value.count(":") == 1 and all(value.split(":"))
+    return None if ok else "expected MODULE:FACTORY"
+
+
+def a_dict(value) -> str | None:
+    return None if isinstance(value, dict) else "expected an object"
+
+
+def requests(value) -> str | None:
+    if not isinstance(value, list):
+        return "expected a list of {seq_len, q_len} objects"
+    for r in value:
+        if not (isinstance(r, dict) and set(r) == {"seq_len", "q_len"} and all(_is_int(v) and v >= 0
+                                                                               for v in r.values())):
+            return f"expected a list of {{seq_len, q_len}} objects of ints >= 0, got an entry {_shown(r)}"
+    return None
+
+
+def width(value) -> str | None:
+    return None if value is None or (_is_int(value) and value >= 1) else "expected null or an int >= 1"
+
+
+def score_offsets(value) -> str | None:
+    ok = isinstance(value, list) and all(_is_number(v) for v in value)
+    return None if ok else "expected a list of finite numbers"
+
+
+#: Each field of a recipe's ``spec`` (a :class:`harness.spec.BatchSpec` as JSON) with its check.
+SPEC_FIELDS = {
+    "requests": requests, "topk": int_at_least(1), "kpool": int_at_least(1), "width": width,
+    "block_size": int_at_least(1), "rope": a_bool, "kv_dtype": one_of("bfloat16", "float8_e4m3fn"),
+    "k_scale": positive_number, "num_heads": int_at_least(1), "sm_scale": positive_number,
+    "async_scheduling": a_bool, "host_bound_slack": int_at_least(0), "decode_threshold": int_at_least(1),
+    "padded_rows": int_at_least(0), "table_slack": int_at_least(0), "spare_blocks": int_at_least(0),
+    "min_block_id": int_at_least(1), "score_offsets": score_offsets, "split_score_signs": a_bool,
+    "with_host_bound": a_bool, "with_positions": a_bool,
+}
+#: Each field every recipe has, with its check (``spec``'s fields: :data:`SPEC_FIELDS`).
+REQUIRED_FIELDS = {
+    RECIPE_KEY: int_at_least(RECIPE_VERSION), "spec": a_dict, "seed": int_at_least(0), "layout": one_of(*LAYOUTS),
+    "max_rows": int_at_least(1), "scenario_digest": sha256_hex, "name": text, "digest": sha256_hex,
+}
+#: Each field a recipe may have, with its check (``failing_rows``: :func:`failing_rows_problem`).
+OPTIONAL_FIELDS = {
+    "impl": impl_spec, "vllm": text, "nodeid": text, "why": text, "scale_case": text, "rows": int_at_least(0),
+    "failing_rows": lambda value: None, "shrunk": a_dict, "too_large_to_build": int_at_least(0),
+    "crashed_at": text, "crash": text,
+}
+
+
+def field_problem(name: str, value, check) -> str | None:
+    """``recipe field 'NAME' is TYPE VALUE, expected ...`` where ``check`` refuses ``value``."""
+    wrong = check(value)
+    return None if wrong is None else f"recipe field '{name}' is {_shown(value)}, {wrong}"
+
+
+def spec_problem(spec: dict) -> str | None:
+    """What is wrong with a recipe's ``spec``: a missing, unknown or ill-typed field, or values
+    the batch spec refuses together (its own message)."""
+    for name in SPEC_FIELDS:
+        if name not in spec:
+            return f"recipe field 'spec.{name}' is missing"
+    for name in spec:
+        if name not in SPEC_FIELDS:
+            return f"recipe field 'spec.{name}' is not a field of a batch spec"
+    for name, check in SPEC_FIELDS.items():
+        problem = field_problem(f"spec.{name}", spec[name], check)
+        if problem:
+            return problem
+    from harness.spec import spec_from_dict
+
+    try:
+        spec_from_dict(spec)
+    except (TypeError, ValueError) as exc:
+        return f"recipe field 'spec' is not a batch spec: {exc}"
+    return None
+
+
+def planned_rows_of(spec: dict) -> int:
+    """The rows the batch of a (valid) recipe spec plans, without building it."""
+    from harness.builder import plan_rows
+    from harness.spec import spec_from_dict
+
+    return plan_rows(spec_from_dict(spec)).planned_rows
+
+
+def failing_rows_problem(rows, planned: int) -> str | None:
+    """``failing_rows`` lists rows of the batch its spec builds: distinct ints from 0 to the
+    ``planned`` rows less one."""
+    ok = isinstance(rows, list) and all(_is_int(r) and 0 <= r < planned for r in rows) and len(set(rows)) == len(rows)
+    if ok and rows:
+        return None
+    return (f"recipe field 'failing_rows' is {_shown(rows)}, expected a non-empty list of distinct rows of the batch "
+            f"(0 to {planned - 1}: its spec plans {planned} rows)")
+
+
+def recipe_problem(recipe: dict) -> str | None:
+    """The first thing wrong with a recipe's fields (None: every field is known and valid)."""
+    for name in REQUIRED_FIELDS:
+        if name not in recipe:
+            return f"recipe field '{name}' is missing"
+    for name in recipe:
+        if name not in REQUIRED_FIELDS and name not in OPTIONAL_FIELDS:
+            return f"recipe field '{name}' is not a recipe field"
+    for name, check in {**REQUIRED_FIELDS, **OPTIONAL_FIELDS}.items():
+        problem = field_problem(name, recipe[name], check) if name in recipe else None
+        if problem:
+            return problem
+    problem = spec_problem(recipe["spec"])
+    if problem:
+        return problem
+    planned = planned_rows_of(recipe["spec"])
+    if recipe["max_rows"] < planned:
+        return (f"recipe field 'max_rows' is {recipe['max_rows']}, expected at least the {planned} rows its spec "
+                "plans")
+    return failing_rows_problem(recipe["failing_rows"], planned) if "failing_rows" in recipe else None
 
 
 def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
