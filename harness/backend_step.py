@@ -136,12 +136,13 @@ def references(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs
     return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", **kw)
 
 
-def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs) -> list[Comparison]:
+def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs,
+                       kernel: str | None = None) -> list[Comparison]:
     """The output of the planned rows (and the LSE where the backend returns one) against the
-    float64 oracle over (a)."""
+    float64 oracle over (a), by the budget of ``kernel``."""
     n = outcome.planned_rows
     truth, lowp = references(outcome, scenario, inputs)
     kv_dtype = scenario.spec.kv_dtype
     if outcome.lse is None:
         return [compare_to_budget("out", outcome.out[:n], truth[0], lowp[0], kv_dtype)]
-    return compare_attention(outcome.out[:n], outcome.lse[:n], truth, lowp, kv_dtype)
+    return compare_attention(outcome.out[:n], outcome.lse[:n], truth, lowp, kv_dtype, kernel=kernel)

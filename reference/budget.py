@@ -27,6 +27,16 @@ FLOAT32_EPS = 2.0 ** -23
 #: an H200 (fa3, FlashInfer 0.6.18.post1 and 0.7.4, bf16 and fp8 KV): LSE max |err| up to
 #: 2.55e-5 at |lse| of 12 to 15 (about 16 ulps), 3x to 16x the lowp reference's error.
 LSE_ULPS = 32
+#: The LSE floor of each attention kernel, in float32 ulps of max|truth|, where it is not
+#: LSE_ULPS. FlashInfer's fa2 MLA kernel, measured on an H200 (0.7.4, 38 cases of the backend
+#: axis, bf16 and fp8 KV, rope 64 and NoPE): LSE max |err| 1.2e-4 to 1.5e-3, up to 1406 ulps of
+#: max|truth| (at |lse| 8.9, 3 slots, 128 heads), while its output stays within the factors.
+KERNEL_LSE_ULPS = {"fa2": 2048}
+
+
+def lse_ulps(kernel: str | None) -> float:
+    """The LSE floor in ulps for ``kernel`` (None or a kernel without its own: LSE_ULPS)."""
+    return KERNEL_LSE_ULPS.get(kernel or "", LSE_ULPS)
 
 
 @dataclass
@@ -182,10 +192,11 @@ def compare_attention(
     lowp: tuple[torch.Tensor, torch.Tensor],
     kv_dtype: str = "bfloat16",
     suffix: str = "",
+    kernel: str | None = None,
 ) -> list[Comparison]:
     """The kernel's ``(out, lse)`` against the float64 and low-precision references, with the
-    policy for each: output by the factors, LSE with the ``LSE_ULPS`` floor."""
+    policy for each: output by the factors, LSE with the floor of ``kernel`` (:func:`lse_ulps`)."""
     return [
         compare_to_budget("out" + suffix, out, truth[0], lowp[0], kv_dtype),
-        compare_to_budget("lse" + suffix, lse, truth[1], lowp[1], kv_dtype, ulps=LSE_ULPS),
+        compare_to_budget("lse" + suffix, lse, truth[1], lowp[1], kv_dtype, ulps=lse_ulps(kernel)),
     ]

@@ -36,7 +36,7 @@ from harness.cases import (
     situation_cases,
 )
 from harness.device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
-from harness.findings import FINDINGS_DOC
+from harness.findings import FINDINGS_DOC, NOPE_ROUNDING_FINDING, NopeRoundingBeyond2x, nope_rounding_only
 from mla_constants import TOPK
 from pytest_sparse_mla.vllm import VLLM_TWIN_KEY
 
@@ -99,6 +99,17 @@ def expect_findings(backend, config, request) -> None:
         request.applymarker(pytest.mark.xfail(raises=KpeScaleIgnored, strict=True, reason=KPE_SCALE_FINDING))
 
 
+#: The kernel tests' cases whose bf16 NoPE output is measured past 2x (H200, FlashInfer 0.7.4,
+#: fa3 and fa2 alike, seed 0): docs/findings.md#bf16-nope-rounding.
+NOPE_ROUNDING_CASES = ("ctx2049-kpool4-bf16-nope-h32",)
+
+
+def expect_kernel_findings(case, config, request) -> None:
+    """The kernel tests' strict xfail where the measured NoPE rounding decides the outcome."""
+    if f"{case.id}-{config.id}" in NOPE_ROUNDING_CASES:
+        request.applymarker(pytest.mark.xfail(raises=NopeRoundingBeyond2x, strict=True, reason=NOPE_ROUNDING_FINDING))
+
+
 def large_params():
     return step_params([(case, vllm_config(i)) for i, case in enumerate(large_batch_cases())])[-2:]
 
@@ -147,7 +158,7 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
         regime_log.blame([regimes[r] for r in problem_rows(problems, outcome.planned_rows)])
     assert not problems, f"{where}\n" + "\n".join(problems[:12])
     if compare and inputs is not None and outcome.planned_rows:
-        comparisons = output_comparisons(outcome, scenario, inputs)
+        comparisons = output_comparisons(outcome, scenario, inputs, kernel=getattr(backend, "kernel", None))
         comparison = comparisons[0]
         if baseline is not None:
             n = outcome.planned_rows
@@ -163,6 +174,8 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
             if twin is not None and torch.equal(outcome.out[:n], twin(scenario, inputs)[:n]):
                 request.node.user_properties.append((VLLM_TWIN_KEY, (comparison.max_ratio, comparison.mean_ratio)))
                 return outcome
+            if twin is None and nope_rounding_only(scenario.spec, comparisons):
+                raise NopeRoundingBeyond2x(f"{where}\n{summary}")
             raise AssertionError(f"{outcome.backend}'s output vs (a) beyond the error budget; {where}\n{summary}")
     return outcome
 

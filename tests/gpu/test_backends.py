@@ -5,7 +5,8 @@ seam as vLLM's backend and FlashMLA (``backends.seam``).
 Each step plans the port's exact lengths (compacted layout), converts, lays out and runs; the
 rows' kv_len and kv_indices spans handed to the kernel are read back and must equal every row's
 valid count and intended selection (a); output and LSE must be within the error budget of the
-float64 oracle over (a). The regime table's "rows checked per backend" line counts the rows each
+float64 oracle over (a), by each kernel's budget (``reference.budget``: fa2's LSE has a floor of
+its own, measured). The regime table's "rows checked per backend" line counts the rows each
 kernel served.
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 from backends.port import KERNELS
 from backends.registry import open_backend
-from tests.vllm_cases import run_case, step_params
+from tests.vllm_cases import expect_kernel_findings, run_case, step_params
 
 pytestmark = pytest.mark.gpu
 
@@ -29,4 +30,5 @@ def port_backend(request):
 
 @pytest.mark.parametrize("case, config", step_params())
 def test_step_on_each_flashinfer_kernel(port_backend, case, config, request):
+    expect_kernel_findings(case, config, request)
     run_case(port_backend, case, config, DEVICE, request)
