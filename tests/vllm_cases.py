@@ -110,6 +110,29 @@ def expect_kernel_findings(case, config, request) -> None:
         request.applymarker(pytest.mark.xfail(raises=NopeRoundingBeyond2x, strict=True, reason=NOPE_ROUNDING_FINDING))
 
 
+def magnitude_params():
+    """The magnitude edge's cases (raw score offsets far from zero, docs/edges.md#magnitude), each
+    with a covering configuration (fp8 rope at k_scale 1: the kpe finding has cases of its own)."""
+    from tests.gpu.test_edges import magnitude_cases
+
+    return [pytest.param(case, vllm_config(i), id=f"{case.id}-{vllm_config(i).id}")
+            for i, case in enumerate(magnitude_cases())]
+
+
+def input_space_params(strength: int = 1):
+    """The covering design of the production input space (every value class of every dimension
+    at strength 1), fp8 rope at k_scale 1 as above."""
+    from harness.cases import input_space_cases
+
+    params = []
+    for case, _ in input_space_cases(strength):
+        spec = case.spec
+        if kpe_scale_ignored(spec):
+            spec = spec.replace(k_scale=1.0)
+        params.append(pytest.param(dataclasses.replace(case, spec=spec), id=case.id))
+    return params
+
+
 def large_params():
     return step_params([(case, vllm_config(i)) for i, case in enumerate(large_batch_cases())])[-2:]
 

@@ -30,7 +30,14 @@ from harness.input_space import classify, covering_cases
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from tests import fa3_stand_in
-from tests.vllm_cases import Fp8PlannedAsUint8, check_step, run_case, run_sequence, step_params
+from tests.vllm_cases import (
+    Fp8PlannedAsUint8,
+    check_step,
+    magnitude_params,
+    run_case,
+    run_sequence,
+    step_params,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -130,6 +137,13 @@ def test_an_import_no_stand_in_covers_fails_by_name(vllm_backend):
 @pytest.mark.parametrize("case, config", step_params())
 def test_step_executes_each_rows_valid_count(vllm_backend, stand_in, case, config, device, request):
     run_case(vllm_backend, case, config, device, request)
+
+
+@pytest.mark.edge("magnitude")
+@pytest.mark.parametrize("case, config", magnitude_params())
+def test_magnitude_edge(vllm_backend, stand_in, case, config, device, request):
+    """Raw scores far from zero: vLLM's executed lengths and slots, and its output over them."""
+    run_case(vllm_backend, case, config, device, request, seed=41)
 
 
 @pytest.mark.parametrize("kpool", [1, 4])

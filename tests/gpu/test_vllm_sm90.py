@@ -21,8 +21,19 @@ import pytest
 from backends.registry import open_backend
 from backends.vllm_source import incompatibility
 from harness.backend_step import layer_config, run_step
+from harness.builder import build_scenario
 from harness.cases import KernelConfig
-from tests.vllm_cases import large_params, run_case, run_sequence, step_params
+from harness.device_inputs import build_attention_inputs
+from tests.vllm_cases import (
+    check_step,
+    expect_findings,
+    input_space_params,
+    large_params,
+    magnitude_params,
+    run_case,
+    run_sequence,
+    step_params,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -86,3 +97,22 @@ def test_sequence_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, kpool, config, 
         assert layer.plans < len(outcomes), f"planned {layer.plans} times for {len(outcomes)} steps"
     else:
         assert layer.plans == len(outcomes)
+
+
+@pytest.mark.edge("magnitude")
+@pytest.mark.parametrize("case, config", magnitude_params())
+def test_magnitude_edge_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, case, config, request):
+    """Raw scores far from zero through vLLM's backend: executed lengths and slots as always, the
+    output within the budget or bit for bit the project's own FA3 path (where the kernel's own
+    score-precision finding shows, docs/findings.md#score-precision-at-2-15)."""
+    run_case(vllm_on_gpu, case, config, DEVICE, request, seed=41, twin=fa3_twin, baseline=baseline)
+
+
+@pytest.mark.parametrize("case", input_space_params())
+def test_input_space_covering_design_on_flashinfer(vllm_on_gpu, fa3_twin, case, request):
+    """Every value class of every dimension of the production input space through vLLM's
+    build() and forward_mqa() on FlashInfer."""
+    scenario = build_scenario(case.spec, 0)
+    layer = vllm_on_gpu.open_layer(layer_config(case.spec, max(scenario.topk_indices.shape[0], 1)), DEVICE)
+    expect_findings(vllm_on_gpu, case.spec, request)
+    check_step(vllm_on_gpu, layer, scenario, build_attention_inputs(scenario, DEVICE), request, twin=fa3_twin)
