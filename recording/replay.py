@@ -1,7 +1,8 @@
 """Replaying a fixture through the reference: the diagnostics a debugging engineer wants.
 
 For each recorded fast output (one per FlashInfer version) and, where the installed FlashInfer
-re-ran the fixture (:mod:`recording.rerun`), the new one: the kernel against the as-planned
+re-ran the fixture (:mod:`recording.rerun`), the new one (which then decides the verdict on the
+kernel: the recorded outputs are history, shown beside it): the kernel against the as-planned
 reference (b) within the error budget, (b) against the intended reference (a), kv_len
 against each row's valid count, the invariants, and the worst rows and heads with their
 regimes. A re-run adds the drift of its output against every recorded version's (share of
@@ -103,8 +104,22 @@ class ReplayReport:
         return not self.bad_inputs
 
     @property
+    def rerun_decides(self) -> bool:
+        """The installed FlashInfer re-ran the fixture and its output was judged: the verdict on
+        the kernel is the re-run's, and the recorded outputs are history, shown beside it (a bug
+        fixed since the recording turns its replay green)."""
+        return self.rerun is not None and self.rerun.out is not None and not self.rerun.refused \
+            and self.rerun.label in self.kernel
+
+    @property
+    def judged_versions(self) -> list[str]:
+        """The outputs the kernel verdict rests on: the re-run's where it decides, else every
+        recorded one (``--replay-recorded-only``, or no kernel here)."""
+        return [self.rerun.label] if self.rerun_decides else list(self.kernel)
+
+    @property
     def kernel_ok(self) -> bool:
-        return all(out_cmp.ok and lse_cmp.ok for out_cmp, lse_cmp in self.kernel.values())
+        return all(self.kernel[v][0].ok and self.kernel[v][1].ok for v in self.judged_versions)
 
     @property
     def plan_ok(self) -> bool:
@@ -131,7 +146,7 @@ class ReplayReport:
         elif self.rerun is not None and not self.refusal_expected:
             reasons.append(f"flashinfer {self.rerun.version} refused the re-run: {self.rerun.refused}")
         if not self.kernel_ok:
-            bad = [v for v, (out_cmp, lse_cmp) in self.kernel.items() if not (out_cmp.ok and lse_cmp.ok)]
+            bad = [v for v in self.judged_versions if not (self.kernel[v][0].ok and self.kernel[v][1].ok)]
             reasons.append(f"kernel != as-planned reference beyond the error budget ({', '.join(bad)})")
         finding = self.fixture.meta.get("expect_finding")
         if finding and self.plan_ok:
@@ -173,10 +188,12 @@ class ReplayReport:
 
     def _kernel_lines(self, versions) -> list[str]:
         lines = []
+        judged = set(self.judged_versions)
         for version in versions:
             out_cmp, lse_cmp = self.kernel[version]
-            lines.append(f"  [{version}] {out_cmp.summary(self.regimes)}")
-            lines.append(f"  [{version}] {lse_cmp.summary(self.regimes)}")
+            tag = f"[{version}]" if version in judged else f"[{version}, recorded: history, the re-run decides]"
+            lines.append(f"  {tag} {out_cmp.summary(self.regimes)}")
+            lines.append(f"  {tag} {lse_cmp.summary(self.regimes)}")
         return lines
 
     def _regime(self, row: int) -> str:

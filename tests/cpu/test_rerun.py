@@ -6,6 +6,7 @@ against every recorded version, which releases agree, and a refusal as its own o
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -151,6 +152,25 @@ def test_a_perturbed_rerun_fails_on_its_row_with_the_drift_of_that_row():
     text = report.render()
     assert "[0.7.9 re-run] drift of out vs [0.7.4]" in text and "implementation under test: pkg:make" in text
     assert "releases agreeing bitwise: {0.6.18.post1, 0.7.4} | {0.7.9 re-run}" in text
+
+
+def test_the_rerun_decides_and_a_wrong_recorded_output_is_history():
+    """A kernel-input bug fixed since the recording: the recorded output is wrong, the re-run
+    through the fixed implementation is right, and the replay passes, showing the recorded
+    comparison as history; without a re-run the recorded output alone decides and fails."""
+    fx = load_fixture(FIXTURES / "c-compacted-fp8.safetensors")
+    out, lse = fx.outputs["0.7.4"]
+    wrong = out.clone()
+    wrong[1] = torch.roll(wrong[1], 1, dims=0)  # q_pe's heads rolled by one: another head's output
+    recorded = dataclasses.replace(fx, outputs={"0.7.4": (wrong, lse)})
+    assert any("0.7.4" in f for f in replay(recorded).failures()), "recorded outputs judged alone without a re-run"
+    report = replay(recorded, rerun=Rerun("0.7.4", "re-run", out.clone(), lse.clone()))
+    assert report.rerun_decides and report.judged_versions == ["0.7.4 re-run"]
+    assert report.failures() == []
+    text = report.render()
+    assert "[0.7.4, recorded: history, the re-run decides] out vs (b)" in text
+    broken = replay(recorded, rerun=Rerun("0.7.4", "re-run", wrong.clone(), lse.clone()))
+    assert any("0.7.4 re-run" in f for f in broken.failures()), "a re-run as wrong as the recording fails"
 
 
 def test_a_refusal_is_an_outcome_of_its_own_expected_where_a_recorded_release_refused_too():
