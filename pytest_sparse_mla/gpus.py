@@ -159,10 +159,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def ratio_summary(errors: list[dict]) -> dict[str, dict[str, float]]:
-    """Per kv dtype (and rope): worst and mean of each measured ratio."""
+    """Per backend and kv dtype (and rope): worst and mean of each measured ratio."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for e in errors:
-        groups[f"{e['kv_dtype']} R={e['rope']}"].append(e)
+        groups[f"{e.get('backend', 'port-fa3')} {e['kv_dtype']} R={e['rope']}"].append(e)
     out = {}
     for name, rows in sorted(groups.items()):
         summary = {"cases": len(rows)}
@@ -197,12 +197,12 @@ class GpuReport:
         if summary:
             terminalreporter.section("kernel error / working-precision error (compare_to_budget ratios)")
             terminalreporter.write_line(
-                f"{'kv':<22}{'cases':>6}{'out max':>10}{'(mean)':>9}{'out mean':>10}{'(mean)':>9}"
+                f"{'backend, kv':<36}{'cases':>6}{'out max':>10}{'(mean)':>9}{'out mean':>10}{'(mean)':>9}"
                 f"{'lse max':>10}{'(mean)':>9}{'rel L2':>10}"
             )
             for name, s in summary.items():
                 terminalreporter.write_line(
-                    f"{name:<22}{s['cases']:>6}"
+                    f"{name:<36}{s['cases']:>6}"
                     f"{s.get('out_max_ratio_worst', 0):>10.2f}{s.get('out_max_ratio_mean', 0):>9.2f}"
                     f"{s.get('out_mean_ratio_worst', 0):>10.2f}{s.get('out_mean_ratio_mean', 0):>9.2f}"
                     f"{s.get('lse_max_ratio_worst', 0):>10.2f}{s.get('lse_max_ratio_mean', 0):>9.2f}"

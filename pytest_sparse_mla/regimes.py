@@ -31,7 +31,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from .keys import DECLARED_EDGES_KEY, DECLARED_REGIMES_KEY, LAUNCH_KEY, REGIME_KEY
+from .keys import DECLARED_EDGES_KEY, DECLARED_REGIMES_KEY, ERROR_KEY, LAUNCH_KEY, REGIME_KEY
 
 NO_REGIME = "no regime"
 OUTCOMES = ("passed", "failed", "xfailed", "skipped", "refused")
@@ -45,6 +45,16 @@ EDGE_FAMILIES: dict[str, str] = {
     "sanitizer": "compute-sanitizer memcheck and initcheck, one small case per kernel variant",
 }
 EDGE_LABEL = "edge {}"
+
+
+def error_entry(backend: str, spec, comparisons, label: str = "", layout: str | None = None) -> dict:
+    """The measured ratios of a case, as the run's ratio summary reads them (``ERROR_KEY``)."""
+    return {
+        "backend": backend, "kv_dtype": spec.kv_dtype, "rope": spec.rope_dim, "heads": spec.num_heads,
+        "layout": layout, "label": label,
+        **{f"{c.name}_{k}": getattr(c, k) for c in comparisons
+           for k in ("max_ratio", "mean_ratio", "rel_l2", "max_err")},
+    }
 
 
 class RegimeLog:
@@ -65,11 +75,15 @@ class RegimeLog:
         self.focus.update(focus if focus is not None else set(regimes))
         self._save()
 
-    def step(self, outcome, regimes) -> None:
-        """One step's ``backends.seam.StepOutcome``: its planned rows counted (``regimes``: theirs)
-        on the backend that ran them, a kernel launch when it produced an output, and the rows
-        whose executed length was read back from the kernel's own schedule."""
+    def step(self, outcome, regimes, *, comparisons=(), spec=None, label: str = "") -> None:
+        """One step's ``backends.seam.StepOutcome``, the one record every backend returns: its
+        planned rows counted (``regimes``: theirs) on the backend that ran them, a kernel launch
+        when it produced an output, the rows whose executed length was read back from the
+        kernel's own schedule, and the error ratios of its ``comparisons`` (with ``spec``, the
+        batch spec: the kernel variant they are summed up under, per backend)."""
         self.record(regimes)
+        if comparisons and spec is not None:
+            self._node.user_properties.append((ERROR_KEY, error_entry(outcome.backend, spec, comparisons, label)))
         counts = self.backends.setdefault(outcome.backend, {"rows": 0, "read_back": 0})
         counts["rows"] += outcome.planned_rows
         if outcome.reads_back:

@@ -176,12 +176,14 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
                 + selection_problems(outcome, scenario))
     regimes = scenario.row_regime[: outcome.planned_rows]
     regime_log = request.getfixturevalue("regime_log")
-    regime_log.step(outcome, regimes)
+    comparisons = []
+    if compare and inputs is not None and outcome.planned_rows:
+        comparisons = output_comparisons(outcome, scenario, inputs, kernel=getattr(backend, "kernel", None))
+    regime_log.step(outcome, regimes, comparisons=comparisons, spec=scenario.spec)
     if problems:
         regime_log.blame([regimes[r] for r in problem_rows(problems, outcome.planned_rows)])
     assert not problems, f"{where}\n" + "\n".join(problems[:12])
-    if compare and inputs is not None and outcome.planned_rows:
-        comparisons = output_comparisons(outcome, scenario, inputs, kernel=getattr(backend, "kernel", None))
+    if comparisons:
         comparison = comparisons[0]
         if baseline is not None:
             n = outcome.planned_rows

@@ -12,24 +12,13 @@ import torch
 from harness.launch import DEVICE, Launch, Launched, nan_buffers
 from harness.pipeline import Step
 from pytest_sparse_mla.keys import ERROR_KEY
+from pytest_sparse_mla.regimes import error_entry
 from reference import Comparison
 
 
-def record_errors(node, step: Step, comparisons: list[Comparison], label: str = "") -> None:
+def record_errors(node, step: Step, comparisons: list[Comparison], label: str = "", backend: str = "port-fa3") -> None:
     """Attach the measured ratios to the test report (summed up by pytest_sparse_mla.gpus)."""
-    spec = step.scenario.spec
-    entry = {
-        "kv_dtype": spec.kv_dtype,
-        "rope": spec.rope_dim,
-        "heads": spec.num_heads,
-        "layout": step.layout,
-        "label": label,
-        **{
-            f"{c.name}_{k}": getattr(c, k)
-            for c in comparisons
-            for k in ("max_ratio", "mean_ratio", "rel_l2", "max_err")
-        },
-    }
+    entry = error_entry(backend, step.scenario.spec, comparisons, label, layout=step.layout)
     node.user_properties.append((ERROR_KEY, entry))
 
 
