@@ -2,7 +2,9 @@
 ``--dump-failures`` can write it as a fixture when the test fails, whatever the test and
 whatever ``--impl``.
 
-The shared helpers note what they are handed: :func:`harness.pipeline.prepare_step` every step
+A multi-step test notes its sequence instead (:func:`note_sequence`, then
+:func:`note_sequence_step` for each step it runs): a failure is then the sequence of its steps so
+far. The shared helpers note what they are handed: :func:`harness.pipeline.prepare_step` every step
 it prepares, the compare helpers of :mod:`harness.launch` the step they judge and the kernel's
 outputs, :func:`recording.replay.replay` the fixture it judges. The case of a failing test is
 the last one noted. Nothing is kept unless a log is open for the running test
@@ -24,6 +26,7 @@ class CaseLog:
     outputs: dict = field(default_factory=dict)  # version -> (out, lse) of the step, rows as planned
     fixture: object | None = None  # a recording.fixture.Fixture judged by replay()
     crash: dict | None = None  # a step whose stages killed a child process: scenario, layout, stage, detail
+    sequence: dict | None = None  # a multi-step test's sequence so far: harness.sequence.Sequence fields, steps
 
     def note_step(self, step, inputs=None, outputs: dict | None = None) -> None:
         if step is not self.step:
@@ -41,9 +44,16 @@ class CaseLog:
         self.step, self.inputs, self.outputs, self.fixture = None, None, {}, None
         self.crash = {"scenario": scenario, "layout": layout, "stage": stage, "detail": detail}
 
+    def note_sequence(self, kind: str, layout: str, max_rows: int, **options) -> None:
+        self.sequence = {"kind": kind, "layout": layout, "max_rows": max_rows, "steps": [], **options}
+
+    def note_sequence_step(self, scenario) -> None:
+        if self.sequence is not None:
+            self.sequence["steps"].append((scenario.spec, scenario.seed))
+
     @property
     def empty(self) -> bool:
-        return self.step is None and self.fixture is None and self.crash is None
+        return self.step is None and self.fixture is None and self.crash is None and self.sequence is None
 
 
 _ACTIVE: list[CaseLog] = []
@@ -72,6 +82,19 @@ def note_fixture(fixture) -> None:
     """Note a fixture under check (a failing replay dumps the fixture itself)."""
     if _ACTIVE:
         _ACTIVE[-1].note_fixture(fixture)
+
+
+def note_sequence(kind: str, layout: str, max_rows: int, **options) -> None:
+    """A multi-step test starts a sequence (``harness.sequence.Sequence``'s kind, layout, row
+    capacity and options); a failure in it is written as the sequence of its steps so far."""
+    if _ACTIVE:
+        _ACTIVE[-1].note_sequence(kind, layout, max_rows, **options)
+
+
+def note_sequence_step(scenario) -> None:
+    """The open sequence's next step (its spec and seed rebuild it)."""
+    if _ACTIVE:
+        _ACTIVE[-1].note_sequence_step(scenario)
 
 
 def note_crash(scenario, layout: str, stage: str | None, detail: str) -> None:

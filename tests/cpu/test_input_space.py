@@ -18,8 +18,8 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fast.layouts import indices_capacity
 from harness import BatchSpec, Request, build_scenario
+from harness.case_log import note_sequence, note_sequence_step
 from harness.input_space import (
     SPACE,
     classify,
@@ -29,10 +29,10 @@ from harness.input_space import (
     pair_universe,
 )
 from harness.pipeline import describe_rows, prepare_step, selection_mismatches
+from harness.sequence import ReusedBuffers, host_step_problems
 from pytest_sparse_mla.coverage import coverage_lines, record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
-from reference import intended_selection, kv_len_rule, planned_selection, valid_counts
-from reference.invariants import same_multisets
+from reference import kv_len_rule, valid_counts
 from tests import bugs
 
 
@@ -114,6 +114,8 @@ class EvolvingBatch(RuleBasedStateMachine):
     """Requests join (a prefill chunk), decode with drafts accepted or rejected, sit a step out,
     finish; every step is planned into buffers sized once for MAX_ROWS rows and reused."""
 
+    SEQUENCE_KIND = "reused-buffers"  # the state it carries (harness.sequence), as a failure is dumped
+
     def __init__(self):
         super().__init__()
         self.requests: list[list[int]] = []  # [seq_len, q_len, idle]
@@ -125,13 +127,10 @@ class EvolvingBatch(RuleBasedStateMachine):
     def configure(self, kpool, block_size, layout, drafts, async_):
         self.kpool, self.block_size, self.layout, self.drafts, self.async_ = kpool, block_size, layout, drafts, async_
         self.slack = 0
-        width = BatchSpec(requests=(), topk=TOPK_SMALL, kpool=kpool).resolved_width
-        self.width = width
+        self.width = BatchSpec(requests=(), topk=TOPK_SMALL, kpool=kpool).resolved_width
         # The buffers an attention state reserves once; stale contents stay between steps.
-        dev = self.device
-        self.slots = torch.full((MAX_ROWS, width), 12345, dtype=torch.int32, device=dev)
-        self.kv_len = torch.full((MAX_ROWS,), 7, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.full((indices_capacity(MAX_ROWS, width),), 54321, dtype=torch.int32, device=dev)
+        self.buffers = ReusedBuffers(MAX_ROWS, self.width, self.device)
+        note_sequence(self.SEQUENCE_KIND, layout, MAX_ROWS)
 
     def rows(self) -> int:
         return sum(0 if idle else q for _, q, idle in self.requests)
@@ -184,35 +183,9 @@ class EvolvingBatch(RuleBasedStateMachine):
 
 
 def run_step_in_reused_buffers(state, scenario):
-    impl, dev = state.impl, state.device
-    spec, meta = scenario.spec, scenario.meta
-    rows = scenario.topk_indices.shape[0]
-    topk = torch.full((MAX_ROWS, state.width), -1, dtype=torch.int32)
-    topk[:rows] = scenario.topk_indices
-    table = scenario.block_table if scenario.block_table.shape[0] else torch.zeros((1, 1), dtype=torch.int32)
-    topk, table = topk.to(dev), table.to(dev)
-    req = impl.request_ids(meta.query_start_loc_cpu, MAX_ROWS).to(dev)
-    strided = state.layout == "strided"
-    out = state.kv_indices[: MAX_ROWS * state.width].view(MAX_ROWS, state.width) if strided else state.slots
-    impl.convert(topk, table, req, spec.block_size, out=out)
-    lens = impl.kv_lens(meta, topk=spec.topk, kpool=spec.kpool, async_scheduling=spec.async_scheduling)
-    planned = impl.planned_lens(meta, lens, topk=spec.topk).to(torch.int32)
-    n = planned.numel()
-    state.kv_len.zero_()
-    state.kv_len[:n] = planned.to(dev)
-    indptr = impl.kv_indptr(state.layout, planned, MAX_ROWS, state.width)
-    if state.layout != "strided":
-        impl.write_kv_indices(state.layout, out, state.kv_len, indptr.to(dev), state.kv_indices)
-    where = f"step {state.steps} layout={state.layout} {scenario.describe()}"
-    assert torch.equal(lens.to(torch.int64), kv_len_rule(scenario.row_ctx, spec.topk, spec.kpool)), f"kv_len; {where}"
-    b_slots, b_lens = planned_selection(indptr.cpu(), state.kv_indices.cpu(), planned.cpu(), n)
-    a_slots, a_mask = intended_selection(scenario.intended_slots(), n)
-    b_mask = torch.arange(b_slots.shape[1]).unsqueeze(0) < b_lens.unsqueeze(1)
-    same = same_multisets(a_slots, a_mask, b_slots, b_mask)
-    bad = set((~same).nonzero().flatten().tolist())
-    c_rows = {r for r, g in enumerate(scenario.row_regime[:n]) if g == "C"}
-    expected = set() if state.layout == "compacted" else c_rows
-    assert bad == expected, f"rows planned wrong {sorted(bad)} (regime C rows {sorted(c_rows)}); {where}"
+    note_sequence_step(scenario)
+    problems = host_step_problems(state.impl, state.buffers, scenario, state.layout, where=f"step {state.steps}")
+    assert not problems, "\n".join(problems)
 
 
 #: No shrinking: each shrink step re-runs whole sequences through the interpreted convert kernel;

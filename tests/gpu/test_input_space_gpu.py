@@ -12,6 +12,7 @@ import torch
 from hypothesis import Phase, settings
 
 from harness import build_attention_inputs, build_scenario
+from harness.case_log import note_sequence_step
 from harness.cases import input_space_cases
 from harness.input_space import classify
 from harness.launch import (
@@ -89,12 +90,15 @@ class EvolvingBatchOnGPU(EvolvingBatch):
     """The CPU machine's batch, each step planned and run in one FlashInfer attention state
     sized once for MAX_ROWS rows (reused buffers, replans smaller after larger)."""
 
+    SEQUENCE_KIND = "attention-state"
+
     def step_plans_the_intended_slots(self):
         if not hasattr(self, "width"):
             return
         super().step_plans_the_intended_slots()
 
     def check_scenario(self, scenario):
+        note_sequence_step(scenario)
         self.gpu_state = run_on_gpu(self.impl, self.features, scenario, self.layout, self.log,
                                     state=getattr(self, "gpu_state", None), max_rows=MAX_ROWS)
 
