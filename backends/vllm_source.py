@@ -11,14 +11,17 @@ PATH is one of
 
 A wheel is 240-340 MB and a GPU runner may receive only a few tens of MB, so
 ``python3 -m backends.vllm_source slice WHEEL -o DIR`` writes the slice: the modules the SM90
-backend's code under test is read from, FlashMLA's compiled kernels when the wheel has them, and
-the wheel's METADATA (the release's version). ``--vllm=DIR`` then loads from the slice.
+backend's code under test is read from (:data:`MODULE_FILES`), those of the FLASHMLA_SPARSE
+backend and FlashMLA's Python interface (:data:`FLASHMLA_MODULE_FILES`), FlashMLA's compiled
+kernels when the wheel has them (:data:`OPTIONAL_FILES`, left out by ``--modules-only``), and the
+wheel's METADATA (the release's version). ``--vllm=DIR`` then loads from the slice.
 """
 
 from __future__ import annotations
 
 import argparse
 import email.parser
+import hashlib
 import importlib.util
 import os
 import re
@@ -38,9 +41,22 @@ MODULE_FILES = (
     "vllm/model_executor/warmup/jit_warmup_triton_helper.py",
     "vllm/utils/math_utils.py",
 )
+#: vLLM's FLASHMLA_SPARSE backend and the FlashMLA interface it calls, executed as they ship by
+#: the ``flashmla`` backend (``backends.flashmla``); ``backends/utils.py`` lends the backend its
+#: batch-reshaping and prefill-chunking functions (``backends.vllm_shims.release_functions``).
+FLASHMLA_MODULE_FILES = (
+    "vllm/v1/attention/backends/mla/flashmla_sparse.py",
+    "vllm/v1/attention/ops/flashmla.py",
+    "vllm/third_party/flashmla/__init__.py",
+    "vllm/third_party/flashmla/flash_mla_interface.py",
+    "vllm/v1/attention/backends/utils.py",
+)
 #: Compiled kernels a slice carries when the wheel has them (FlashMLA's sparse kernels).
 OPTIONAL_FILES = ("vllm/_flashmla_C.abi3.so", "vllm/_flashmla_extension_C.abi3.so")
-SLICE_FILES = MODULE_FILES + OPTIONAL_FILES
+SLICE_MODULE_FILES = MODULE_FILES + FLASHMLA_MODULE_FILES
+SLICE_FILES = SLICE_MODULE_FILES + OPTIONAL_FILES
+#: The command that writes a slice with FlashMLA's kernels (named where they are missing).
+SLICE_COMMAND = "python -m backends.vllm_source slice WHEEL -o DIR"
 #: The file a slice keeps the release's version in (the wheel's METADATA, unchanged).
 SLICE_METADATA = "vllm-slice.METADATA"
 
@@ -86,6 +102,13 @@ def incompatibility(design: str, flashinfer_version: tuple[int, int, int]) -> st
     return None
 
 
+def missing_flashmla_files(source: VllmSource) -> list[str]:
+    """The files of :data:`FLASHMLA_MODULE_FILES` and :data:`OPTIONAL_FILES` that ``source``
+    lacks (a ``--modules-only`` slice lacks the kernels; a slice written before FlashMLA was
+    sliced lacks its modules too)."""
+    return [f for f in FLASHMLA_MODULE_FILES + OPTIONAL_FILES if not source.path_of(f).is_file()]
+
+
 def _version_from_metadata(text: str) -> str:
     version = email.parser.Parser().parsestr(text).get("Version")
     if not version:
@@ -124,8 +147,9 @@ def _check_modules(root: Path, origin: str) -> None:
 
 
 def write_slice(wheel: str | os.PathLike, out: str | os.PathLike, *, kernels: bool = True) -> list[Path]:
-    """Extract :data:`SLICE_FILES` (the optional ones where present; without ``kernels`` the
-    modules alone) and the METADATA of ``wheel`` into ``out``; return the files written."""
+    """Extract :data:`SLICE_FILES` (FlashMLA's modules and kernels where present; without
+    ``kernels`` the modules alone) and the METADATA of ``wheel`` into ``out``; return the files
+    written."""
     wheel, out = Path(wheel), Path(out)
     try:
         archive = zipfile.ZipFile(wheel)
@@ -138,7 +162,7 @@ def write_slice(wheel: str | os.PathLike, out: str | os.PathLike, *, kernels: bo
         if missing:
             raise VllmSourceError(f"{wheel}: lacks {missing}; a vLLM release without the SM90 sparse backend")
         written = []
-        for name in [n for n in (SLICE_FILES if kernels else MODULE_FILES) if n in names]:
+        for name in [n for n in (SLICE_FILES if kernels else SLICE_MODULE_FILES) if n in names]:
             target = out / name
             target.parent.mkdir(parents=True, exist_ok=True)
             with archive.open(name) as src, open(target, "wb") as dst:
@@ -153,10 +177,16 @@ def _cache_root() -> Path:
     return Path(os.environ.get("SPARSE_MLA_VLLM_CACHE", Path(tempfile.gettempdir()) / "sparse-mla-vllm"))
 
 
+def _slice_contents_key() -> str:
+    """A short digest of :data:`SLICE_FILES`: a cached slice is reused only by code that slices
+    the same files."""
+    return hashlib.sha1("\n".join(SLICE_FILES).encode()).hexdigest()[:8]
+
+
 def _slice_of_wheel(wheel: Path) -> Path:
     """The wheel's slice in the cache, written once; workers racing to write it each write a
     folder of their own and the first rename wins."""
-    key = f"{wheel.name}-{wheel.stat().st_size}"
+    key = f"{wheel.name}-{wheel.stat().st_size}-{_slice_contents_key()}"
     target = _cache_root() / key
     if (target / SLICE_METADATA).is_file():
         return target
@@ -207,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     cut.add_argument("wheel")
     cut.add_argument("-o", "--out", required=True)
     cut.add_argument("--modules-only", action="store_true",
-                     help="leave out FlashMLA's compiled kernels (4 MB): the SM90 FlashInfer backend alone")
+                     help="leave out FlashMLA's compiled kernels (4 MB): the SM90 FlashInfer backend alone "
+                          "(the flashmla backend then refuses to open, naming them)")
     args = parser.parse_args(argv)
     try:
         written = write_slice(args.wheel, args.out, kernels=not args.modules_only)
