@@ -393,6 +393,11 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache: torch.Tensor, dst: torch.Ten
     dst.copy_(upconvert(flat[rows.to(flat.device)]))
 
 
+def cp_gather_and_upconvert_nvfp4_kv_cache(*args, **kwargs) -> None:
+    """vLLM's upconvert of the NVFP4 cache, SM100's only: refused (the suite runs Hopper)."""
+    raise NotImplementedError("stand-in: the nvfp4_ds_mla cache is SM100's; the suite runs FlashMLA on SM90")
+
+
 class StandInAttentionSpec:
     """``AttentionSpec``: a type to test against (the suite hands the builder a namespace with
     the fields it reads, which is no instance of it)."""
@@ -502,7 +507,8 @@ SHIMS_BY_NAME = {s.name: s for s in SHIMS}
 #: The stand-ins only FLASHMLA_SPARSE imports, served while :func:`load_flashmla_module` runs.
 FLASHMLA_SHIMS = (
     Shim("vllm._custom_ops", "two of vLLM's _C kernels, re-created in torch (q concat, fp8 cache upconvert)",
-         {"concat_mla_q": concat_mla_q, "cp_gather_and_upconvert_fp8_kv_cache": cp_gather_and_upconvert_fp8_kv_cache}),
+         {"concat_mla_q": concat_mla_q, "cp_gather_and_upconvert_fp8_kv_cache": cp_gather_and_upconvert_fp8_kv_cache,
+          "cp_gather_and_upconvert_nvfp4_kv_cache": cp_gather_and_upconvert_nvfp4_kv_cache}),
     Shim("vllm.distributed.parallel_state", "one rank, no context parallelism", {"get_dcp_group": lambda: _DcpGroup()}),
     Shim("vllm.utils.platform_utils", "the SM count (an H200's where torch sees no GPU)",
          {"num_compute_units": _num_compute_units}),

@@ -1,0 +1,308 @@
+"""vLLM's FLASHMLA_SPARSE backend of a release (``--vllm``; ``backends.flashmla``) on a machine
+without a GPU.
+
+vLLM's code runs as it ships: its builder, ``forward_mqa`` with its convert kernel (in
+Triton's interpreter), its q concat into the head-padded workspace, its fp8 paths (one mixed
+batch on the decode kernel below 32 heads; decode and prefill kernels apart from 32 heads on,
+the prefill rows' context gathered into a bf16 workspace) and FlashMLA's Python interface.
+FlashMLA's two kernels are the stand-ins of ``tests.flashmla_stand_in``, which attend exactly
+the indices they are handed, so a wrong slot, length or layout shows in the selection, length
+or output check. The GPU tier (``tests/gpu/test_flashmla.py``) runs the cases on FlashMLA.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import shutil
+import sys
+
+import pytest
+import torch
+
+from backends import flashmla as flashmla_backend_module
+from backends.flashmla import FlashMLABackend, FlashMLAUnavailable, KernelRecorder, release_read_gaps
+from backends.vllm_shims import (
+    FLASHMLA_REAL_MODULES,
+    FLASHMLA_SHIMS_BY_NAME,
+    FLASHMLA_SPARSE_MODULE,
+    PLATFORM,
+    SHIMS_BY_NAME,
+    cp_gather_and_upconvert_fp8_kv_cache,
+    gathered_cache_rows,
+    shim_attributes,
+)
+from backends.vllm_source import SLICE_METADATA, SLICE_MODULE_FILES, resolve
+from harness.backend_step import (
+    executed_length_problems,
+    layer_config,
+    output_comparisons,
+    run_step,
+    selection_problems,
+)
+from harness.cases import KernelConfig, context_case, situation_cases
+from reference import flashmla_layout
+from tests import flashmla_cases, flashmla_stand_in
+from tests.flashmla_cases import run_case, run_sequence, scenario_and_inputs, step_params
+
+pytestmark = pytest.mark.vllm
+
+flashmla_source = flashmla_cases.flashmla_source
+BF16 = KernelConfig("bfloat16", True, 16)
+FP8_MIXED = KernelConfig("float8_e4m3fn", True, 16, 0.5)
+FP8_APART = KernelConfig("float8_e4m3fn", True, 64, 0.5)
+#: A batch with decode rows and sparse prefill rows (the fp8 paths differ on it).
+MIXED_CASE = next(c for c in situation_cases(4) if c.name.startswith("decode+prefill-sparse"))
+
+
+@pytest.fixture(scope="module")
+def flashmla_backend(flashmla_source):
+    """The release's FLASHMLA_SPARSE on the stand-in kernels (loaded once per process, on a
+    platform that says SM90 as the engine's would)."""
+    flashmla_stand_in.register(flashmla_source)
+    with pytest.MonkeyPatch.context() as mp:
+        flashmla_stand_in.hopper(mp)
+        return FlashMLABackend(flashmla_source)
+
+
+@pytest.fixture
+def stand_in(flashmla_backend, monkeypatch):
+    flashmla_stand_in.hopper(monkeypatch)
+    flashmla_stand_in.interpreter_bool_masks(monkeypatch)
+    return flashmla_backend
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The kernel calls of each step: (op, heads the kernel ran, rows)."""
+    calls = []
+    for op in ("prefill", "decode"):
+        record = getattr(KernelRecorder, op)
+
+        def spy(self, args, kwargs, result, record=record):
+            record(self, args, kwargs, result)
+            call = self.calls[-1]
+            calls.append((call.op, call.heads, call.lengths.numel()))
+
+        monkeypatch.setattr(KernelRecorder, op, spy)
+    return calls
+
+
+# --- every case ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case, config", step_params())
+def test_kernel_is_handed_each_rows_selection(stand_in, case, config, device, request):
+    """Every row served by the sparse kernel is handed exactly its intended selection (a), its
+    valid count as its length, and its output and LSE are within budget of the oracle."""
+    run_case(stand_in, case, config, device, request)
+
+
+@pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)
+def test_sequence_through_one_layer(stand_in, config, device, request):
+    """Steps through one layer and one cache: each step's rows as above; the fp8 decode kernel
+    builds a fresh tile schedule every step that runs it (vLLM's builder hands a new
+    FlashMLASchedMeta each build)."""
+    layer, outcomes = run_sequence(stand_in, 4, config, device, request)
+    decode_steps = sum(1 for o in outcomes if o.planned_rows)
+    expected = decode_steps if config.kv_dtype == "float8_e4m3fn" else 0
+    assert layer.plans == expected, f"{layer.plans} tile schedules for {decode_steps} steps that ran"
+
+
+# --- which kernel vLLM chooses, and how many heads it hands it -------------------------------
+
+def _run(backend, case, config, device, request):
+    scenario, inputs = scenario_and_inputs(case, config, device)
+    layer = backend.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    return flashmla_cases.check_step(backend, layer, scenario, inputs, request)[0]
+
+
+def test_bf16_cache_runs_the_prefill_kernel_on_every_row(stand_in, kernel_calls, device, request):
+    outcome = _run(stand_in, MIXED_CASE, BF16, device, request)
+    assert {op for op, _, _ in kernel_calls} == {"sparse_prefill_fwd"}
+    assert sum(rows for _, _, rows in kernel_calls) == outcome.planned_rows
+
+
+def test_fp8_cache_below_32_heads_runs_one_mixed_batch_on_the_decode_kernel(stand_in, kernel_calls, device, request):
+    outcome = _run(stand_in, MIXED_CASE, FP8_MIXED, device, request)
+    assert kernel_calls == [("sparse_decode_fwd", 64, outcome.planned_rows)], kernel_calls
+
+
+def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(stand_in, kernel_calls, device, request):
+    """Decode rows on the decode kernel, prefill rows on the prefill kernel over the upconverted
+    workspace (whose indices the recorder maps back to cache slots for the selection check)."""
+    outcome = _run(stand_in, MIXED_CASE, FP8_APART, device, request)
+    decodes = MIXED_CASE.spec.requests[0].q_len + MIXED_CASE.spec.requests[1].q_len
+    assert kernel_calls[0] == ("sparse_decode_fwd", 64, decodes), kernel_calls
+    assert {op for op, _, _ in kernel_calls[1:]} == {"sparse_prefill_fwd"}
+    assert sum(rows for _, _, rows in kernel_calls) == outcome.planned_rows
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_kernels_see_the_head_count_vllm_pads_to(stand_in, kernel_calls, heads, kv_dtype, device, request):
+    """Each kernel call runs a head count FlashMLA's SM90 kernels take, no fewer than the layer's,
+    and the one ``backends.flashmla.kernel_heads`` says (the rule ``unsupported`` judges by)."""
+    config = KernelConfig(kv_dtype, True, heads, 0.5 if kv_dtype == "float8_e4m3fn" else 1.0)
+    _run(stand_in, MIXED_CASE, config, device, request)
+    seen = {h for _, h, _ in kernel_calls}
+    expected = set(flashmla_backend_module.kernel_heads(stand_in.module, layer_config(config.apply(
+        MIXED_CASE.spec), 1)))
+    assert seen <= set(flashmla_backend_module.SM90_KERNEL_HEADS) and min(seen) >= heads, seen
+    assert seen == expected, f"kernels ran {sorted(seen)} heads, kernel_heads says {sorted(expected)}"
+
+
+# --- the checks catch what the plumbing could get wrong -----------------------------------
+
+def _convert_wrapped(monkeypatch, module, change):
+    convert = module.triton_convert_req_index_to_global_index
+
+    def wrapped(*args, **kwargs):
+        return change(convert(*args, **kwargs))
+
+    monkeypatch.setattr(module, "triton_convert_req_index_to_global_index", wrapped)
+
+
+def test_a_slot_lost_in_conversion_fails_the_selection_check(stand_in, device, monkeypatch):
+    def drop_first_slot_of_row0(result):
+        slots, counts = result
+        slots[0, 0] = -1
+        return slots, counts
+
+    _convert_wrapped(monkeypatch, stand_in.module, drop_first_slot_of_row0)
+    scenario, inputs = scenario_and_inputs(MIXED_CASE, BF16, device)
+    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    outcome = run_step(layer, scenario, inputs)
+    problems = selection_problems(outcome, scenario)
+    assert problems and problems[0].startswith("row 0 ") and "regime" in problems[0], problems
+
+
+def test_a_topk_length_one_short_fails_the_length_check(stand_in, device, monkeypatch):
+    _convert_wrapped(monkeypatch, stand_in.module, lambda result: (result[0], result[1] - 1))
+    scenario, inputs = scenario_and_inputs(MIXED_CASE, BF16, device)
+    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    problems = executed_length_problems(run_step(layer, scenario, inputs), scenario)
+    assert len(problems) == scenario.planned_rows and all("is cut short" in p for p in problems), problems[:3]
+
+
+def test_a_wrong_tile_scale_fails_the_output_check(stand_in, device, monkeypatch):
+    """The fp8 cache packed with twice the k_scale: slots and lengths stay right, the output
+    and LSE move beyond the budget."""
+    def doubled_scale(cache, k_scale):
+        return flashmla_layout.pack(cache, 2 * k_scale)
+
+    monkeypatch.setattr(flashmla_backend_module, "pack", doubled_scale)
+    scenario, inputs = scenario_and_inputs(context_case(3000, 4), FP8_MIXED, device)
+    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    outcome = run_step(layer, scenario, inputs)
+    assert not selection_problems(outcome, scenario) and not executed_length_problems(outcome, scenario)
+    comparisons = output_comparisons(outcome, scenario, inputs, kernel=stand_in.kernel)
+    assert [c.name for c in comparisons if not c.ok] == ["out", "lse"], [c.summary() for c in comparisons]
+
+
+# --- the stand-ins -------------------------------------------------------------------------
+
+def test_upconvert_gathers_each_prefills_tokens_at_its_workspace_start():
+    gen = torch.Generator().manual_seed(11)
+    cache = (torch.randn(6, 4, 576, generator=gen) * 2).to(torch.float8_e4m3fn)
+    packed = flashmla_layout.pack(cache, 0.5)
+    block_table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    starts = torch.tensor([0, 6], dtype=torch.int32)
+    dst = torch.empty(6 + 5, 576, dtype=torch.bfloat16)
+    cp_gather_and_upconvert_fp8_kv_cache(packed, dst, block_table, starts, 2)
+    slots = [4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1,  # request 0: 6 tokens
+             2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0]  # request 1: 5 tokens
+    assert gathered_cache_rows(block_table, starts, 2, 11, 4, 4).tolist() == slots
+    assert torch.equal(dst, (cache.view(-1, 576)[slots].float() * 0.5).to(torch.bfloat16))
+
+
+def test_stand_in_prefill_reads_only_the_entries_it_is_handed(flashmla_backend):
+    """A NaN slot at an index past ``topk_length``, at -1 or at ``s_kv`` and beyond is not read;
+    the same slot within ``topk_length`` is."""
+    gen = torch.Generator().manual_seed(12)
+    s_kv, heads = 8, 16
+    memory = torch.randn(s_kv + 8, 1, 576, generator=gen).to(torch.bfloat16)
+    memory[5] = float("nan")
+    memory[s_kv:] = float("nan")  # past the KV the kernel is handed
+    kv = memory[:s_kv]
+    q = torch.randn(2, heads, 576, generator=gen).to(torch.bfloat16)
+    indices = torch.tensor([[[0, 1, 2, 5]], [[3, -1, s_kv, s_kv + 7]]], dtype=torch.int32)
+    ops = torch.ops._flashmla_C
+    out, _, lse = ops.sparse_prefill_fwd(q, kv, indices, 0.1, 512, None, torch.tensor([3, 4], dtype=torch.int32),
+                                         None)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    out, _, _ = ops.sparse_prefill_fwd(q, kv, indices, 0.1, 512, None, None, None)
+    assert bool(out[0].isnan().all()) and bool(torch.isfinite(out[1]).all())
+
+
+# --- what the backend reads from the release ---------------------------------------------------
+
+def test_every_name_the_backend_reads_is_in_the_release(flashmla_source):
+    """Read statically from the release's files and its ``_flashmla_C`` library, so a release
+    that renames what ``backends.flashmla`` reads fails here by name."""
+    gaps = release_read_gaps(flashmla_source)
+    assert not gaps, f"vLLM {flashmla_source.version} lacks what backends.flashmla reads:\n" + "\n".join(gaps)
+
+
+def _names_read(path) -> set[tuple[str, str]]:
+    """(module, name) of every ``from vllm.X import name`` in ``path``, every ``ops.NAME``
+    where ``ops`` is ``vllm._custom_ops``, and every ``current_platform.NAME``."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in SHIMS_BY_NAME or full in FLASHMLA_SHIMS_BY_NAME:
+                    aliases[alias.asname or alias.name] = full
+                else:
+                    found.add((node.module, alias.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            found.add((aliases[node.value.id], node.attr))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "current_platform":
+            found.add(("current_platform", node.attr))
+    return found
+
+
+def test_every_name_flashmla_sparse_reads_from_a_stand_in_is_there(flashmla_source):
+    """Read statically from the release's FLASHMLA_SPARSE modules: each name they import from a
+    stand-in module, each ``ops.NAME`` of vLLM's ``_custom_ops`` and each platform method."""
+    missing = []
+    for module_name, relative in FLASHMLA_REAL_MODULES.items():
+        for where, name in sorted(_names_read(flashmla_source.path_of(relative))):
+            if where == "current_platform":
+                if not hasattr(PLATFORM, name):
+                    missing.append(f"{module_name} reads current_platform.{name}")
+                continue
+            shim = SHIMS_BY_NAME.get(where) or FLASHMLA_SHIMS_BY_NAME.get(where)
+            if shim is not None and name not in shim_attributes(shim, flashmla_source):
+                missing.append(f"{module_name} reads {where}.{name}")
+    assert not missing, f"vLLM {flashmla_source.version} needs what the stand-ins lack:\n" + "\n".join(missing)
+
+
+def test_flashmla_stand_ins_are_gone_after_loading(flashmla_backend):
+    """FLASHMLA_SPARSE's stand-ins served its import only: the SM90 backend's imports of them
+    still meet a ShimGap."""
+    assert not [n for n in FLASHMLA_SHIMS_BY_NAME if n in sys.modules]
+    assert FLASHMLA_SPARSE_MODULE in sys.modules
+
+
+def test_a_modules_only_slice_is_refused_naming_the_kernels_and_the_slice_command(flashmla_source, tmp_path):
+    for relative in SLICE_MODULE_FILES + (SLICE_METADATA,):
+        if flashmla_source.path_of(relative).is_file():
+            (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(flashmla_source.path_of(relative), tmp_path / relative)
+    source = resolve(str(tmp_path))
+    with pytest.raises(FlashMLAUnavailable, match=r"_flashmla_C\.abi3\.so.*slice WHEEL -o DIR"):
+        FlashMLABackend(source)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(num_heads=256), "256 heads reach FlashMLA's SM90 kernels as"),
+    (dict(block_size=16), "kernel block sizes"),
+])
+def test_unsupported_names_why(flashmla_backend, change, reason):
+    config = dataclasses.replace(layer_config(BF16.apply(MIXED_CASE.spec), 8), **change)
+    assert reason in (flashmla_backend.unsupported(config) or "")
+    assert flashmla_backend.unsupported(layer_config(BF16.apply(MIXED_CASE.spec), 8)) is None
