@@ -161,9 +161,12 @@ def why_of(failing_step: int, steps: int, after: int, dropped: int, runs: int, c
             f"because it still failed without each ({tried}); each step's rows are kept whole")
 
 
-def write_failing_sequence(directory, name: str, note: dict, impl, device, features=None, **meta) -> Path | None:
-    """Shrink the noted sequence over its steps on ``impl`` and write it; None where it does not
-    fail when run again (a failure the sequence alone does not carry)."""
+def write_failing_sequence(directory, name: str, note: dict, implementation, device, features=None,
+                           **meta) -> Path | None:
+    """Shrink the noted sequence over its steps on ``implementation`` (the object under test;
+    ``meta``'s ``impl`` is its spec) and write it; None where it does not fail when run again (a
+    failure the sequence alone does not carry)."""
+    impl = implementation
     from harness.sequence import first_failure, run_sequence, shrink_sequence
 
     sequence = sequence_of_note(note)

@@ -291,3 +291,36 @@ class RequestIdsSkipEmptyRequests(FastImpl):
         out = torch.zeros(num_rows, dtype=torch.int32, device=qsl.device)
         out[: ids.numel()] = ids.to(torch.int32)
         return out
+
+
+class PackedRewritesOnlyChangedRows(FastImpl):
+    """docs/findings.md#packed-rows-rewritten-only-when-their-span-changes:
+    an incremental packed layout: into a kv_indices buffer it wrote before, it rewrites only the
+    rows whose span (offset, length) changed since, as if a row's slots changed only with its
+    length. A row past topk keeps its length from one decode step to the next while its
+    selection moves, so the kernel reads the previous step's slots there. One step on fresh
+    buffers is right: only a sequence that carries the buffers shows it."""
+
+    name = "sequence-packed-rewrites-only-changed-rows"
+
+    def __init__(self):
+        self._written: dict[int, tuple] = {}  # id of a live kv_indices buffer -> (indptr, lens) last written
+
+    def write_kv_indices(self, layout, slots, lens, indptr, out):
+        import weakref
+
+        last = self._written.get(id(out))
+        if last is None:  # forget the buffer when it is freed (its id may be reused)
+            weakref.finalize(out, self._written.pop, id(out), None)
+        fresh = out.clone()
+        super().write_kv_indices(layout, slots, lens, indptr, fresh)
+        if layout != "packed" or last is None:
+            out.copy_(fresh)
+        else:
+            old_indptr, old_lens = last
+            rows = lens.numel()
+            changed = (lens != old_lens) | (indptr[:rows] != old_indptr[:rows])
+            for r in changed.nonzero().flatten().tolist():
+                start, length = int(indptr[r]), int(lens[r])
+                out[start : start + length] = fresh[start : start + length]
+        self._written[id(out)] = (indptr.clone(), lens.clone())

@@ -67,6 +67,13 @@ BUG_CASES = [
     ),
     ("convert-block-column-out-of-range", "ConvertWithoutTableBound", CONVERT, "", r"FAILED \S*test_convert\.py::"),
     (
+        "packed-rows-rewritten-only-when-their-span-changes",
+        "PackedRewritesOnlyChangedRows",
+        "tests/cpu/test_sequences.py",
+        "test_decode_steps_through_reused_buffers",
+        r"rows planned wrong \[\d+",
+    ),
+    (
         "convert-request-id-rows-mismatch",
         "ConvertAcceptsMismatchedReqIds",
         CONVERT,

@@ -1,0 +1,139 @@
+"""A failure that needs several steps, handed on: a multi-step test under ``--dump-failures``
+writes the sequence of its steps (``harness.sequence``, ``recording.sequence``), shrunk over
+steps; ``--replay`` runs the sequence again with the state carried and fails where the bug is,
+passes without it. The sequence file is checked field by field when it is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from fast.impl import FastImpl
+from harness import batch
+from harness.case_log import note_sequence, note_sequence_step
+from harness.sequence import (
+    ReusedBuffers,
+    Sequence,
+    first_failure,
+    host_step_problems,
+    run_host_sequence,
+    shrink_sequence,
+)
+from recording.fixture import FixtureError
+from recording.sequence import load_sequence, save_sequence, sequence_problem, sequence_recipe
+from tests.bugs import PackedRewritesOnlyChangedRows
+
+ROOT = Path(__file__).resolve().parents[2]
+BUG = "--impl=tests.bugs:PackedRewritesOnlyChangedRows"
+
+
+def run_pytest(pytester, *args: str):
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "--rootdir", str(ROOT), *args)
+
+
+def decode_steps(count: int) -> Sequence:
+    """Two requests past topk decoding: their rows keep their length while their slots move."""
+    specs = [batch((300 + t, 1), (700 + t, 1), (40 + t, 1), topk=128) for t in range(count)]
+    return Sequence("reused-buffers", "packed", tuple((s, i) for i, s in enumerate(specs)), max_rows=8)
+
+
+def test_decode_steps_through_reused_buffers(impl, device):
+    """Rows before and past topk decoding for four steps through buffers sized once and never
+    cleared, every layout: each step plans each row's intended slots (a sequence test: under
+    --dump-failures a failure is written as its steps)."""
+    for layout in ("strided", "packed", "compacted"):
+        sequence = dataclasses.replace(decode_steps(4), layout=layout)
+        note_sequence(sequence.kind, layout, sequence.max_rows)
+        buffers = ReusedBuffers(sequence.max_rows, sequence.width, device)
+        for i, scenario in enumerate(sequence.scenarios()):
+            note_sequence_step(scenario)
+            problems = host_step_problems(impl, buffers, scenario, layout, where=f"step {i}")
+            assert not problems, "\n".join(problems)
+
+
+def test_the_sequence_bug_shows_only_with_carried_buffers(device):
+    """Each step alone is right; carried from the step before, the rows past topk read the
+    previous step's slots."""
+    sequence = decode_steps(3)
+    assert first_failure(run_host_sequence(FastImpl(), sequence, device)) is None
+    failing = first_failure(run_host_sequence(PackedRewritesOnlyChangedRows(), sequence, device))
+    assert failing is not None and failing.index == 1, failing
+    assert "rows planned wrong [0, 1]" in failing.problems[0], failing.problems
+    for i in range(3):
+        alone = Sequence("reused-buffers", "packed", sequence.steps[i:i + 1], max_rows=8)
+        assert first_failure(run_host_sequence(PackedRewritesOnlyChangedRows(), alone, device)) is None
+
+
+def test_shrink_drops_the_steps_the_failure_does_not_need(device):
+    sequence = decode_steps(4)
+    # The failure needs the step before the last one only.
+    last_two = sequence.steps[-2:]
+
+    def fails(candidate):
+        return first_failure(run_host_sequence(PackedRewritesOnlyChangedRows(), candidate, device)) is not None
+
+    small, runs = shrink_sequence(sequence, fails)
+    assert len(small.steps) == 2 and runs >= 2, (small.steps, runs)
+    assert small.steps[-1] == last_two[-1]
+
+
+def _saved(tmp_path, **changes) -> Path:
+    recipe = sequence_recipe(decode_steps(2), name="s", failing_step=1, why="w")
+    recipe.update(changes)
+    return save_sequence(tmp_path / "s.sequence.json", recipe)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"max_rows": 0}, r"sequence field 'max_rows' is int 0, expected an int >= 1"),
+    ({"kind": "graph"}, r"sequence field 'kind' is str \"graph\", expected one of"),
+    ({"failing_step": 5}, r"sequence field 'failing_step' is 5, expected a step of the sequence \(0 to 1\)"),
+    ({"steps": []}, r"sequence field 'steps' is not a non-empty list"),
+    ({"surprise": 1}, r"sequence field 'surprise' is not a sequence field"),
+])
+def test_a_bad_field_is_a_fixture_error_naming_it(tmp_path, changes, message):
+    with pytest.raises(FixtureError, match=message):
+        load_sequence(_saved(tmp_path, **changes))
+
+
+def test_a_bad_step_and_an_edited_file_are_fixture_errors(tmp_path):
+    recipe = json.loads(json.dumps(sequence_recipe(decode_steps(2), name="s", failing_step=1, why="w")))
+    recipe["steps"][1]["spec"]["block_size"] = 0
+    recipe["digest"] = "0" * 64
+    assert re.search(r"'steps\[1\]': recipe field 'spec.block_size' is int 0", sequence_problem(recipe))
+    path = _saved(tmp_path)
+    data = json.loads(path.read_text())
+    data["steps"][0]["seed"] = 9
+    path.write_text(json.dumps(data))
+    with pytest.raises(FixtureError, match="content digest"):
+        load_sequence(path)
+    data = sequence_recipe(decode_steps(2), name="s", failing_step=1, why="w")
+    data["steps"][0]["seed"] = 9  # another scenario than its digest names
+    with pytest.raises(FixtureError, match="step 0 no longer rebuilds its scenario"):
+        load_sequence(save_sequence(tmp_path / "t.sequence.json", data))
+
+
+@pytest.mark.suite_self_test
+def test_cpu_journey_a_sequence_bug_dumps_replays_red_and_green_when_fixed(pytester, tmp_path):
+    """The sequence test fails under the bug and writes one sequence file; its replay under the
+    bug fails at the same step, and passes on the project's own implementation."""
+    dump = tmp_path / "dumps"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_sequences.py"), BUG, "-k",
+                        "test_decode_steps_through_reused_buffers", f"--dump-failures={dump}")
+    output = "\n".join(result.outlines + result.errlines)
+    assert result.ret == 1, output[-3000:]
+    written = sorted(dump.glob("*.sequence.json"))
+    assert len(written) == 1 and not list(dump.glob("*.safetensors")), output[-3000:]
+    replay_line = next(line for line in result.outlines if line.startswith("replay: "))
+    assert replay_line == f"replay: pytest --replay={written[0]} --impl tests.bugs:PackedRewritesOnlyChangedRows"
+    recipe = json.loads(written[0].read_text())
+    assert recipe["impl"] == "tests.bugs:PackedRewritesOnlyChangedRows" and recipe["kind"] == "reused-buffers"
+    assert len(recipe["steps"]) >= 2 and "carried from step to step" in recipe["why"]
+    red = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), f"--replay={written[0]}", BUG)
+    red_text = "\n".join(red.outlines)
+    assert red.ret == 1 and f"step {recipe['failing_step']} of the sequence fails" in red_text, red_text[-3000:]
+    green = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), f"--replay={written[0]}")
+    assert green.ret == 0, "\n".join(green.outlines)[-3000:]
