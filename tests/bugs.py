@@ -293,6 +293,35 @@ class RequestIdsSkipEmptyRequests(FastImpl):
         return out
 
 
+class StaleLengthsPastTheRowCount(FastImpl):
+    """docs/findings.md#stale-lengths-after-a-smaller-replan:
+    an attention state whose plan writes the lengths of the current rows over the last plan's
+    without zeroing the rest, so after a smaller replan the rows past the current count keep the
+    larger step's lengths (what the plan hands FlashInfer for padded rows). One step on a fresh
+    state is right: only a state carried from a larger step shows it (GPU only)."""
+
+    name = "sequence-stale-lengths-past-the-row-count"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from fast.sm90 import SM90AttentionState
+
+        class State(SM90AttentionState):
+            def plan(self, num_rows, lens):
+                kept, plan = self._kv_len_host.clone(), self.wrapper.plan
+
+                def plan_with_stale_lengths(**kwargs):
+                    kwargs["kv_len_arr"][num_rows:] = kept[num_rows:]
+                    return plan(**kwargs)
+
+                self.wrapper.plan = plan_with_stale_lengths
+                try:
+                    super().plan(num_rows, lens)
+                finally:
+                    self.wrapper.plan = plan
+
+        return State(self, config, device, **kwargs)
+
+
 class PackedRewritesOnlyChangedRows(FastImpl):
     """docs/findings.md#packed-rows-rewritten-only-when-their-span-changes:
     an incremental packed layout: into a kv_indices buffer it wrote before, it rewrites only the

@@ -137,3 +137,34 @@ def test_cpu_journey_a_sequence_bug_dumps_replays_red_and_green_when_fixed(pytes
     assert red.ret == 1 and f"step {recipe['failing_step']} of the sequence fails" in red_text, red_text[-3000:]
     green = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), f"--replay={written[0]}")
     assert green.ret == 0, "\n".join(green.outlines)[-3000:]
+
+
+@pytest.mark.gpu_stand_in
+@pytest.mark.suite_self_test
+def test_gpu_journey_a_stateful_bug_dumps_a_sequence_that_replays_red_and_green_on_a_simulated_machine(
+    pytester, monkeypatch, tmp_path
+):
+    """An attention state that keeps stale lengths after a smaller replan fails the stale-slots
+    family; its dump is the sequence of steps through one attention state, which replays red
+    under the bug and green on the project's own path (on a simulated SM90 machine: FlashInfer's
+    wrapper replaced by the reference)."""
+    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+
+    dump = tmp_path / "dumps"
+    bug = "--impl=tests.bugs:StaleLengthsPastTheRowCount"
+    result = run_gpu_family(pytester, monkeypatch, "tests/gpu/test_edges.py",
+                            "test_previous_steps_slots_change_nothing and packed-short", bug,
+                            f"--dump-failures={dump}", simulated=True)
+    output = "\n".join(result.outlines + result.errlines)
+    assert result.ret == 1, output[-3000:]
+    written = sorted(dump.glob("*.sequence.json"))
+    assert len(written) == 1, (sorted(p.name for p in dump.iterdir()) if dump.exists() else [], output[-3000:])
+    recipe = json.loads(written[0].read_text())
+    assert recipe["kind"] == "attention-state" and recipe["reuse_plan"] and len(recipe["steps"]) >= 2, recipe
+    red = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={written[0]}", bug,
+                         simulated=True)
+    red_text = "\n".join(red.outlines + red.errlines)
+    assert red.ret == 1 and "stale kv_len past row" in red_text, red_text[-3000:]
+    green = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={written[0]}",
+                           simulated=True)
+    assert green.ret == 0, "\n".join(green.outlines + green.errlines)[-3000:]

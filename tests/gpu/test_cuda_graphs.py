@@ -17,6 +17,7 @@ import torch
 from fast.flashinfer_compat import fa3_mla_cluster_size
 from fast.sm90 import PlanDuringCaptureError
 from harness import build_attention_inputs, build_scenario
+from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import covering_config, graph_replay_sequence
 from harness.findings import STALE_CLUSTER_FINDING
 from harness.launch import (
@@ -86,11 +87,13 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
     sync()
 
     order = [0, 1, 2, 1, 3, 2]  # max, smaller, larger, smaller again, empty, after empty
+    note_sequence("attention-state", layout, static.max_rows, graph=True)
     heads = config.num_heads
     captured_cluster = fa3_mla_cluster_size(first.num_planned, heads, static.max_rows)
     stale = []
     for position, index in enumerate(order):
         scenario, step = scenarios[index], steps[index]
+        note_sequence_step(scenario)
         ctx = f"replay {position} ({cases[index].name}); {failure_context(step, features.version)}"
         n = step.num_planned
         static.load(scenario, inputs[index])

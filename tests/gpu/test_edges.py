@@ -29,6 +29,7 @@ import torch
 
 from fast.layouts import LAYOUTS
 from harness import batch, build_attention_inputs, build_scenario
+from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import LONG_CTX, Case, covering_config
 from harness.findings import SCORE_PRECISION_FINDING, ScorePrecisionAt2To15
 from harness.launch import (
@@ -378,8 +379,10 @@ def test_previous_steps_slots_change_nothing(gpu, layout, kind, config):
     # Plans are kept where rows and lens repeat (AttentionConfig.reuse_plan), as an engine may.
     base = attention_config(scenarios[0], layout, max_rows)
     reused = impl.make_attention_state(dataclasses.replace(base, reuse_plan=True), DEVICE)
+    note_sequence("attention-state", layout, max_rows, reuse_plan=True)
 
     for index, (case, scenario, step) in enumerate(zip(cases, scenarios, steps, strict=True)):
+        note_sequence_step(scenario)
         n = step.num_planned
         after = f" after {cases[index - 1].name}" if index else ""
         ctx = f"edge stale-slots, step {index} ({case.name}{after}); {failure_context(step, features.version)}"
