@@ -16,12 +16,20 @@ import pytest
 from .keys import GROUP
 
 INPUT_SPACE_KEY = "sparse_mla_input_space"  # the classes of each case a test checked
+TRANSITION_KEY = "sparse_mla_transitions"  # the transitions between steps a stateful test checked
 _pending: list[tuple[tuple[str, str], ...]] = []
+_pending_transitions: set[str] = set()
 
 
 def record_input(assignment: dict) -> None:
     """Note that the running test checked a case of these classes (dimension -> class)."""
     _pending.append(tuple(sorted(assignment.items())))
+
+
+def record_transitions(names) -> None:
+    """Note that the running test checked steps reached by these transitions
+    (``harness.transitions``)."""
+    _pending_transitions.update(names)
 
 
 def pytest_addoption(parser):
@@ -36,17 +44,23 @@ def pytest_runtest_makereport(item, call):
     if _pending:
         item.user_properties.append((INPUT_SPACE_KEY, sorted(set(_pending))))
         _pending.clear()
+    if _pending_transitions:
+        item.user_properties.append((TRANSITION_KEY, sorted(_pending_transitions)))
+        _pending_transitions.clear()
     yield
 
 
 class _Collector:
     def __init__(self):
         self.cases: set = set()
+        self.transitions: set[str] = set()
 
     def pytest_runtest_logreport(self, report):
         for key, value in report.user_properties:
             if key == INPUT_SPACE_KEY:
                 self.cases.update(tuple(tuple(item) for item in case) for case in value)
+            elif key == TRANSITION_KEY:
+                self.transitions.update(value)
 
 
 def pytest_configure(config):
@@ -81,8 +95,19 @@ def coverage_lines(cases, full: bool) -> list[str]:
     return lines
 
 
+def transition_line(reached) -> str:
+    """How many of the transitions between steps the run's stateful tests checked, and which not."""
+    from harness.transitions import TRANSITIONS
+
+    missed = [name for name in TRANSITIONS if name not in reached]
+    return (f"transitions between steps: {len(TRANSITIONS) - len(missed)}/{len(TRANSITIONS)} checked"
+            + (f" (not reached: {', '.join(missed)})" if missed else ""))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     collector = config.pluginmanager.get_plugin("sparse_mla_input_coverage")
+    if collector is not None and collector.transitions:
+        terminalreporter.write_line(transition_line(collector.transitions))
     if collector is None or not collector.cases:
         return
     full = config.getoption("--input-coverage")

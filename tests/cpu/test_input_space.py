@@ -30,7 +30,8 @@ from harness.input_space import (
 )
 from harness.pipeline import describe_rows, prepare_step, selection_mismatches
 from harness.sequence import ReusedBuffers, host_step_problems
-from pytest_sparse_mla.coverage import coverage_lines, record_input
+from harness.transitions import TRANSITIONS, step_transitions
+from pytest_sparse_mla.coverage import coverage_lines, record_input, record_transitions
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from reference import kv_len_rule, valid_counts
 from tests import bugs
@@ -111,21 +112,30 @@ TOPK_SMALL = 128
 
 
 class EvolvingBatch(RuleBasedStateMachine):
-    """Requests join (a prefill chunk), decode with drafts accepted or rejected, sit a step out,
-    finish; every step is planned into buffers sized once for MAX_ROWS rows and reused."""
+    """Requests join (a prefill chunk), decode with drafts accepted or rejected (each request's
+    draft count trimmed on its own, or no drafts at all), sit a step out, finish; each request's
+    context comes from the source the machine draws (the host bound, the positions, seq_lens);
+    steps may be padded up to the largest batch seen (a CUDA graph captured for it). Every step is
+    planned into buffers sized once for MAX_ROWS rows and reused; the transitions between
+    consecutive steps are recorded (harness.transitions)."""
 
     SEQUENCE_KIND = "reused-buffers"  # the state it carries (harness.sequence), as a failure is dumped
 
     def __init__(self):
         super().__init__()
-        self.requests: list[list[int]] = []  # [seq_len, q_len, idle]
+        self.requests: list[list] = []  # [seq_len, q_len, idle, drafts]
         self.steps = 0
+        self.previous = None  # the last step's spec
+        self.largest = 0  # the most rows of any step so far
+        self.prefills_turned = 0  # prefill requests of the last step that decode in the next
 
     @initialize(kpool=st.sampled_from((1, 4)), block_size=st.sampled_from((64, 192, 128)),
                 layout=st.sampled_from(("strided", "packed", "compacted")), drafts=st.integers(0, 3),
-                async_=st.booleans())
-    def configure(self, kpool, block_size, layout, drafts, async_):
+                async_=st.booleans(), source=st.sampled_from(("host-bound", "positions", "seq-lens")),
+                graph_padding=st.booleans())
+    def configure(self, kpool, block_size, layout, drafts, async_, source, graph_padding):
         self.kpool, self.block_size, self.layout, self.drafts, self.async_ = kpool, block_size, layout, drafts, async_
+        self.source, self.graph_padding = source, graph_padding
         self.slack = 0
         self.width = BatchSpec(requests=(), topk=TOPK_SMALL, kpool=kpool).resolved_width
         # The buffers an attention state reserves once; stale contents stay between steps.
@@ -133,13 +143,13 @@ class EvolvingBatch(RuleBasedStateMachine):
         note_sequence(self.SEQUENCE_KIND, layout, MAX_ROWS)
 
     def rows(self) -> int:
-        return sum(0 if idle else q for _, q, idle in self.requests)
+        return sum(0 if r[2] else r[1] for r in self.requests)
 
     @precondition(lambda self: self.rows() + 16 <= MAX_ROWS - 4)
     @rule(ctx=st.sampled_from((5, TOPK_SMALL - 1, TOPK_SMALL + 1, TOPK_SMALL + 3, 3 * TOPK_SMALL + 2, 700)),
           chunk=st.integers(2, 16))
     def join(self, ctx, chunk):
-        self.requests.append([max(ctx, chunk), chunk, False])
+        self.requests.append([max(ctx, chunk), chunk, False, self.drafts])
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -151,32 +161,82 @@ class EvolvingBatch(RuleBasedStateMachine):
     def sit_out(self, data):
         self.requests[data.draw(st.integers(0, len(self.requests) - 1))][2] = True
 
+    @precondition(lambda self: any(r[3] for r in self.requests))
+    @rule(data=st.data())
+    def trim_drafts(self, data):
+        """One request drafts fewer tokens next (an n-gram drafter's miss, or max_model_len near)."""
+        r = self.requests[data.draw(st.integers(0, len(self.requests) - 1))]
+        r[3] = data.draw(st.integers(0, r[3]))
+        if r[1] <= self.drafts + 1:  # a decode: its next step verifies that many drafts
+            r[1] = r[3] + 1
+
+    @precondition(lambda self: any(r[3] for r in self.requests))
+    @rule()
+    def stop_drafting(self):
+        """No request drafts next step (after rejected drafts, say)."""
+        for r in self.requests:
+            r[3] = 0
+            if r[1] <= self.drafts + 1:
+                r[1] = 1
+
+    @precondition(lambda self: self.async_ and self.source == "host-bound"
+                  and any(r[3] and not r[2] and r[1] <= self.drafts + 1 for r in self.requests))
+    @rule()
+    def reject_every_draft_then_stop_drafting(self):
+        """The step ran with every draft rejected under async scheduling (the next host bound
+        over-counts by them) and the drafter proposes none for the next step."""
+        threshold = self.drafts + 1
+        self.slack = max(r[3] for r in self.requests if not r[2] and r[1] <= threshold)
+        for r in self.requests:
+            if not r[2]:
+                r[0] += 1 if r[1] <= threshold else r[3] + 1
+            r[1], r[2], r[3] = 1, False, 0
+
     @precondition(lambda self: self.rows() + len(self.requests) * 4 <= MAX_ROWS - 4)
     @rule(accepted=st.integers(0, 3))
     def advance(self, accepted):
         """The step ran: decodes gain their accepted drafts plus one token, prefill chunks
         become decodes; the rejected drafts make the next host bound optimistic."""
-        accepted = min(accepted, self.drafts)
+        threshold = self.drafts + 1
+        self.prefills_turned = sum(1 for r in self.requests if not r[2] and r[1] > threshold)
+        rejected = 0
         for r in self.requests:
+            took = min(accepted, r[3])
             if not r[2]:
-                r[0] += (accepted + 1) if r[1] <= self.drafts + 1 else self.drafts + 1
-            r[1], r[2] = self.drafts + 1, False
-        self.slack = (self.drafts - accepted) if self.async_ else 0
+                r[0] += (took + 1) if r[1] <= threshold else r[3] + 1
+                rejected = max(rejected, r[3] - took) if r[1] <= threshold else rejected
+            r[1], r[2] = r[3] + 1, False
+        self.slack = rejected if self.async_ and self.source == "host-bound" else 0
+
+    def step_spec(self) -> BatchSpec:
+        threshold = self.drafts + 1
+        live = [Request(s, 0 if idle else q) for s, q, idle, _ in self.requests]
+        order = sorted(range(len(live)), key=lambda i: (live[i].q_len > threshold, i))  # decodes first
+        rows = sum(r.q_len for r in live)
+        padded = max(0, self.largest - rows) if self.graph_padding else 0
+        return BatchSpec(requests=tuple(live[i] for i in order), topk=TOPK_SMALL, kpool=self.kpool,
+                         block_size=self.block_size, decode_threshold=threshold, async_scheduling=self.async_,
+                         host_bound_slack=self.slack, padded_rows=padded,
+                         with_host_bound=self.source == "host-bound", with_positions=self.source != "seq-lens")
 
     @invariant()
     def step_plans_the_intended_slots(self):
         if not hasattr(self, "width"):
             return
-        threshold = self.drafts + 1
-        live = [Request(s, 0 if idle else q) for s, q, idle in self.requests]
-        order = sorted(range(len(live)), key=lambda i: (live[i].q_len > threshold, i))  # decodes first
-        spec = BatchSpec(requests=tuple(live[i] for i in order), topk=TOPK_SMALL, kpool=self.kpool,
-                         block_size=self.block_size, decode_threshold=threshold, async_scheduling=self.async_,
-                         host_bound_slack=self.slack if self.async_ else 0, padded_rows=self.steps % 3)
+        spec = self.step_spec()
+        self.note_transitions(step_transitions(self.previous, spec, largest_rows=self.largest,
+                                               prefills_before=self.prefills_turned))
+        self.previous, self.prefills_turned = spec, 0
+        self.largest = max(self.largest, sum(r.q_len for r in spec.requests))
         self.steps += 1
-        scenario = build_scenario(spec, seed=self.steps)
         record_input(classify(spec, self.layout))
-        self.check_scenario(scenario)
+        self.check_spec(spec)
+
+    def note_transitions(self, names) -> None:
+        record_transitions(names)
+
+    def check_spec(self, spec):
+        self.check_scenario(build_scenario(spec, seed=self.steps))
 
     def check_scenario(self, scenario):
         run_step_in_reused_buffers(self, scenario)
@@ -191,8 +251,38 @@ def run_step_in_reused_buffers(state, scenario):
 #: No shrinking: each shrink step re-runs whole sequences through the interpreted convert kernel;
 #: a failure reports the sequence as found, its steps printed (and, under --dump-failures, writes
 #: it shrunk over its steps: recording.sequence). Derandomized: every run draws the same sequences.
-EvolvingBatch.TestCase.settings = settings(max_examples=12, stateful_step_count=8, derandomize=True, database=None,
-                                           phases=(Phase.explicit, Phase.generate))
+#: The thorough profile draws as many sequences as test_the_draw_reaches_every_transition shows
+#: reach every transition.
+EvolvingBatch.TestCase.settings = settings(max_examples=12 if covering_strength() == 1 else 300,
+                                           stateful_step_count=8 if covering_strength() == 1 else 12,
+                                           derandomize=True, database=None, phases=(Phase.explicit, Phase.generate))
+
+
+class TransitionsDrawn(EvolvingBatch):
+    """The machine's draws alone (no step is planned): the transitions they reach. (An override
+    of the invariant itself would not be one: Hypothesis finds invariants by their decorator.)"""
+
+    reached: set[str] = set()
+
+    def note_transitions(self, names) -> None:
+        TransitionsDrawn.reached |= names
+
+    def check_spec(self, spec):
+        pass
+
+
+TransitionsDrawn.TestCase.settings = settings(max_examples=300, stateful_step_count=12, derandomize=True,
+                                              database=None, phases=(Phase.explicit, Phase.generate))
+
+
+def test_the_draw_reaches_every_transition():
+    """The evolving batch's draw (the same rules, settings of its own: drawing is cheap) reaches
+    every transition production makes between consecutive steps (harness.transitions)."""
+    TransitionsDrawn.reached = set()
+    TransitionsDrawn.device = "cpu"
+    TransitionsDrawn.TestCase().runTest()
+    missed = sorted(set(TRANSITIONS) - TransitionsDrawn.reached)
+    assert not missed, f"transitions the draw never makes: {missed}"
 
 
 def test_evolving_batch_in_reused_buffers(impl, device):

@@ -92,11 +92,6 @@ class EvolvingBatchOnGPU(EvolvingBatch):
 
     SEQUENCE_KIND = "attention-state"
 
-    def step_plans_the_intended_slots(self):
-        if not hasattr(self, "width"):
-            return
-        super().step_plans_the_intended_slots()
-
     def check_scenario(self, scenario):
         note_sequence_step(scenario)
         self.gpu_state = run_on_gpu(self.impl, self.features, scenario, self.layout, self.log,
