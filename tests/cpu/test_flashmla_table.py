@@ -1,0 +1,61 @@
+"""The GPU tier's FlashMLA-against-FA3 table: the rows the differential test writes
+(``tests.flashmla_cases``) and the markdown ``scripts/flashmla_table.py`` makes of one run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from harness.cases import KernelConfig
+from reference.budget import Comparison
+from scripts import flashmla_table
+from tests.flashmla_cases import TABLE_ENV, table_row, write_table_row
+
+
+def comparison(name: str, max_ratio: float, ok: bool = True) -> Comparison:
+    return Comparison(name=name, ok=ok, max_ratio=max_ratio, mean_ratio=max_ratio / 2, max_err=max_ratio * 1e-3,
+                      mean_err=1e-4, rel_l2=2e-3)
+
+
+def fake_request(test: str, case: str):
+    config = SimpleNamespace(cache=None)
+    return SimpleNamespace(config=config, node=SimpleNamespace(nodeid=test, callspec=SimpleNamespace(id=case)))
+
+
+FP8 = KernelConfig("float8_e4m3fn", True, 64, 0.5)
+
+
+def write(monkeypatch, tmp_path, test, case, run, flashmla_ok=True, config=FP8):
+    monkeypatch.setenv(TABLE_ENV, str(tmp_path / "table.jsonl"))
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run)
+    scenario = SimpleNamespace(row_regime=["B", "H", "B"])
+    kernels = {"flashmla": [comparison("out", 1.5 if flashmla_ok else 9.0, flashmla_ok), comparison("lse", 1.2)],
+               "fa3": [comparison("out", 1.1), comparison("lse", 1.3)]}
+    request = fake_request(test, case)
+    write_table_row(request, table_row(request, scenario, config, 2, kernels,
+                                       {"out_max_diff": 0.004, "lse_max_diff": 1e-5}))
+
+
+def test_one_run_is_tabulated_with_the_last_row_of_each_test(monkeypatch, tmp_path):
+    write(monkeypatch, tmp_path, "t::a", "ctx1-kpool1-fp8-rope64-h64-k0.5", "run-1", flashmla_ok=False)
+    write(monkeypatch, tmp_path, "t::a", "ctx1-kpool1-fp8-rope64-h64-k0.5", "run-2")
+    write(monkeypatch, tmp_path, "t::b", "ctx2-kpool1-fp8-rope64-h64-k0.5", "run-2", flashmla_ok=False)
+    rows = flashmla_table.rows_of_run(flashmla_table.read_rows(tmp_path / "table.jsonl"))
+    assert sorted(r["test"] for r in rows) == ["t::a", "t::b"] and {r["run"] for r in rows} == {"run-2"}
+    text = flashmla_table.render(rows)
+    assert "### fp8-rope64, k_scale 0.5" in text
+    assert "| ctx2-kpool1-fp8-rope64-h64-k0.5 | 64 | 2 | BH | **0.009 (9.00x)** |" in text
+    assert "FlashMLA beyond budget" in text and "both within budget" in text
+    summary = next(line for line in text.splitlines() if line.startswith("| fp8-rope64 |"))
+    assert summary == "| fp8-rope64 | 0.5 | 2 | 9.00x | 1.20x | 1 | 1.10x | 1.30x | 0 |"
+
+
+def test_an_earlier_run_can_be_named(monkeypatch, tmp_path):
+    write(monkeypatch, tmp_path, "t::a", "case-a", "run-1")
+    write(monkeypatch, tmp_path, "t::b", "case-b", "run-2")
+    rows = flashmla_table.rows_of_run(flashmla_table.read_rows(tmp_path / "table.jsonl"), "run-1")
+    assert [r["case"] for r in rows] == ["case-a"]
+
+
+def test_a_missing_file_is_an_error(tmp_path, capsys):
+    assert flashmla_table.main([str(tmp_path / "none.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
