@@ -157,6 +157,25 @@ class LseBaseChangedThroughExp(FastImpl):
         return State(self, config, device, **dict(kwargs, lse_base_e=False))  # FlashInfer's own base-2 LSE
 
 
+class QPeHeadsRolled(FastImpl):
+    """A kernel-input bug: the attention state hands the kernel q_pe with its heads rolled by
+    one (a head-major layout read as token-major, say), so every head scores its keys with its
+    neighbour's rope part. The plan is right; the kernel's output is wrong. A fixture dumped
+    under it replays red under it and green once fixed: the re-run on the installed FlashInfer
+    decides, not the recorded output (GPU only)."""
+
+    name = "kernel-input-q-pe-heads-rolled"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from fast.sm90 import SM90AttentionState
+
+        class State(SM90AttentionState):
+            def attend(self, q_nope, q_pe, ckv, kpe, out, lse):
+                super().attend(q_nope, torch.roll(q_pe, 1, dims=1), ckv, kpe, out, lse)
+
+        return State(self, config, device, **kwargs)
+
+
 #: Rows the step kernels of :class:`StepKernelsOnTheCapturedGrid` cover: the largest batch an
 #: engine captures in a CUDA graph (vLLM's default largest capture size).
 CAPTURED_GRID_ROWS = 512

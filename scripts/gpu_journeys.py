@@ -1,0 +1,106 @@
+"""The replay journeys on a GPU runner: a failing GPU case, its dump, its replay under the bug and
+its replay once fixed, for the three kinds of failure docs/replay.md names.
+
+    python3 scripts/gpu_journeys.py [--out DIR] [--workers N]
+
+Each journey runs some GPU tests with a re-created bug (``tests/bugs.py``) and
+``--dump-failures``, then ``--replay`` of what was written with the bug (it must fail) and
+without it (it must pass):
+
+- ``plan``: ``ContextIsPosition`` (a kv_len rule off by one): single-step fixtures;
+- ``kernel-input``: ``QPeHeadsRolled`` (the kernel handed q_pe with its heads rolled): fixtures
+  whose recorded outputs are wrong; the replay re-runs them on the installed FlashInfer, and the
+  re-run decides;
+- ``stateful``: ``StaleLengthsPastTheRowCount`` (an attention state keeping the lengths of a
+  larger step): sequence files, replayed through one attention state.
+
+Logs go to DIR (default ``out/gpu-journeys``); the table is printed last. Exit status 1 when a
+journey did not go as it should (nothing written, a replay that passed under the bug or failed
+without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Journey:
+    name: str
+    bug: str
+    tests: tuple[str, ...]  # pytest arguments selecting the GPU tests
+    written: str  # glob of what the dump must write
+
+
+JOURNEYS = (
+    Journey("plan", "ContextIsPosition",
+            ("tests/gpu/test_attention_regimes.py", "-k", "test_kernel_matches and compacted and ctx2049"),
+            "*.safetensors"),
+    Journey("kernel-input", "QPeHeadsRolled",
+            ("tests/gpu/test_attention_regimes.py", "-k", "test_kernel_matches and compacted and (ctx1- or ctx2049)"),
+            "*.safetensors"),
+    Journey("stateful", "StaleLengthsPastTheRowCount",
+            ("tests/gpu/test_edges.py", "tests/gpu/test_cuda_graphs.py", "-k",
+             "test_previous_steps_slots_change_nothing or test_capture_once_replan_and_replay"),
+            "*.sequence.json"),
+)
+
+
+def pytest_run(args: list[str], log: Path) -> tuple[int, float]:
+    started = time.perf_counter()
+    with log.open("w") as f:
+        f.write("$ pytest " + " ".join(args) + "\n")
+        f.flush()
+        rc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                            check=False).returncode
+    return rc, time.perf_counter() - started
+
+
+def run_journey(journey: Journey, out: Path, workers: str) -> dict:
+    dump = out / journey.name / "dumps"
+    dump.mkdir(parents=True, exist_ok=True)
+    impl = f"--impl=tests.bugs:{journey.bug}"
+    found_rc, found_s = pytest_run([*journey.tests, "-n", workers, impl, f"--dump-failures={dump}", "-q"],
+                                   out / journey.name / "1-found.log")
+    files = sorted(dump.glob(journey.written))
+    red_rc, red_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", impl, "-q", "-p", "no:xdist"],
+                               out / journey.name / "2-replay-with-the-bug.log")
+    green_rc, green_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", "-q", "-p", "no:xdist"],
+                                   out / journey.name / "3-replay-fixed.log")
+    ok = found_rc == 1 and bool(files) and red_rc == 1 and green_rc == 0
+    return {"journey": journey.name, "bug": journey.bug, "found": found_rc, "written": len(files),
+            "with the bug": red_rc, "fixed": green_rc, "seconds": round(found_s + red_s + green_s),
+            "status": "ok" if ok else "NOT AS IT SHOULD BE"}
+
+
+def table(rows: list[dict]) -> str:
+    head = list(rows[0])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(r[k]) for k in head) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "out" / "gpu-journeys"))
+    parser.add_argument("--workers", default="auto", help="xdist workers of the finding runs")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [run_journey(j, out, args.workers) for j in JOURNEYS]
+    text = table(rows)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    print("exit codes: found 1 (the bug fails its tests), with the bug 1 (the replay fails), fixed 0 (it passes)")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
