@@ -57,6 +57,7 @@ from .vllm_shims import (
     FLASHMLA_INTERFACE_MODULE,
     FLASHMLA_OPS_MODULE,
     FLASHMLA_REAL_MODULES,
+    FLASHMLA_SHIMS_BY_NAME,
     FLASHMLA_SPARSE_MODULE,
     gathered_cache_rows,
     load_flashmla_module,
@@ -376,9 +377,9 @@ class FlashMLABackend:
         self.interface = sys.modules[FLASHMLA_INTERFACE_MODULE]
 
     def describe(self) -> str:
-        stand_ins = ", ".join(n for n in stand_ins_in_use() if n.startswith("vllm"))
+        stand_ins = [n for n in stand_ins_in_use() if n.startswith("vllm")] + list(FLASHMLA_SHIMS_BY_NAME)
         return (f"{self.source.describe()}: FLASHMLA_SPARSE (vLLM's flashmla_sparse.py) on FlashMLA's kernels "
-                f"({', '.join(OPTIONAL_FILES)}); stand-ins: {stand_ins}")
+                f"({', '.join(OPTIONAL_FILES)}); stand-ins: {', '.join(sorted(stand_ins))}")
 
     def unsupported(self, config: LayerConfig) -> str | None:
         return unsupported_reason(self.module, self.version, config)

@@ -410,19 +410,30 @@ class StandInHiSparseIndexGroup:
 
 class StandInWorkspaceManager:
     """vLLM's workspace manager as FLASHMLA_SPARSE uses it: ``get_simultaneous(*(shape, dtype))``
-    returns one uninitialised tensor per spec, the same tensors again for the same specs (the
-    engine's shared workspace persists across calls), on :attr:`device` (set by the layer that
-    drives the backend)."""
+    carves one uninitialised tensor per spec out of one byte buffer per device, which grows to
+    the largest request and is shared by every layer and call, as the engine's is (a caller that
+    keeps a view keeps the storage it was carved from). :attr:`device` is set by the layer that
+    drives the backend."""
+
+    ALIGN = 256  # bytes between the starts of two carved tensors
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self._held: dict[tuple, list[torch.Tensor]] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def get_simultaneous(self, *specs) -> list[torch.Tensor]:
-        key = (str(self.device),) + tuple((tuple(shape), dtype) for shape, dtype in specs)
-        if key not in self._held:
-            self._held[key] = [torch.empty(tuple(shape), dtype=dtype, device=self.device) for shape, dtype in specs]
-        return self._held[key]
+        sizes = [-(-math.prod(shape) * dtype.itemsize // self.ALIGN) * self.ALIGN for shape, dtype in specs]
+        key = str(self.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < sum(sizes):
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            self._buffers[key] = buffer
+        carved, offset = [], 0
+        for (shape, dtype), size in zip(specs, sizes, strict=True):
+            nbytes = math.prod(shape) * dtype.itemsize
+            carved.append(buffer[offset : offset + nbytes].view(dtype).view(tuple(shape)))
+            offset += size
+        return carved
 
 
 WORKSPACE = StandInWorkspaceManager()
