@@ -189,15 +189,19 @@ class KernelCall:
     fresh_schedule: bool = False
 
 
+def within_length(indices: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """``[rows, topk]``: the columns within each row's ``topk_length`` (all without one)."""
+    cols = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0).expand(indices.shape)
+    if topk_length is None:
+        return torch.ones_like(cols, dtype=torch.bool)
+    return cols < topk_length.to(indices.device).unsqueeze(1)
+
+
 def handed_mask(indices: torch.Tensor, s_kv: int, topk_length: torch.Tensor | None) -> torch.Tensor:
-    """``[rows, topk]``: the entries the kernel attends: ``0 <= index < s_kv`` (FlashMLA takes
-    -1 and indices past the KV as invalid) and, with ``topk_length [rows]``, the first
-    ``topk_length[r]`` columns."""
-    mask = (indices >= 0) & (indices < s_kv)
-    if topk_length is not None:
-        cols = torch.arange(indices.shape[1], device=indices.device)
-        mask &= cols.unsqueeze(0) < topk_length.to(indices.device).unsqueeze(1)
-    return mask
+    """``[rows, topk]``: the entries the kernel attends: ``0 <= index < s_kv`` (the prefill
+    kernel takes -1 and indices past the KV as invalid; the decode kernel -1, and reads any other
+    index, which the recorder reports) within each row's ``topk_length``."""
+    return (indices >= 0) & (indices < s_kv) & within_length(indices, topk_length)
 
 
 def executed_lengths(mask: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor:
@@ -262,7 +266,13 @@ class KernelRecorder:
         lengths = None
         if topk_length is not None:  # one length per batch entry, for its s_q rows
             lengths = topk_length.to("cpu", torch.int64).repeat_interleave(s_q)
-        mask = handed_mask(indices, kv.shape[0] * kv.shape[1], lengths)
+        s_kv = kv.shape[0] * kv.shape[1]
+        mask = handed_mask(indices, s_kv, lengths)
+        stray = within_length(indices, lengths) & ((indices < INVALID) | (indices >= s_kv))
+        if bool(stray.any()):  # the decode kernel takes only -1 as invalid: these are read out of bounds
+            row, col = (int(v) for v in stray.nonzero()[0])
+            self.problems.append(f"sparse_decode_fwd was handed index {int(indices[row, col])} (row {row} of the call, "
+                                 f"column {col}), outside [-1, {s_kv})")
         lse = result[1].permute(0, 2, 1).reshape(b * s_q, -1)[:, : self.heads]  # [b, h, s_q] -> rows
         self.calls.append(KernelCall("sparse_decode_fwd", self._slots(kv, indices, mask), mask,
                                      executed_lengths(mask, lengths), lse, q.shape[2],

@@ -17,13 +17,16 @@ prefill workspace: the interpreter types ``block_mask & ~scalar_mask`` as int32 
 The kernels attend exactly the entries they are handed, with the project's reference
 (``reference.sparse_mla_reference``, float32): an index is read when ``0 <= index < s_kv`` and
 it lies within ``topk_length`` (prefill: per row; decode: per batch entry), as FlashMLA's
-interface documents. The prefill kernel reads a bf16 ``kv [s_kv, 1, d_qk]``; the decode kernel
-the 656-byte fp8 layout (``reference.flashmla_layout.dequantize``), so a wrong layout, slot or
+interface and its reference (``tests/ref.py``) define them; the decode kernel takes only -1 as
+invalid, so any other index outside the cache is refused here, where the kernel would read out
+of bounds. The prefill kernel reads a bf16 ``kv [s_kv, 1, d_qk]``; the decode kernel the
+656-byte fp8 layout (``reference.flashmla_layout.dequantize``), so a wrong layout, slot or
 length shows in the output. Outputs are shaped as the kernels': ``out`` bf16, natural-log
-``lse`` ``[s_q, h]`` (prefill) or ``[b, h, s_q]`` (decode); a row with no entry gets the
-reference's out 0 and lse -inf; ``max_logits`` is not modelled (NaN); ``attn_sink`` scales the
-output by ``exp(lse) / (exp(lse) + exp(sink))`` as documented. The decode kernel returns a
-tile-scheduler metadata tensor where it was handed none (it builds its schedule then).
+``lse`` ``[s_q, h]`` (prefill) or ``[b, h, s_q]`` (decode); a row with no entry gets out 0 and
+lse +inf, FlashMLA's convention (the project's oracle says -inf); ``max_logits`` is not modelled
+(NaN); ``attn_sink`` scales the output by ``exp(lse) / (exp(lse) + exp(sink))``. The decode
+kernel returns a tile-scheduler metadata tensor where it was handed none (it builds its schedule
+then).
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ def attend(q: torch.Tensor, kv_rows: torch.Tensor, slots: torch.Tensor, mask: to
     safe = torch.where(mask, slots, torch.zeros_like(slots))
     out, lse = sparse_mla_reference(q[..., :d_v], q[..., d_v:d_qk], kv_rows[:, :d_v], kv_rows[:, d_v:d_qk], safe,
                                     mask=mask, sm_scale=sm_scale, mode="float32")
-    return out.float(), lse.float()
+    lonely = ~mask.any(dim=1)  # FlashMLA's LSE of a row that reads nothing
+    return out.float(), lse.float().masked_fill(lonely.unsqueeze(1), float("inf"))
 
 
 def with_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor | None) -> torch.Tensor:
@@ -97,6 +101,10 @@ def sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_met
     slots = indices.reshape(b * s_q, -1).to(torch.int64)
     lengths = None if topk_length is None else topk_length.to(torch.int64).repeat_interleave(s_q)
     mask = handed(slots, flat.shape[0], lengths)
+    outside = handed(torch.zeros_like(slots), 1, lengths) & (slots != -1) & ~mask
+    if bool(outside.any()):
+        raise RuntimeError(f"stand-in sparse_decode_fwd: index {int(slots[outside][0])} is outside the cache's "
+                           f"{flat.shape[0]} tokens (the kernel takes only -1 as invalid)")
     needed, local = torch.unique(slots[mask], return_inverse=True)
     rows = dequantize(flat[needed])[:, :d_qk]
     local_slots = torch.zeros_like(slots)

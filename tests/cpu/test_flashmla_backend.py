@@ -199,6 +199,20 @@ def test_a_wrong_tile_scale_fails_the_output_check(stand_in, device, monkeypatch
     assert [c.name for c in comparisons if not c.ok] == ["out", "lse"], [c.summary() for c in comparisons]
 
 
+def test_an_index_outside_the_cache_handed_to_the_decode_kernel_is_refused(stand_in, device, monkeypatch):
+    """The decode kernel takes only -1 as invalid; the stand-in refuses where it would read out of
+    bounds (on the GPU the recorder reports the index)."""
+    def past_the_cache(result):
+        result[0, 0] = 1 << 30
+        return result
+
+    _convert_wrapped(monkeypatch, stand_in.module, past_the_cache)
+    scenario, inputs = scenario_and_inputs(MIXED_CASE, FP8_MIXED, device)
+    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run_step(layer, scenario, inputs)
+
+
 # --- the stand-ins -------------------------------------------------------------------------
 
 def test_upconvert_gathers_each_prefills_tokens_at_its_workspace_start():
