@@ -511,9 +511,29 @@ def op_schemas(source: VllmSource) -> dict[str, str]:
     return found
 
 
+def schema_arguments(schema: str) -> list[str]:
+    """The argument names of an op schema, in order (``op(Tensor q, int d_v=512) -> ...``)."""
+    inside = schema[schema.index("(") + 1 : schema.index(") ->")]
+    return [part.split("=")[0].split()[-1] for part in inside.split(",") if part.strip()]
+
+
+def signature_gaps(schemas: dict[str, str]) -> list[str]:
+    """Ops whose schema's arguments are not, in order, those the recorder binds the kernel's
+    calls by (:data:`SIGNATURES`; a trailing argument the release lacks is allowed)."""
+    gaps = []
+    for op, schema in schemas.items():
+        ours = list(SIGNATURES[op].parameters)
+        theirs = schema_arguments(schema)
+        if ours[: len(theirs)] != theirs:
+            gaps.append(f"{OPTIONAL_FILES[0]}: op {op} takes ({', '.join(theirs)}), the recorder binds "
+                        f"({', '.join(ours)})")
+    return gaps
+
+
 def release_read_gaps(source: VllmSource) -> list[str]:
     """Every name this module reads from the release's modules, classes and FlashMLA's ops that
-    the release's files do not define, each as ``where: name``."""
+    the release's files do not define, and every op whose arguments the recorder would bind
+    wrongly, each as ``where: what``."""
     gaps = []
     for module_name, names in MODULE_READS.items():
         tree = ast.parse(source.path_of(FLASHMLA_REAL_MODULES[module_name]).read_text())
@@ -525,4 +545,4 @@ def release_read_gaps(source: VllmSource) -> list[str]:
                 gaps += [f"{module_name}.{cls}: {m}" for m in members if m not in classes.get(cls, set())]
     schemas = op_schemas(source)
     gaps += [f"{OPTIONAL_FILES[0]}: op {op}" for op in RECORDED_OPS if op not in schemas]
-    return gaps
+    return gaps + signature_gaps(schemas)

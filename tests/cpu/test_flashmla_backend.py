@@ -257,6 +257,13 @@ def test_every_name_the_backend_reads_is_in_the_release(flashmla_source):
     assert not gaps, f"vLLM {flashmla_source.version} lacks what backends.flashmla reads:\n" + "\n".join(gaps)
 
 
+def test_an_op_whose_arguments_moved_is_named():
+    moved = {"sparse_prefill_fwd": "sparse_prefill_fwd(Tensor q, Tensor indices, Tensor kv, float sm_scale, int d_v, "
+                                   "Tensor? attn_sink, Tensor? topk_length, Tensor(a!)? out_) -> Tensor[]"}
+    gaps = flashmla_backend_module.signature_gaps(moved)
+    assert len(gaps) == 1 and "op sparse_prefill_fwd takes (q, indices, kv," in gaps[0], gaps
+
+
 def _names_read(path) -> set[tuple[str, str]]:
     """(module, name) of every ``from vllm.X import name`` in ``path``, every ``ops.NAME``
     where ``ops`` is ``vllm._custom_ops``, and every ``current_platform.NAME``."""
