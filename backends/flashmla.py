@@ -34,6 +34,15 @@ What this module adds, and why:
 The decode/prefill split is the step's (``harness.spec.StepMetadata``), as for the SM90
 backend; vLLM's builder would split with its own reorder threshold (128 or 256 on SM90) and
 uniform decode lengths, which the engine's batch reordering guarantees.
+
+Re-created rather than loaded (``backends.vllm_shims``, each because what vLLM runs is not in a
+release's Python files or needs the whole engine): vLLM's ``concat_mla_q`` and
+``cp_gather_and_upconvert_fp8_kv_cache`` (kernels of its 90 MB ``_C`` library, which no slice
+carries), its workspace manager, its index group's conversion for a group of one layer (vLLM's
+convert kernel on the step's rows), and the common builder's and impl's fields. Here,
+:func:`kernel_heads` re-states vLLM's padding of the prefill kernel's heads to a multiple of 64
+(``FlashMLASparseImpl.prefill_padding``, set in its constructor) for :meth:`FlashMLABackend.unsupported`;
+the fp8 decode kernel's padding is vLLM's own ``_compute_fp8_decode_padded_heads``.
 """
 
 from __future__ import annotations
