@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shlex
 import time
 
 import pytest
+
+from recording.commands import replay_command
 
 from .keys import DUMP_KEY, GROUP, REPLAY_KEY
 
@@ -61,9 +62,11 @@ def rerun_unavailable_reason(config) -> str | None:
     return sm90_flashinfer_unavailable_reason()
 
 
-def replay_command(path) -> str:
-    """The command that replays one fixture file."""
-    return f"pytest --replay={shlex.quote(str(path))} -p no:xdist -rA"
+def run_options(config) -> dict:
+    """What the run's cases ran with: ``impl_spec`` (``--impl``) and ``vllm`` (``--vllm``, or None)."""
+    from .impl import IMPL_SPEC
+
+    return {"impl_spec": config.stash.get(IMPL_SPEC, None), "vllm": config.getoption("--vllm", None)}
 
 
 class ReplayCollector:
@@ -200,17 +203,25 @@ class FailureDump:
     def _safe_name(self) -> str:
         return "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node.nodeid.split("::", 1)[-1])
 
-    def _recipe_meta(self, **extra) -> dict:
-        from .impl import IMPL_SPEC
+    def _run_meta(self) -> dict:
+        """The run's ``impl`` and ``vllm``, as the written case records them."""
+        options = run_options(self.node.config)
+        meta = {"impl": options["impl_spec"], "vllm": options["vllm"]}
+        return {k: v for k, v in meta.items() if v}
 
-        meta = {"name": self._safe_name(), "nodeid": self.node.nodeid, **self.meta, **extra}
-        if self.node.config.stash.get(IMPL_SPEC, None):
-            meta["impl"] = self.node.config.stash[IMPL_SPEC]
-        return meta
+    def _recipe_meta(self, **extra) -> dict:
+        return {"name": self._safe_name(), "nodeid": self.node.nodeid, **self.meta, **extra, **self._run_meta()}
 
     def dump(self) -> str | None:
         if not self.directory:
             return None
+        sequence = self.log.sequence if self._build is None and self.log is not None else None
+        if sequence is not None and len(sequence["steps"]) > 1:
+            path = self._dump_sequence(sequence)
+            if path is not None:
+                return path
+            self.meta.setdefault("why", "its sequence of steps, run again, did not fail: the last step it checked "
+                                        "is written alone")
         if self._build is None and self.log is not None and self.log.crash is not None:
             from recording.dump import write_crash
 
@@ -247,13 +258,32 @@ class FailureDump:
         fixture.meta.setdefault("nodeid", self.node.nodeid)
         fixture.meta.setdefault("source", "pipeline")
         impl_spec = self.node.config.stash.get(IMPL_SPEC, None)
-        if impl_spec:
-            fixture.meta.setdefault("impl", impl_spec)
+        for key, value in self._run_meta().items():
+            fixture.meta.setdefault(key, value)
         if fixture.outputs and "environment" not in fixture.meta:
             env = runtime_environment()
             fixture.meta["environment"] = {version: env for version in fixture.outputs}
         impl = load_impl(impl_spec or DEFAULT_IMPL_SPEC)  # loaded and checked at start-up already
         return str(write_failure(self.directory, safe, fixture, impl, step, device=run_device(self.node.config)))
+
+
+    def _dump_sequence(self, note: dict) -> str | None:
+        """The noted sequence, shrunk over its steps and written (recording.sequence); None where
+        running it again does not fail."""
+        from fast.impl import DEFAULT_IMPL_SPEC, load_impl
+        from recording.sequence import write_failing_sequence
+
+        from .impl import IMPL_SPEC, run_device
+
+        impl = load_impl(self.node.config.stash.get(IMPL_SPEC, None) or DEFAULT_IMPL_SPEC)
+        features = None
+        if note["kind"] == "attention-state":
+            from fast import flashinfer_compat
+
+            features = flashinfer_compat.detect_features()
+        path = write_failing_sequence(self.directory, self._safe_name(), note, impl, run_device(self.node.config),
+                                      features, **{k: v for k, v in self._recipe_meta().items() if k != "name"})
+        return None if path is None else str(path)
 
 
 DUMP = pytest.StashKey[FailureDump]()
@@ -303,7 +333,7 @@ def pytest_runtest_makereport(item, call):
                                               "seconds": round(seconds, 2)}))
     if path:
         _append_to_failure(report, f"failing case written to {path} ({size / 1e3:.0f} KB, written and shrunk in "
-                                   f"{seconds:.1f} s)\nreplay: pytest --replay={shlex.quote(path)}")
+                                   f"{seconds:.1f} s)\nreplay: {replay_command(path, **run_options(item.config))}")
     elif problem:
         _append_to_failure(report, problem)
 

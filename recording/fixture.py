@@ -157,7 +157,7 @@ OPTIONAL_META = {
     "name": str, "seed": int, "kv_dtype": str, "max_rows": int, "regimes": list, "row_ctx": list, "focus": list,
     "refused": dict, "environment": dict, "expect_finding": str, "lse_recorded": bool, "graph_replay": bool,
     "source": str, "impl": str, "nodeid": str, "spec": dict, "capture": dict, "digest": dict, "shrunk": dict,
-    "rows": list, "heads": list, "why": str, "scale_case": str,
+    "rows": list, "heads": list, "why": str, "scale_case": str, "vllm": str,
 }
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8)
@@ -319,12 +319,12 @@ def load_fixture(path: str | Path) -> Fixture:
 
 
 def fixture_paths(paths) -> list[Path]:
-    """Expand files and folders (recursively, ``*.safetensors`` and ``*.recipe.json``) into a
-    sorted list of files."""
+    """Expand files and folders (recursively, ``*.safetensors``, ``*.recipe.json`` and
+    ``*.sequence.json``) into a sorted list of files."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found.extend(sorted([*p.rglob("*.safetensors"), *p.rglob("*.recipe.json")]))
+            found.extend(sorted([*p.rglob("*.safetensors"), *p.rglob("*.recipe.json"), *p.rglob("*.sequence.json")]))
         else:
             found.append(p)
     return found

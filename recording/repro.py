@@ -19,10 +19,13 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
 from reference.budget import ABS_FLOOR, FACTORS, LSE_ULPS, element_errors
 
+from .commands import replay_command
 from .fixture import Fixture, FixtureError, load_fixture
-from .replay import reference_outputs
+from .replay import as_planned_selection, reference_outputs
 
 TEMPLATE = Path(__file__).with_name("repro_script.tmpl")
 #: The only modules a reproducer may import (beyond the standard library).
@@ -33,13 +36,21 @@ def repro_path(fixture_path: Path) -> Path:
     return fixture_path.with_name(fixture_path.name.removesuffix(".safetensors") + ".repro.py")
 
 
+def rows_reading_invalid_entries(fx: Fixture) -> torch.Tensor:
+    """Per row: whether its planned span holds an invalid entry (-1)."""
+    slots, mask = as_planned_selection(fx)
+    return ((slots < 0) & mask).any(dim=1)
+
+
 def working_precision_errors(fx: Fixture) -> dict[str, list[float]]:
     """Per output: (max, mean) error of the working-precision reference against float64 over
-    the intended selection, and max |truth| (the LSE floor's scale)."""
-    truth = reference_outputs(fx, "intended", "float64")
-    lowp = reference_outputs(fx, "intended", "lowp")
+    the planned selection (the slots FlashInfer is given; rows whose span holds an invalid
+    entry left out, as the script leaves them out), and max |truth| (the LSE floor's scale)."""
+    truth = reference_outputs(fx, "planned", "float64")
+    lowp = reference_outputs(fx, "planned", "lowp")
+    judged = ~rows_reading_invalid_entries(fx)
     result = {}
-    for name, t, lo in (("out", truth[0], lowp[0]), ("lse", truth[1], lowp[1])):
+    for name, t, lo in (("out", truth[0][judged], lowp[0][judged]), ("lse", truth[1][judged], lowp[1][judged])):
         t = t.double()
         _, err_l, _ = element_errors(lo.double(), t, lo.double())  # |lowp - truth| where both are finite
         finite = t.isfinite() & lo.double().isfinite()
@@ -63,7 +74,15 @@ def repro_source(fx: Fixture, fixture_name: str) -> str:
     return TEMPLATE.read_text().format(
         case=repr(case), lowp=repr(working_precision_errors(fx)), factors=f"{factors[0]!r}, {factors[1]!r}",
         abs_floor=repr(ABS_FLOOR), lse_ulps=repr(LSE_ULPS), script_name=script_name, fixture_name=fixture_name,
+        project_command=project_command_line(meta, fixture_name),
     )
+
+
+def project_command_line(meta: dict, fixture_name: str) -> str:
+    """The docstring's line on how the project replays the fixture, through the implementation
+    (and vLLM) it was recorded with."""
+    command = replay_command(fixture_name, meta.get("impl"), meta.get("vllm"))
+    return f"\nIn the sparse-MLA tester that wrote it: {command}\n"
 
 
 def write_repro(fx: Fixture, fixture_path: Path) -> Path:

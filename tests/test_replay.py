@@ -24,11 +24,13 @@ import pytest
 
 from pytest_sparse_mla.baselines import note_fixture_replay, upgrade_check_fixtures
 from pytest_sparse_mla.keys import REPLAY_KEY
-from pytest_sparse_mla.replay import replay_command, rerun_unavailable_reason
+from pytest_sparse_mla.replay import rerun_unavailable_reason, run_options
+from recording.commands import replay_command
 from recording.fixture import FixtureError, fixture_paths, load_fixture
 from recording.heatmap import write_heatmaps
 from recording.recipe import is_recipe, load_recipe, rebuild_fixture
 from recording.replay import replay
+from recording.sequence import is_sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FIXTURES = ROOT / "fixtures"
@@ -105,6 +107,42 @@ def load_case(path, request):
     return rebuild_fixture(path, recipe, request.getfixturevalue("impl"), device, whole=whole)
 
 
+def replay_sequence(path, request, regime_log) -> None:
+    """A sequence (recording.sequence) run again through the implementation under test with the
+    state carried as its test carried it: on an SM90 GPU with FlashInfer an attention-state
+    sequence through one attention state, elsewhere the host stages with their buffers carried.
+    It fails where a step fails, naming the step."""
+    from harness.sequence import first_failure, run_sequence
+    from recording.sequence import load_sequence
+
+    try:
+        sequence, recipe = load_sequence(path)
+    except FixtureError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    features = None
+    how = "its host stages, buffers carried from step to step"
+    if sequence.kind == "attention-state" and rerun_unavailable_reason(request.config) is None:
+        from fast import flashinfer_compat
+
+        features = flashinfer_compat.detect_features()
+        how = "one attention state on the installed FlashInfer"
+    elif sequence.kind == "attention-state":
+        how += f" (the attention state is not re-run here: {rerun_unavailable_reason(request.config)})"
+    results = run_sequence(request.getfixturevalue("impl"), sequence, request.getfixturevalue("device"), features)
+    for scenario in sequence.scenarios():
+        regime_log.record(scenario.row_regime[: scenario.planned_rows])
+    failing = first_failure(results)
+    lines = [f"sequence {path}: {sequence.describe()}, run again through {how}",
+             f"  recorded: failed at step {recipe['failing_step']} ({recipe['why']})"]
+    if recipe.get("impl"):
+        lines.append(f"  recorded through --impl {recipe['impl']} ({recipe.get('nodeid', 'no test id')})")
+    lines.append(f"  replay: {replay_command(path, **run_options(request.config))}")
+    request.node.user_properties.append((REPLAY_KEY, "\n".join(lines)))
+    if failing is not None:
+        pytest.fail(f"step {failing.index} of the sequence fails:\n" + "\n".join(failing.problems[:8]) + "\n"
+                    + "\n".join(lines), pytrace=False)
+
+
 class StageClock:
     """Seconds each stage of one fixture's replay took, for its diagnostics."""
 
@@ -126,6 +164,9 @@ class StageClock:
 def test_replay_fixture(fixture_path, request, regime_log):
     if isinstance(fixture_path, str):
         pytest.fail(fixture_path, pytrace=False)
+    if is_sequence(fixture_path):
+        replay_sequence(fixture_path, request, regime_log)
+        return
     clock = StageClock()
     try:
         fx = clock.timed("load", load_case, fixture_path, request)
@@ -138,7 +179,7 @@ def test_replay_fixture(fixture_path, request, regime_log):
         request, fixture_path, dataclasses.replace(report, rerun=None) if not_rerun else report, not_rerun
     )
     regime_log.record(report.regimes, focus=fx.meta.get("focus") or None)
-    text = report.render(replay_command(fixture_path))
+    text = report.render(replay_command(fixture_path, **run_options(request.config)) + " -p no:xdist -rA")
     failures = report.failures()  # the verdict, decided before any picture is drawn
     if request.config.getoption("--replay") and (failures or request.config.getoption("--replay-heatmaps")):
         text = "\n".join([text, *clock.timed("heatmaps", write_heatmaps, report)])

@@ -9,6 +9,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from tests import simulated_sm90
 from tests.bugs import KpoolFromWrongSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-REPLAY_LINE = re.compile(r"^replay: pytest --replay=(\S+)$")
+REPLAY_LINE = re.compile(r"^replay: pytest --replay=(\S+)(?: --impl (\S+))?$")
 
 
 def run_pytest(pytester, *args: str):
@@ -68,7 +69,7 @@ def test_a_wrong_kv_len_rule_writes_one_fixture_per_failing_case(pytester, tmp_p
     for name, block in blocks.items():
         last = [line for line in block if line.strip()][-1]
         match = REPLAY_LINE.match(last)
-        assert match, f"{name}: the failure message ends with {last!r}"
+        assert match and match.group(2) == "tests.bugs:KpoolFromWrongSpec", f"{name}: the message ends with {last!r}"
         written = [line for line in block if line.startswith(f"failing case written to {match.group(1)} (")]
         assert len(written) == 1 and re.search(r"\(\d+ KB, written and shrunk in [\d.]+ s\)$", written[0]), block
         rows = sorted({int(r) for r in re.findall(r"^E\s+row (\d+): regime", "\n".join(block), re.M)})
@@ -180,7 +181,16 @@ def test_cpu_journey_dump_shrink_replay_and_a_reproducer_of_nothing_of_the_proje
             f"{repro.name} imports {extra}"
         )
     # Replayed on this machine, the host stages run through the implementation under test:
-    # the bug fails every fixture, the fixed code passes them all.
+    # the bug fails every fixture, the fixed code passes them all. The command each failure
+    # printed is run as printed: it carries the implementation the case failed under.
+    printed = [line.removeprefix("replay: ") for line in result.outlines if line.startswith("replay: ")]
+    assert len(printed) == failed and all(line.endswith(" --impl tests.bugs:CompactionPlansPrefix") for line in printed)
+    words = shlex.split(printed[0])
+    assert words[0] == "pytest"
+    result = run_pytest(pytester, str(ROOT / "tests"), *words[1:])
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "1 failed" in out and "plan != intent" in out, out[-3000:]
+    assert f"reproduce: {printed[0]} -p no:xdist -rA" in out, out[-3000:]
     result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}", bug)
     out = "\n".join(result.outlines)
     assert result.ret == 1 and f"{failed} failed" in out and "plan != intent" in out, out[-3000:]
@@ -216,7 +226,7 @@ class BatchMLAPagedAttentionWrapper:
         for r in range(q_nope.shape[0]):
             idx = self.kv_indices[int(indptr[r]): int(indptr[r]) + int(lens[r])].long()
             s = (q_nope[r].float() @ kv[idx].T + q_pe[r].float() @ kp[idx].T) * sm_scale
-            out[r] = (torch.softmax(s, -1) @ kv[idx]).to(out.dtype)
+            out[r] = (torch.softmax(s, -1) @ kv[idx] + OUT_OFFSET).to(out.dtype)
             lse[r] = torch.logsumexp(s, -1) / (1.0 if base_e or lse_mode == "basee" else math.log(2.0))
 """
 FLAT = """
@@ -248,12 +258,15 @@ class MLAPlanMetadata(tuple):
 '''
 
 
-def fake_flashinfer(root: Path, version: str) -> Path:
+def fake_flashinfer(root: Path, version: str, out_offset: float = 0.0) -> Path:
+    """The stand-in FlashInfer of ``version``; ``out_offset`` added to every output element
+    makes it a FlashInfer whose output is wrong."""
     canonical = version.startswith("0.7")
-    package = root / version / "flashinfer"
+    package = root / f"{version}-{out_offset}" / "flashinfer"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    text = FAKE_MLA.replace("{extra}", METADATA if canonical else "") + (CANONICAL if canonical else FLAT)
+    extra = f"OUT_OFFSET = {out_offset!r}\n" + (METADATA if canonical else "")
+    text = FAKE_MLA.replace("{extra}", extra) + (CANONICAL if canonical else FLAT)
     (package / "mla.py").write_text(text)
     return package.parent
 
@@ -282,7 +295,8 @@ print("RESULTS " + json.dumps(results))
 """
 
 REPRO_CASES = [
-    ("c-packed-finding-bf16", "0.6.18.post1", 1),  # the regime C finding: the packed plan reads a poisoned slot
+    # the regime C finding: the packed plan reads an invalid entry, the caller's bug (exit 3), not FlashInfer's
+    ("c-packed-finding-bf16", "0.6.18.post1", 3),
     ("c-compacted-fp8", "0.7.4", 0),
 ]
 
@@ -313,9 +327,72 @@ def test_the_reproducer_runs_each_call_form_with_nothing_of_the_project(tmp_path
         assert result["code"] == verdict, f"{fixture} on {version}:\n{text}"
         assert f"flashinfer {version} ({'canonical' if version.startswith('0.7') else 'flat'} plan" in text, text
         if verdict:
-            assert "FAIL" in text and "NaN" in text and "regime C" in text, text
+            assert "FAIL (the caller's plan): the plan is not the intended selection on rows [0, 1, 2]" in text, text
+            assert "regime C" in text and "invalid (-1, read as NaN)" in text and "FlashInfer)" not in text, text
         else:
-            assert "PASS: within the error budget" in text, text
+            assert "PASS: the plan is the intended selection and FlashInfer is within the error budget" in text, text
+
+
+def run_reproducers(tmp_path: Path, runs: list[tuple[str, str]]) -> list[dict]:
+    """Each (script, stand-in FlashInfer folder) run from an empty folder without the project on
+    the path: its exit status and output."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(REPRO_DEVICE="cpu", PYTHONSAFEPATH="1")
+    run = subprocess.run([sys.executable, "-c", REPRO_DRIVER, json.dumps(runs)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert run.returncode == 0 and lines, run.stdout + run.stderr
+    return json.loads(lines[-1][8:])
+
+
+def test_the_reproducer_tells_the_callers_plan_from_flashinfers_output(tmp_path, device):
+    """A plan that reads valid slots other than the intended ones (kv_len short by ctx % kpool)
+    run on a right FlashInfer is the caller's bug (exit 3): the kernel is judged on the slots it
+    was given, so it is not blamed. A FlashInfer whose output is off fails as FlashInfer's
+    (exit 1), on a right plan and on the wrong one. The script's docstring names the command
+    that replays the fixture through the implementation it was recorded with."""
+    from fast.impl import default_impl
+    from harness.pipeline import prepare_step
+    from harness.scenario import batch, build_attention_inputs, build_scenario
+    from recording.case_log import fixture_from_step
+    from recording.fixture import save_fixture
+    from recording.repro import write_repro
+
+    scripts = {}
+    for name, impl in (("short", KpoolFromWrongSpec()), ("right", None)):
+        scenario = build_scenario(batch((2049 + 2, 1), (5, 1), kpool=4, topk=2048), 11)
+        step = prepare_step(impl or default_impl(), scenario, "compacted", device)
+        fx = fixture_from_step(step, build_attention_inputs(scenario), name=name,
+                               impl="tests.bugs:KpoolFromWrongSpec" if impl else None)
+        path = save_fixture(tmp_path / f"{name}.safetensors", fx)
+        scripts[name] = str(write_repro(fx, path))
+    assert "pytest --replay=short.safetensors --impl tests.bugs:KpoolFromWrongSpec" in Path(
+        scripts["short"]).read_text()
+    assert "pytest --replay=right.safetensors\n" in Path(scripts["right"]).read_text()
+    right = str(fake_flashinfer(tmp_path, "0.7.4"))
+    off = str(fake_flashinfer(tmp_path, "0.7.4", out_offset=0.25))
+    cases = [("short", right, 3), ("right", right, 0), ("right", off, 1), ("short", off, 1)]
+    results = run_reproducers(tmp_path, [(scripts[name], fi) for name, fi, _ in cases])
+    for (name, fi, verdict), result in zip(cases, results, strict=True):
+        text = result["text"]
+        assert result["code"] == verdict, f"{name} on {fi}:\n{text}"
+        if verdict == 3:
+            assert "FAIL (the caller's plan): the plan is not the intended selection on rows [0]" in text, text
+            assert "planned 2048 slots, 0 of them invalid" in text and "intended 2051" in text, text
+            assert "out: max err" in text and "OVER BUDGET" not in text, text
+        if verdict == 1:
+            assert "FAIL (FlashInfer): FlashInfer's output differs from the float64 reference of the slots it was " \
+                   "given" in text and "OVER BUDGET" in text, text
+            assert ("the plan is also not the intended selection on rows [0]" in text) == (name == "short"), text
+
+
+def test_the_printed_commands_carry_the_implementation_and_vllm_of_the_run():
+    from recording.commands import replay_command
+
+    assert replay_command("D/a b.safetensors") == "pytest --replay='D/a b.safetensors'"
+    assert replay_command("D", "fast.impl:default_impl") == "pytest --replay=D"
+    assert replay_command("D", "tests.bugs:ContextIsPosition", "/w/vllm-0.33.whl") == (
+        "pytest --replay=D --impl tests.bugs:ContextIsPosition --vllm=/w/vllm-0.33.whl")
 
 
 def test_an_implementation_that_kills_its_process_fails_one_test_and_leaves_a_recipe(pytester, tmp_path):
