@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import inspect
 import re
 import sys
@@ -373,6 +374,16 @@ def vllm_config(config: LayerConfig, cache_dtype: str, layer) -> SimpleNamespace
     )
 
 
+def import_problem(name: str) -> str | None:
+    """Why ``import name`` fails here (the loader's own error, which vLLM's ops module swallows
+    into "not available"), or None."""
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        return f"import {name}: {exc}"
+    return None
+
+
 class FlashMLABackend:
     """vLLM's FLASHMLA_SPARSE of one release on FlashMLA's kernels (a ``backends.seam.Backend``)."""
 
@@ -392,7 +403,9 @@ class FlashMLABackend:
         self.module = load_flashmla_module(source)
         available, reason = sys.modules[FLASHMLA_OPS_MODULE]._is_flashmla_available()
         if not available:
-            raise FlashMLAUnavailable(f"{source.describe()}: FlashMLA's kernels cannot be used here: {reason}")
+            problems = [p for p in map(import_problem, vllm_shims.EXTENSION_MODULES) if p]
+            raise FlashMLAUnavailable(f"{source.describe()}: FlashMLA's kernels cannot be used here: {reason}"
+                                      + "".join(f"; {p}" for p in problems))
         self.interface = sys.modules[FLASHMLA_INTERFACE_MODULE]
 
     def describe(self) -> str:

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -317,6 +320,21 @@ def test_a_modules_only_slice_is_refused_naming_the_kernels_and_the_slice_comman
     source = resolve(str(tmp_path))
     with pytest.raises(FlashMLAUnavailable, match=r"_flashmla_C\.abi3\.so.*slice WHEEL -o DIR"):
         FlashMLABackend(source)
+
+
+def test_without_cuda_or_the_stand_in_the_backend_refuses_with_the_loaders_error(flashmla_source):
+    """In a fresh process on a machine without CUDA, vLLM's ops module finds FlashMLA
+    unavailable; the refusal carries why importing the kernels failed."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: FlashMLA's kernels may load here")
+    script = ("from backends.flashmla import FlashMLABackend, FlashMLAUnavailable\n"
+              "from backends.vllm_source import resolve\n"
+              f"try:\n    FlashMLABackend(resolve({str(flashmla_source.root)!r}))\n"
+              "except FlashMLAUnavailable as exc:\n    print(exc)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert "FlashMLA's kernels cannot be used here" in run.stdout, run.stdout + run.stderr
+    assert "import vllm._flashmla_C: " in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("change, reason", [
