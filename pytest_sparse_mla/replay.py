@@ -10,6 +10,8 @@ Nothing is built or written for a passing test."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import time
@@ -82,6 +84,13 @@ class ReplayCollector:
             self.dumps.extend({"nodeid": report.nodeid, **v} for k, v in report.user_properties if k == DUMP_KEY)
 
 
+#: Why a failing test leaves nothing to write, where it noted no case.
+NO_CASE_NOTED = ("it noted no differential case (its stages ran outside the shared helpers: "
+                 "harness.pipeline.prepare_step, the compare helpers of harness.launch, recording.replay.replay)")
+#: Why a failing Hypothesis test leaves nothing to write, where its failing example noted no case.
+NO_CASE_IN_EXAMPLE = "its failing example noted no differential case"
+
+
 def dump_summary_lines(directory: str, dumps: list[dict]) -> list[str]:
     """What ``--dump-failures`` wrote: files, bytes, and the seconds writing and shrinking took
     (spent after each failing test's own time), the longest named."""
@@ -96,9 +105,9 @@ def dump_summary_lines(directory: str, dumps: list[dict]) -> list[str]:
     unwritten = sum(1 for d in dumps if d.get("problem"))
     if unwritten:
         lines.append(f"  {unwritten} failing cases could not be written (their failure messages say why)")
-    nothing = len(dumps) - len(written) - unwritten
-    if nothing:
-        lines.append(f"  {nothing} failing tests checked no differential case to write")
+    for d in dumps:
+        if not d.get("path") and not d.get("problem"):
+            lines.append(f"  nothing written for {d['nodeid'].split('::', 1)[-1]}: {d.get('nothing') or NO_CASE_NOTED}")
     return lines
 
 
@@ -187,6 +196,21 @@ class FailureDump:
         self._build = None
         self.meta: dict = {}
         self.log = None  # recording.case_log.CaseLog of the running test
+        self.failed_examples: list = []  # (exception, CaseLog, the example) of each Hypothesis example that raised
+        self.examples: list = []  # the failing examples to write, first choice first: (drawn text, CaseLog)
+
+    def take_failing_example(self, exc: BaseException) -> None:
+        """Of a Hypothesis test, the failing examples to write: first the one whose exception
+        the test raised (Hypothesis raises its shrunk or simplest failing example's own; several
+        failures come as a group of them), as Hypothesis reports it; then the test's other
+        failing examples, the last one first, for where the reported one's failure is not one a
+        replay judges (its rows are not planned, say)."""
+        raised = [id(e) for e in exception_and_members(exc)]
+        reported = [example for example in self.failed_examples if id(example[0]) in raised][-1:]
+        others = [example for example in reversed(self.failed_examples)
+                  if not any(example is r for r in reported)][:MAX_OTHER_EXAMPLES]
+        self.examples = [(reported_text(failed, text), log) for failed, log, text in reported]
+        self.examples += [(f"{OTHER_EXAMPLE}: {text}", log) for _, log, text in others]
 
     def arm(self, build) -> None:
         self._build = build
@@ -213,8 +237,26 @@ class FailureDump:
         return {"name": self._safe_name(), "nodeid": self.node.nodeid, **self.meta, **extra, **self._run_meta()}
 
     def dump(self) -> str | None:
+        """Write the failing case (of a Hypothesis test: the first of its failing examples that
+        can be written) and return its path; :class:`recording.dump.NothingToWrite` where none can."""
         if not self.directory:
             return None
+        if not self.failed_examples:
+            return self._dump_case()
+        from recording.dump import NothingToWrite
+
+        reasons = []
+        meta = dict(self.meta)
+        for drawn, log in self.examples:
+            self.log, self.meta = log, dict(meta, drawn=drawn[:4000])
+            try:
+                return self._dump_case()
+            except NothingToWrite as exc:
+                reasons.append(str(exc))
+        self.meta = meta
+        raise NothingToWrite(reasons[0] if reasons else NO_CASE_IN_EXAMPLE)
+
+    def _dump_case(self) -> str | None:
         sequence = self.log.sequence if self._build is None and self.log is not None else None
         if sequence is not None and len(sequence["steps"]) > 1:
             path = self._dump_sequence(sequence)
@@ -226,7 +268,12 @@ class FailureDump:
             from recording.dump import write_crash
 
             path = write_crash(self.directory, self._safe_name(), self.log.crash, **self._recipe_meta())
-            return None if path is None else str(path)
+            if path is None:
+                from recording.dump import NothingToWrite
+
+                raise NothingToWrite("the step that killed its process is not rebuilt by its spec and seed (the "
+                                     "test changed the scenario it was given)")
+            return str(path)
         step = self.log.step if self.log is not None and self.log.fixture is None else None
         fixture = None
         if step is not None:  # the step armed builders build from too
@@ -243,7 +290,9 @@ class FailureDump:
                         return str(path)
         fixture = self.build() if fixture is None else fixture
         if fixture is None:
-            return None
+            from recording.dump import NothingToWrite
+
+            raise NothingToWrite(NO_CASE_IN_EXAMPLE if self.failed_examples else NO_CASE_NOTED)
         for key, value in self.meta.items():
             fixture.meta.setdefault(key, value)
         from fast.impl import DEFAULT_IMPL_SPEC, load_impl
@@ -310,9 +359,60 @@ def pytest_runtest_call(item):
         return
     from recording.case_log import logging_cases
 
-    with logging_cases() as log:
-        _failure_dump_of(item).log = log
+    dump = _failure_dump_of(item)
+    with logging_cases() as log, examples_logged_apart(item.obj, dump.failed_examples):
+        dump.log = log
         yield
+
+
+#: Failing examples tried after the reported one, at most.
+MAX_OTHER_EXAMPLES = 8
+#: How the written case names a failing example other than the one Hypothesis reports.
+OTHER_EXAMPLE = ("another failing example of the test (the one Hypothesis reports fails only where a replay does "
+                 "not judge, or noted no case)")
+
+
+def reported_text(exc: BaseException, example: str) -> str:
+    """The example as Hypothesis reports it (its note on the exception), else as it was called."""
+    notes = [note for note in getattr(exc, "__notes__", ()) if note.startswith("Failing")]
+    return notes[0] if notes else example
+
+
+def exception_and_members(exc: BaseException) -> list[BaseException]:
+    """``exc`` and, for an exception group, every exception in it (nested groups too)."""
+    found = [exc]
+    for member in getattr(exc, "exceptions", ()):
+        found += exception_and_members(member)
+    return found
+
+
+@contextlib.contextmanager
+def examples_logged_apart(test, failed: list):
+    """For a Hypothesis test, each example it runs notes its cases in a log of its own; an
+    example that raises appends ``(exception, its log, the call)`` to ``failed``. Hypothesis runs every
+    example through ``test.hypothesis.inner_test``, which is wrapped for the block."""
+    hypothesis = getattr(test, "hypothesis", None)
+    inner = getattr(hypothesis, "inner_test", None)
+    if inner is None:
+        yield
+        return
+    from recording.case_log import logging_cases
+
+    @functools.wraps(inner)
+    def example(*args, **kwargs):
+        with logging_cases() as log:
+            try:
+                return inner(*args, **kwargs)
+            except BaseException as exc:
+                called = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+                failed.append((exc, log, f"{inner.__name__}({called})"))
+                raise
+
+    hypothesis.inner_test = example
+    try:
+        yield
+    finally:
+        hypothesis.inner_test = inner
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -322,20 +422,29 @@ def pytest_runtest_makereport(item, call):
     dump = item.stash.get(DUMP, None)
     if dump is None or report.when != "call" or not report.failed or hasattr(report, "wasxfail"):
         return
+    from recording.dump import NothingToWrite
+
     started = time.perf_counter()
+    path = problem = nothing = None
     try:
-        path, problem = dump.dump(), None
+        if call.excinfo is not None:
+            dump.take_failing_example(call.excinfo.value)
+        path = dump.dump()
+    except NothingToWrite as exc:
+        nothing = str(exc)
     except Exception as exc:  # a broken dump must not hide the failure itself
-        path, problem = None, f"could not write the failing case under --dump-failures: {exc!r}"
+        problem = f"could not write the failing case under --dump-failures: {exc!r}"
     seconds = time.perf_counter() - started
     size = os.path.getsize(path) if path and os.path.exists(path) else 0
-    report.user_properties.append((DUMP_KEY, {"path": path, "problem": problem, "bytes": size,
+    report.user_properties.append((DUMP_KEY, {"path": path, "problem": problem, "nothing": nothing, "bytes": size,
                                               "seconds": round(seconds, 2)}))
     if path:
         _append_to_failure(report, f"failing case written to {path} ({size / 1e3:.0f} KB, written and shrunk in "
                                    f"{seconds:.1f} s)\nreplay: {replay_command(path, **run_options(item.config))}")
     elif problem:
         _append_to_failure(report, problem)
+    elif nothing:
+        _append_to_failure(report, f"nothing written under --dump-failures: {nothing}")
 
 
 def _append_to_failure(report, text: str) -> None:

@@ -22,8 +22,24 @@ from .step_size import MAX_FAILING_ROWS, build_bytes, smallest_rows
 
 WHY_TOO_LARGE = ("a batch too large to build whole whose plan is right on every row: the failure is in its "
                  "kernel run, which only the whole batch shows")
-WHY_SHRUNK_TOO_LARGE = ("the smallest failing candidate is still larger than the fixture limit: its failing rows "
-                        "(failing_rows) are rebuilt from the spec and seed on replay")
+WHY_PASSES_ITS_REPLAY = ("the noted case passes its replay through the implementation under test (the test failed "
+                         "on a check the replay does not make): a file of it would not reproduce the failure")
+
+
+class NothingToWrite(Exception):
+    """A failing test whose case is not written; the message says why."""
+
+
+def why_shrunk_too_large(shrunk: dict | None, size: int) -> str:
+    """Why a failing case is a recipe: what its shrinking tried and the size it ended at."""
+    if not isinstance(shrunk, dict):
+        where = "the failing case (not shrunk)"
+    else:
+        to = shrunk["to"]
+        where = (f"the failing case, shrunk to {to['rows']} rows x {to['heads']} heads among the candidates that fail "
+                 f"the same checks ({shrunk['candidates_tried']} tried),")
+    return (f"{where} holds {size} bytes of tensors, over the {MAX_FIXTURE_BYTES}-byte fixture limit: its rows "
+            "(failing_rows) are rebuilt from the spec and seed on replay")
 WHY_FAILING_ROWS = ("a batch too large to build whole: the fixture of the rows whose plan is wrong, built from the "
                     "scenario (q drawn per row)")
 
@@ -46,22 +62,29 @@ def write_step_recipe(directory, file_name: str, step, **meta) -> Path | None:
     return None if recipe is None else save_recipe(Path(directory) / f"{file_name}{RECIPE_SUFFIX}", recipe)
 
 
+#: The metadata of a failing case's fixture that its recipe carries.
+RECIPE_META = ("name", "nodeid", "impl", "vllm", "shrunk", "scale_case", "drawn")
+
+
 def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, shrink: bool = True,
                   device="cpu") -> Path:
     """Shrink ``fixture`` (the failing case, as built from the noted ``step`` where there is
     one) and write it into ``directory`` as ``name.safetensors`` with ``name.repro.py``, or as
     ``name.recipe.json``; returns the path written. The shrink runs ``impl`` on ``device``
-    (the run's)."""
+    (the run's). A case that fails nothing when judged is not written: :class:`NothingToWrite`."""
     directory = Path(directory)
     started = time.perf_counter()
     small = shrink_fixture(fixture, impl, device) if shrink else fixture
+    if small is None:
+        raise NothingToWrite(WHY_PASSES_ITS_REPLAY)
     if isinstance(small.meta.get("shrunk"), dict):
         small.meta["shrunk"]["seconds"] = round(time.perf_counter() - started, 3)
-    if fixture_bytes(small) > MAX_FIXTURE_BYTES and step is not None:
-        keep = {k: small.meta[k] for k in ("name", "nodeid", "impl", "shrunk", "scale_case") if k in small.meta}
+    size = fixture_bytes(small)
+    if size > MAX_FIXTURE_BYTES and step is not None:
+        keep = {k: small.meta[k] for k in RECIPE_META if k in small.meta}
         if isinstance(small.meta.get("rows"), list):
             keep["failing_rows"] = small.meta["rows"]
-        recipe = recipe_of_step(step, why=WHY_SHRUNK_TOO_LARGE, **keep)
+        recipe = recipe_of_step(step, why=why_shrunk_too_large(small.meta.get("shrunk"), size), **keep)
         if recipe is not None:
             return save_recipe(directory / f"{name}{RECIPE_SUFFIX}", recipe)
     path = save_fixture(directory / f"{name}.safetensors", small)

@@ -157,7 +157,7 @@ OPTIONAL_META = {
     "name": str, "seed": int, "kv_dtype": str, "max_rows": int, "regimes": list, "row_ctx": list, "focus": list,
     "refused": dict, "environment": dict, "expect_finding": str, "lse_recorded": bool, "graph_replay": bool,
     "source": str, "impl": str, "nodeid": str, "spec": dict, "capture": dict, "digest": dict, "shrunk": dict,
-    "rows": list, "heads": list, "why": str, "scale_case": str, "vllm": str,
+    "rows": list, "heads": list, "why": str, "scale_case": str, "vllm": str, "drawn": str,
 }
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8)

@@ -192,7 +192,7 @@ REQUIRED_FIELDS = {
 OPTIONAL_FIELDS = {
     "impl": impl_spec, "vllm": text, "nodeid": text, "why": text, "scale_case": text, "rows": int_at_least(0),
     "failing_rows": lambda value: None, "shrunk": a_dict, "too_large_to_build": int_at_least(0),
-    "crashed_at": text, "crash": text,
+    "crashed_at": text, "crash": text, "drawn": text,
 }
 
 
@@ -289,7 +289,8 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
             f"{path}: the spec and seed no longer rebuild the recorded scenario (scenario digest differs)"
         )
     step = prepare_step(impl, scenario, recipe["layout"], device, max_rows=recipe["max_rows"])
-    meta = {k: recipe[k] for k in ("name", "impl", "nodeid", "why", "scale_case") if isinstance(recipe.get(k), str)}
+    meta = {k: recipe[k] for k in ("name", "impl", "vllm", "nodeid", "why", "scale_case", "drawn")
+            if isinstance(recipe.get(k), str)}
     rows = recipe.get("failing_rows")
     if not isinstance(rows, list) and not whole and build_bytes(step) > step_size.MAX_BUILD_BYTES:
         rows = smallest_rows(step, plan_failing_rows(step) or rows_per_regime(step), MAX_FAILING_ROWS)

@@ -6,7 +6,8 @@ all failing rows; then at most :data:`MIN_HEADS` heads (the worst ones kept: hea
 independent), and only the KV slots the remaining rows read. Each candidate is judged again:
 its host stages re-run through the implementation under test (:mod:`recording.restage`) and
 its recorded outputs against the reference (:func:`recording.replay.replay`); a candidate is
-kept only while it fails the same checks (:func:`failure_signature`). The fixture records what
+kept only while it fails the same checks (:func:`failure_signature`); a fixture that fails
+nothing is not shrunk, and not written (:class:`recording.dump.NothingToWrite`). The fixture records what
 it fails, what it was shrunk from and to (rows, heads, bytes) and how many candidates were
 tried, under ``shrunk``; ``rows`` and ``heads`` map its rows and heads to the original batch's
 (its spec and seed still rebuild that batch).
@@ -119,18 +120,19 @@ def row_candidates(fx: Fixture, by_check: dict[str, list[int]]) -> list[list[int
     return candidates
 
 
-def shrink_fixture(fx: Fixture, impl=None, device="cpu") -> Fixture:
-    """The smallest candidate of ``fx`` that fails the same checks (``fx`` itself when none
-    does, or when nothing fails), with ``shrunk`` recorded in its metadata; the implementation
-    runs on ``device`` (the run's)."""
+def shrink_fixture(fx: Fixture, impl=None, device="cpu") -> Fixture | None:
+    """The smallest candidate of ``fx`` that fails the same checks (``fx`` itself when no
+    smaller one does), with ``shrunk`` recorded in its metadata; None where ``fx`` itself,
+    judged, fails nothing. A captured fixture comes back as it is (its rows are not judged
+    apart). The implementation runs on ``device`` (the run's)."""
     # A fixture of some rows of a batch too large to build says what it was built from.
     built_from = fx.meta.pop("built_from", None)
-    if fx.tensors.get("capture/qo_indptr") is not None or fx.num_rows == 0:
+    if fx.tensors.get("capture/qo_indptr") is not None:
         return fx  # a captured plan is the program's: its rows are not independent here
     report = judge(fx, impl, device)
     signature = failure_signature(report)
     if not signature:
-        return fx
+        return None
     before = built_from or dict(rows=fx.num_rows, heads=int(fx.meta["num_heads"]), bytes=fixture_bytes(fx))
     tried = 0
     best, best_report = fx, report

@@ -113,13 +113,14 @@ def test_the_dump_summary_tells_written_unwritable_and_nothing_to_write_apart():
         {"nodeid": "tests/x.py::test_b", "path": "D/b.recipe.json", "problem": None, "bytes": 1_500, "seconds": 0.2},
         {"nodeid": "tests/x.py::test_c", "path": None, "problem": "could not write ...: OSError()", "bytes": 0,
          "seconds": 0.1},
-        {"nodeid": "tests/x.py::test_limits", "path": None, "problem": None, "bytes": 0, "seconds": 0.0},
+        {"nodeid": "tests/x.py::test_limits", "path": None, "problem": None, "nothing": "it noted no case",
+         "bytes": 0, "seconds": 0.0},
     ]
     assert dump_summary_lines("D", dumps) == [
         "--dump-failures=D: 2 failing cases written (2.5 MB); writing and shrinking took 41.3 s after the tests' "
         "own time (longest: test_a[big], 41.0 s)",
         "  1 failing cases could not be written (their failure messages say why)",
-        "  1 failing tests checked no differential case to write",
+        "  nothing written for test_limits: it noted no case",
     ]
     assert dump_summary_lines("D", []) == ["--dump-failures=D: no failing case written"]
 
@@ -477,7 +478,7 @@ def test_a_recipe_of_failing_rows_rebuilds_them_with_the_inputs_their_test_built
     from harness.pipeline import prepare_step
     from harness.scenario import batch, build_attention_inputs, build_scenario
     from recording.case_log import fixture_from_step
-    from recording.dump import WHY_SHRUNK_TOO_LARGE
+    from recording.dump import why_shrunk_too_large
     from recording.fixture import subset_fixture
     from recording.recipe import recipe_of_step, save_recipe
     from tests.bugs import CompactionPlansPrefix
@@ -487,7 +488,8 @@ def test_a_recipe_of_failing_rows_rebuilds_them_with_the_inputs_their_test_built
     step = prepare_step(CompactionPlansPrefix(), scenario, "compacted", device)
     rows = [0, 2]
     path = save_recipe(tmp_path / "case.recipe.json",
-                       recipe_of_step(step, name="case", why=WHY_SHRUNK_TOO_LARGE, failing_rows=rows))
+                       recipe_of_step(step, name="case", why=why_shrunk_too_large(None, 2_400_000),
+                                                    failing_rows=rows))
     fx = rebuild_fixture(path, load_recipe(path), CompactionPlansPrefix(), device, whole=False)
     expected = subset_fixture(fixture_from_step(step, build_attention_inputs(scenario)), rows)
     assert fx.meta["rows"] == rows
