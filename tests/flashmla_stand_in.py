@@ -4,11 +4,12 @@ Triton's interpreter), its q concat and head padding, the fp8 cache in FlashMLA'
 fp8 paths' tile-scheduler metadata and workspace, and FlashMLA's Python interface all run as
 they ship; only the two kernels are these functions.
 
-:func:`register` defines the ops ``_flashmla_C::sparse_prefill_fwd`` and
-``_flashmla_C::sparse_decode_fwd`` with the schemas the release's ``_flashmla_C.abi3.so``
-carries (so a call vLLM's interface makes with the wrong arguments fails here as it would
-there), and puts modules in place of ``vllm._flashmla_C`` and ``vllm._flashmla_extension_C``
-(whose import registers the ops in the engine). :func:`hopper` makes vLLM's platform an SM90
+:func:`register` defines ``sparse_prefill_fwd`` and ``sparse_decode_fwd`` in an op namespace
+of its own (:data:`NAMESPACE`) with the schemas the release's ``_flashmla_C.abi3.so`` carries (so
+a call vLLM's interface makes with the wrong arguments fails here as it would there), and, where
+torch has no CUDA, puts modules in place of ``vllm._flashmla_C`` and ``vllm._flashmla_extension_C``
+(whose import registers the real ops in the engine); :func:`in_place_of_the_kernels` points
+FlashMLA's interface at them for a test, so the real kernels, where they load, stay untouched. :func:`hopper` makes vLLM's platform an SM90
 CUDA one and lets torch without an accelerator take vLLM's pinned host buffers as plain ones.
 :func:`interpreter_bool_masks` lets Triton's interpreter run vLLM's convert kernel with a
 prefill workspace: the interpreter types ``block_mask & ~scalar_mask`` as int32 (values 0 and
@@ -43,7 +44,9 @@ from backends.flashmla import RECORDED_OPS, op_schemas
 from reference import sparse_mla_reference
 from reference.flashmla_layout import TOKEN_BYTES, dequantize
 
-NAMESPACE = "_flashmla_C"
+#: The stand-in's own op namespace: FlashMLA's ``_flashmla_C`` stays the release's (real where
+#: its ``.so`` loaded, on a GPU runner), and FlashMLA's interface is pointed here for a test.
+NAMESPACE = "_flashmla_C_stand_in"
 EXTENSIONS = ("vllm._flashmla_C", "vllm._flashmla_extension_C")
 #: Rows of the tile-scheduler metadata the stand-in hands back (FlashMLA's TileSchedulerMetaDataSize is 8).
 TILE_METADATA_WIDTH = 8
@@ -54,7 +57,8 @@ def handed(indices: torch.Tensor, s_kv: int, lengths: torch.Tensor | None) -> to
     """``[rows, topk]``: the entries a kernel reads."""
     mask = (indices >= 0) & (indices < s_kv)
     if lengths is not None:
-        mask &= torch.arange(indices.shape[1]).unsqueeze(0) < lengths.to(torch.int64).cpu().unsqueeze(1)
+        cols = torch.arange(indices.shape[1], device=indices.device).unsqueeze(0)
+        mask &= cols < lengths.to(device=indices.device, dtype=torch.int64).unsqueeze(1)
     return mask
 
 
@@ -116,8 +120,8 @@ def sparse_decode_fwd(q, kv, indices, topk_length, attn_sink, tile_scheduler_met
         result = out_
     lse = lse.reshape(b, s_q, heads).permute(0, 2, 1).contiguous()
     if tile_scheduler_metadata is None:
-        tile_scheduler_metadata = torch.zeros((1, TILE_METADATA_WIDTH), dtype=torch.int32)
-        num_splits = torch.zeros(b + 1, dtype=torch.int32)
+        tile_scheduler_metadata = torch.zeros((1, TILE_METADATA_WIDTH), dtype=torch.int32, device=q.device)
+        num_splits = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
     return result, lse, tile_scheduler_metadata, num_splits
 
 
@@ -125,8 +129,9 @@ IMPLEMENTATIONS = {"sparse_prefill_fwd": sparse_prefill_fwd, "sparse_decode_fwd"
 
 
 def register(source) -> None:
-    """The stand-in kernels under the release's op schemas, and the extension modules (once
-    per process)."""
+    """The stand-in kernels under the release's op schemas in :data:`NAMESPACE` (once per
+    process, any device), and, where torch has no CUDA (FlashMLA's ``.so`` links CUDA 13's
+    runtime and cannot load), modules that register nothing in place of its extensions."""
     if not _LIBRARIES:
         schemas = op_schemas(source)
         missing = [op for op in RECORDED_OPS if op not in schemas]
@@ -135,13 +140,25 @@ def register(source) -> None:
         library = torch.library.Library(NAMESPACE, "DEF")
         for op in RECORDED_OPS:
             library.define(schemas[op])
-            library.impl(op, IMPLEMENTATIONS[op], "CPU")
+            library.impl(op, IMPLEMENTATIONS[op], "CompositeExplicitAutograd")
         _LIBRARIES.append(library)
+    if torch.cuda.is_available():
+        return
     for name in EXTENSIONS:
         if name not in sys.modules:
             module = types.ModuleType(name, "stand-in: FlashMLA's compiled kernels (tests/flashmla_stand_in.py)")
             module.__sparse_mla_stand_in__ = "FlashMLA's kernels, computed with the project's reference on the CPU"
             sys.modules[name] = module
+
+
+def stand_in_ops():
+    return getattr(torch.ops, NAMESPACE)
+
+
+def in_place_of_the_kernels(monkeypatch) -> None:
+    """FlashMLA's interface (loaded from the release) calls the stand-in kernels until
+    ``monkeypatch`` is undone."""
+    monkeypatch.setattr(sys.modules[vllm_shims.FLASHMLA_INTERFACE_MODULE], "flash_mla_cuda", stand_in_ops())
 
 
 def hopper(monkeypatch) -> None:

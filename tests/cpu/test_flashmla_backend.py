@@ -72,6 +72,7 @@ def flashmla_backend(flashmla_source):
 def stand_in(flashmla_backend, monkeypatch):
     flashmla_stand_in.hopper(monkeypatch)
     flashmla_stand_in.interpreter_bool_masks(monkeypatch)
+    flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
     return flashmla_backend
 
 
@@ -243,7 +244,7 @@ def test_stand_in_prefill_reads_only_the_entries_it_is_handed(flashmla_backend):
     kv = memory[:s_kv]
     q = torch.randn(2, heads, 576, generator=gen).to(torch.bfloat16)
     indices = torch.tensor([[[0, 1, 2, 5]], [[3, -1, s_kv, s_kv + 7]]], dtype=torch.int32)
-    ops = torch.ops._flashmla_C
+    ops = flashmla_stand_in.stand_in_ops()
     out, _, lse = ops.sparse_prefill_fwd(q, kv, indices, 0.1, 512, None, torch.tensor([3, 4], dtype=torch.int32),
                                          None)
     assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
