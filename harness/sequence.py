@@ -141,10 +141,23 @@ def host_step_problems(impl, buffers: ReusedBuffers, scenario: Scenario, layout:
     return problems
 
 
+def raised(index: int, exc: Exception) -> StepResult:
+    """A step whose implementation raised: one problem naming the exception (the steps after it
+    are not run)."""
+    return StepResult(index, [f"step {index} raised {type(exc).__name__}: {str(exc)[:300]}"])
+
+
 def run_host_sequence(impl, sequence: Sequence, device) -> list[StepResult]:
     buffers = ReusedBuffers(sequence.max_rows, sequence.width, device)
-    return [StepResult(i, host_step_problems(impl, buffers, scenario, sequence.layout, where=f"step {i}"))
-            for i, scenario in enumerate(sequence.scenarios())]
+    results = []
+    for i, scenario in enumerate(sequence.scenarios()):
+        try:
+            results.append(StepResult(i, host_step_problems(impl, buffers, scenario, sequence.layout,
+                                                            where=f"step {i}")))
+        except Exception as exc:  # the implementation under test raised: the step fails with it
+            results.append(raised(i, exc))
+            break
+    return results
 
 
 # --- one attention state (GPU) ------------------------------------------------------------------
@@ -177,43 +190,52 @@ def run_state_sequence(impl, features, sequence: Sequence) -> list[StepResult]:
     inputs = [build_attention_inputs(s, launch.DEVICE) for s in scenarios]
     graph, results, refusals = None, [], _Refusals()
     for i, (scenario, step) in enumerate(zip(scenarios, steps, strict=True)):
-        where = f"step {i} of {sequence.describe()}; {launch.failure_context(step, features.version)}"
-        mismatches = sorted(launch.selection_mismatches(step))
-        c_rows = sorted(r for r, g in enumerate(step.regimes()) if g == "C")
-        if sequence.layout != "compacted" and c_rows:
-            # docs/findings.md#regime-c-planned-as-a-prefix: not launched; exactly those rows wrong
-            wrong = [] if mismatches == c_rows else [f"rows planned wrong {mismatches[:8]} (regime C rows "
-                                                     f"{c_rows[:8]}); {where}"]
-            results.append(StepResult(i, wrong))
-            continue
-        problems = [f"invariant {v}; {where}" for v in step.violations[:4]]
-        if mismatches:
-            problems.append(f"planned slots (b) != intended (a) on rows {mismatches[:8]}; {where}")
-        if problems:
-            results.append(StepResult(i, problems))
-            continue
-        static.load(scenario, inputs[i])
-        if launch.plan_or_refusal(features, state, step, refusals) is not None:
-            results.append(StepResult(i))
-            continue
-        if sequence.graph and graph is None:
-            state.step(*static.args())  # warm-up outside capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                state.step(*static.args())
-            static.load(scenario, inputs[i])
-        if graph is not None:
-            graph.replay()
-        else:
-            state.step(*static.args())
-        launch.sync()
-        problems = [f"{p}; {where}" for p in launch.state_matches_step(state, step)]
-        n = step.num_planned
-        if not problems and n:
-            comparisons = launch.compare_with_references(step, inputs[i], static.out, static.lse)
-            problems = [f"{c.summary(step.scenario.row_regime)}; {where}" for c in comparisons if not c.ok]
-        results.append(StepResult(i, problems))
+        try:
+            result, graph = _state_step(impl, features, sequence, state, static, graph, i, scenario, step, inputs[i],
+                                        refusals)
+        except Exception as exc:  # the implementation (or FlashInfer, refusing what it was handed) raised
+            results.append(raised(i, exc))
+            break
+        results.append(result)
     return results
+
+
+def _state_step(impl, features, sequence, state, static, graph, i, scenario, step, inputs, refusals):
+    """One step of :func:`run_state_sequence`: ``(StepResult, the graph captured so far)``."""
+    from . import launch
+
+    where = f"step {i} of {sequence.describe()}; {launch.failure_context(step, features.version)}"
+    mismatches = sorted(launch.selection_mismatches(step))
+    c_rows = sorted(r for r, g in enumerate(step.regimes()) if g == "C")
+    if sequence.layout != "compacted" and c_rows:
+        # docs/findings.md#regime-c-planned-as-a-prefix: not launched; exactly those rows wrong
+        wrong = [] if mismatches == c_rows else [f"rows planned wrong {mismatches[:8]} (regime C rows "
+                                                 f"{c_rows[:8]}); {where}"]
+        return StepResult(i, wrong), graph
+    problems = [f"invariant {v}; {where}" for v in step.violations[:4]]
+    if mismatches:
+        problems.append(f"planned slots (b) != intended (a) on rows {mismatches[:8]}; {where}")
+    if problems:
+        return StepResult(i, problems), graph
+    static.load(scenario, inputs)
+    if launch.plan_or_refusal(features, state, step, refusals) is not None:
+        return StepResult(i), graph
+    if sequence.graph and graph is None:
+        state.step(*static.args())  # warm-up outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            state.step(*static.args())
+        static.load(scenario, inputs)
+    if graph is not None:
+        graph.replay()
+    else:
+        state.step(*static.args())
+    launch.sync()
+    problems = [f"{p}; {where}" for p in launch.state_matches_step(state, step)]
+    if not problems and step.num_planned:
+        comparisons = launch.compare_with_references(step, inputs, static.out, static.lse)
+        problems = [f"{c.summary(step.scenario.row_regime)}; {where}" for c in comparisons if not c.ok]
+    return StepResult(i, problems), graph
 
 
 def run_sequence(impl, sequence: Sequence, device, features=None) -> list[StepResult]:

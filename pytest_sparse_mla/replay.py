@@ -121,7 +121,7 @@ def replay_path_problem(path: str) -> str:
         return f"--replay={path}: no such file or folder"
     if not fixture_paths([path]):
         return (
-            f"--replay={path}: no fixture (*.safetensors, *.recipe.json) under it; "
+            f"--replay={path}: no fixture (*.safetensors, *.recipe.json, *.sequence.json) under it; "
             "an empty replay would pass and check nothing"
         )
     return ""

@@ -36,20 +36,20 @@ class Journey:
     name: str
     bug: str
     tests: tuple[str, ...]  # pytest arguments selecting the GPU tests
-    written: str  # glob of what the dump must write
+    written: tuple[str, ...]  # globs of what the dump may write
 
 
 JOURNEYS = (
     Journey("plan", "ContextIsPosition",
             ("tests/gpu/test_attention_regimes.py", "-k", "test_kernel_matches and compacted and ctx2049"),
-            "*.safetensors"),
+            ("*.safetensors", "*.recipe.json")),
     Journey("kernel-input", "QPeHeadsRolled",
             ("tests/gpu/test_attention_regimes.py", "-k", "test_kernel_matches and compacted and (ctx1- or ctx2049)"),
-            "*.safetensors"),
+            ("*.safetensors", "*.recipe.json")),
     Journey("stateful", "StaleLengthsPastTheRowCount",
             ("tests/gpu/test_edges.py", "tests/gpu/test_cuda_graphs.py", "-k",
              "test_previous_steps_slots_change_nothing or test_capture_once_replan_and_replay"),
-            "*.sequence.json"),
+            ("*.sequence.json",)),
 )
 
 
@@ -69,7 +69,7 @@ def run_journey(journey: Journey, out: Path, workers: str) -> dict:
     impl = f"--impl=tests.bugs:{journey.bug}"
     found_rc, found_s = pytest_run([*journey.tests, "-n", workers, impl, f"--dump-failures={dump}", "-q"],
                                    out / journey.name / "1-found.log")
-    files = sorted(dump.glob(journey.written))
+    files = sorted(p for pattern in journey.written for p in dump.glob(pattern))
     red_rc, red_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", impl, "-q", "-p", "no:xdist"],
                                out / journey.name / "2-replay-with-the-bug.log")
     green_rc, green_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", "-q", "-p", "no:xdist"],

@@ -119,6 +119,14 @@ def magnitude_params():
             for i, case in enumerate(magnitude_cases())]
 
 
+def padded_empty_step(spec) -> bool:
+    """A step with no query row padded for a CUDA graph. vLLM's model runner passes the padded
+    token count as ``num_actual_tokens`` there, and the project's step metadata counts the real
+    rows (docs/input-space.md#transitions): through vLLM's forward on FlashInfer such a step is
+    the harness's metadata, not vLLM's, so the GPU tier leaves it out (docs/vllm.md)."""
+    return spec.padded_rows > 0 and not any(r.q_len for r in spec.requests)
+
+
 def input_space_params(strength: int = 1):
     """The covering design of the production input space (every value class of every dimension
     at strength 1), fp8 rope at k_scale 1 as above."""
@@ -127,6 +135,8 @@ def input_space_params(strength: int = 1):
     params = []
     for case, _ in input_space_cases(strength):
         spec = case.spec
+        if padded_empty_step(spec):
+            continue
         if kpe_scale_ignored(spec):
             spec = spec.replace(k_scale=1.0)
         params.append(pytest.param(dataclasses.replace(case, spec=spec), id=case.id))

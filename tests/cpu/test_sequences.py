@@ -168,3 +168,22 @@ def test_gpu_journey_a_stateful_bug_dumps_a_sequence_that_replays_red_and_green_
     green = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={written[0]}",
                            simulated=True)
     assert green.ret == 0, "\n".join(green.outlines + green.errlines)[-3000:]
+
+
+class RaisesOnTheSecondStep(FastImpl):
+    def __init__(self):
+        self.calls = 0
+
+    def kv_lens(self, meta, **kwargs):
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("refused at step 1")
+        return super().kv_lens(meta, **kwargs)
+
+
+def test_a_step_that_raises_fails_that_step_and_ends_the_run(device):
+    """An exception in a step (the implementation's, or a vendor refusing what it was handed) is
+    that step's failure, named, so a sequence that dies that way is still written and replayed."""
+    results = run_host_sequence(RaisesOnTheSecondStep(), decode_steps(3), device)
+    assert [r.index for r in results] == [0, 1] and not results[0].problems
+    assert results[1].problems == ["step 1 raised ValueError: refused at step 1"]

@@ -146,7 +146,8 @@ GPU_BUG_CASES = [
         "StaleLengthsPastTheRowCount",
         EDGES,
         "test_previous_steps_slots_change_nothing and packed-short",
-        r"edge stale-slots.*stale kv_len past row \d+",
+        # a release that checks page counts refuses the stale lengths at plan; one that does not plans them
+        r"(edge stale-slots.*stale kv_len past row \d+|CSR metadata page counts in kv_indptr must equal)",
     ),
     # Exactly the rows past the grid fail, the first of them named: the 512 rows the grid covers
     # pass the family's checks.
