@@ -72,7 +72,28 @@ def rerun_on_installed(request, fx):
     from pytest_sparse_mla.impl import IMPL_SPEC
     from recording.rerun import rerun_fixture
 
-    return rerun_fixture(fx, impl, request.config.stash.get(IMPL_SPEC, None), DEVICE), None
+    spec = request.config.stash.get(IMPL_SPEC, None)
+    rerun = rerun_fixture(fx, impl, spec, DEVICE)
+    if refused_as_strided_plans_are(fx, rerun):
+        from recording.restage import restage_fixture
+
+        why = (f"flashinfer {rerun.version} refuses a strided plan of rows shorter than W, as a release that checks "
+               "page counts does (docs/findings.md#strided-layout-rejected-at-plan), and no recorded release did: "
+               "the host stages re-run instead")
+        return restage_fixture(fx, impl, spec, request.getfixturevalue("device")), why
+    return rerun, None
+
+
+def refused_as_strided_plans_are(fx, rerun) -> bool:
+    """A fixture of the strided layout recorded where no release refused it (on the CPU tier, say),
+    whose re-run the installed FlashInfer refuses with the page-count check: its kernel cannot run
+    here, but its plan can still be judged."""
+    from backends.port import PLAN_REFUSAL
+    from recording.replay import first_line
+
+    if not rerun.refused or fx.meta.get("layout") != "strided" or PLAN_REFUSAL not in rerun.refused:
+        return False
+    return not any(first_line(r) == first_line(rerun.refused) for r in (fx.meta.get("refused") or {}).values())
 
 
 def load_case(path, request):
