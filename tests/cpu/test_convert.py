@@ -356,6 +356,10 @@ def test_req_id_rows_mismatch_is_a_value_error_naming_req_id(impl, device, req_r
         convert_rule(topk.cpu(), table.cpu(), torch.zeros(req_rows, dtype=torch.int32), 16)
 
 
+#: The whole message convert raises for an input whose columns are not adjacent.
+UNIT_STRIDE = "^topk_indices and block_table need unit column stride$"
+
+
 @pytest.mark.input_rules
 @pytest.mark.parametrize(("name", "make", "pattern"), [
     ("topk_indices int64", lambda t, b, r: (t.long(), b, r, {}), "topk_indices"),
@@ -368,12 +372,59 @@ def test_req_id_rows_mismatch_is_a_value_error_naming_req_id(impl, device, req_r
      "out"),
     ("out column-strided",
      lambda t, b, r: (t, b, r, {"out": torch.empty((4, 256), dtype=torch.int32, device=t.device)[:, ::2]}), "out"),
-    ("topk_indices column-strided", lambda t, b, r: (torch.cat([t, t], 1)[:, ::2], b, r, {}), "unit column stride"),
+    ("topk_indices column-strided", lambda t, b, r: (torch.cat([t, t], 1)[:, ::2], b, r, {}), UNIT_STRIDE),
+    ("block_table of two columns, column-strided",
+     lambda t, b, r: (t, torch.zeros((b.shape[0], 4), dtype=torch.int32, device=b.device)[:, ::2], r, {}),
+     UNIT_STRIDE),
 ])
 def test_bad_inputs_are_rejected(impl, device, name, make, pattern):
     topk, table, req, kwargs = make(*ok_inputs(device))
     with pytest.raises(ValueError, match=pattern):
         impl.convert(topk, table, req, 16, **kwargs)
+
+
+@pytest.mark.input_rules
+def test_an_out_buffer_on_another_device_is_refused(impl, device):
+    """``out`` on another device than the inputs (the meta device where the inputs are on the
+    host) is refused, naming the devices, before any kernel runs."""
+    topk, table, req = ok_inputs(device)
+    other = "meta" if device.type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="^inputs on several devices: "):
+        impl.convert(topk, table, req, 16, out=torch.empty(topk.shape, dtype=torch.int32, device=other))
+
+
+def test_host_tensors_are_refused_where_the_kernel_is_compiled(monkeypatch):
+    """The compiled kernel takes CUDA tensors only: host tensors where the kernel is not run by
+    Triton's interpreter are refused with what to set."""
+    import fast.convert
+
+    monkeypatch.setattr(fast.convert, "INTERPRETED", False)
+    topk, table, req = ok_inputs(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
+        fast.convert.convert_topk_to_slots(topk, table, req, 16)
+
+
+def test_a_one_column_block_table_of_any_column_stride_maps_by_the_rule(impl, device):
+    """Requests of one block each: a [R, 1] block table never steps along its columns, so one
+    whose column stride is not 1 (a column of a transposed buffer) is accepted and maps by the rule."""
+    table = torch.arange(3, 3 + 16, dtype=torch.int32).view(4, 4).t()[:, :1]
+    assert table.shape == (4, 1) and table.stride(1) != 1, "test setup: a one-column view with column stride 4"
+    rng = np.random.default_rng(7)
+    topk = torch.from_numpy(rng.integers(-1, BS, size=(8, 128), dtype=np.int32))
+    req = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3], dtype=torch.int32)
+    slots, _ = assert_matches_rule(impl, topk.to(device), table.to(device) if device.type != "cpu" else table,
+                                   req.to(device), BS)
+    assert bool((slots[topk >= 0] >= 3 * BS).all()), "valid tokens map into the table's blocks"
+
+
+def test_convert_returns_the_slots_alone_unless_counts_are_asked_for(device):
+    from fast.convert import convert_topk_to_slots
+
+    topk = torch.full((2, 128), -1, dtype=torch.int32, device=device)
+    table = torch.ones((1, 1), dtype=torch.int32, device=device)
+    req = torch.zeros(2, dtype=torch.int32, device=device)
+    slots = convert_topk_to_slots(topk, table, req, BS)
+    assert isinstance(slots, torch.Tensor) and slots.shape == (2, 128) and bool((slots.cpu() == -1).all())
 
 
 # --- random tables and indices -------------------------------------------------------------

@@ -86,3 +86,16 @@ def test_empty_batch_plans_no_rows(impl, device):
     lens = host_lens(impl, meta, async_scheduling=False)
     assert lens.numel() == 0
     assert impl.planned_lens(meta, lens, topk=TOPK).numel() == 0
+
+
+def test_every_context_source_gives_int64_contexts_on_the_host(device):
+    """The contexts of the positions source are int64 on the host, as those of the host bound
+    and of seq_lens, whatever the positions' integer type."""
+    from fast.kvlen import ctx_from_positions, ctx_from_seq_lens
+
+    positions = torch.tensor([4, 9, 2**31 - 1], dtype=torch.int32, device=device)
+    ctx = ctx_from_positions(positions, 3)
+    assert ctx.dtype == torch.int64 and ctx.device.type == "cpu", (ctx.dtype, ctx.device)
+    assert ctx.tolist() == [5, 10, 2**31]
+    seq = ctx_from_seq_lens(torch.tensor([3], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32))
+    assert seq.dtype == ctx.dtype and seq.device == ctx.device

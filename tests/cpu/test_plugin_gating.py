@@ -279,6 +279,19 @@ def usage_run(pytester, *args: str, xdist: bool = False):
     return result, "\n".join(result.outlines + result.errlines)
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    (":default_impl", "--impl expects 'module:factory', got ':default_impl'"),
+    ("fast.impl:", "--impl expects 'module:factory', got 'fast.impl:'"),
+    ("fast.impl:default_impl:x", "cannot load the factory: module 'fast.impl' has no attribute 'default_impl:x'"),
+], ids=["no-module", "no-factory", "two-colons"])
+def test_an_impl_spec_is_its_module_before_the_first_colon_and_a_factory_after(spec, message):
+    from fast.impl import load_impl
+
+    with pytest.raises(ValueError) as excinfo:
+        load_impl(spec)
+    assert message in str(excinfo.value), str(excinfo.value)
+
+
 def assert_one_usage_error(result, out: str, line: str, *, exact: bool = True) -> None:
     """rc 4, one error line (``line``, or beginning with it), no test run, no traceback."""
     assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]

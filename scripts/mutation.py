@@ -1,0 +1,87 @@
+"""Mutation testing of the host side of ``fast/`` with mutmut (config: ``[tool.mutmut]`` in
+pyproject.toml; needs the ``mutation`` extra):
+
+    python3 -m scripts.mutation [--max-children N] [--report-only]
+
+runs ``mutmut run`` over fast/kvlen.py, fast/layouts.py, convert's host functions and
+fast/impl.py with the CPU tests that exercise them, then prints the score (killed among the
+mutants some test reaches), the mutants no test reaches, and each survivor with its diff. The
+survivors that no behaviour tells apart from the code are listed in docs/mutation.md with why.
+mutmut keeps its results in ``mutants/`` (ignored by git): a second run re-tests only what changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: mutmut's statuses that count as caught by the tests.
+CAUGHT = ("killed", "timeout", "segfault", "caught by type check")
+
+
+def mutmut(*args: str, check: bool = True) -> str:
+    """Run one mutmut command in the repository root; its standard output."""
+    proc = subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"mutmut {' '.join(args)} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def statuses(results_text: str) -> dict[str, str]:
+    """``mutant name -> status`` from the lines of ``mutmut results --all true``."""
+    found = {}
+    for line in results_text.splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep and name:
+            found[name] = status
+    return found
+
+
+def score_lines(by_status: dict[str, str]) -> list[str]:
+    """The score: mutants caught among those some test reaches, and those no test reaches."""
+    counts: dict[str, int] = {}
+    for status in by_status.values():
+        counts[status] = counts.get(status, 0) + 1
+    caught = sum(counts.get(s, 0) for s in CAUGHT)
+    survived = counts.get("survived", 0)
+    reached = caught + survived
+    score = 100.0 * caught / reached if reached else 0.0
+    lines = [f"mutation score: {score:.1f} % ({caught} of {reached} mutants reached by a test caught; "
+             f"{survived} survived)",
+             f"not reached by any test: {counts.get('no tests', 0)}; all mutants: {len(by_status)}"]
+    others = {s: n for s, n in counts.items() if s not in (*CAUGHT, "survived", "no tests")}
+    if others:
+        lines.append("other outcomes: " + ", ".join(f"{s} {n}" for s, n in sorted(others.items())))
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
+    parser.add_argument("--report-only", action="store_true", help="print the last run's results without running")
+    parser.add_argument("--no-diffs", action="store_true", help="name the survivors without their diffs")
+    args = parser.parse_args(argv)
+    if not args.report_only:
+        proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)],
+                              cwd=ROOT)
+        if proc.returncode != 0:
+            return proc.returncode
+    by_status = statuses(mutmut("results", "--all", "true"))
+    if not by_status:
+        print("no mutmut results: run without --report-only first")
+        return 1
+    print("\n".join(score_lines(by_status)))
+    survivors = sorted(name for name, status in by_status.items() if status == "survived")
+    for name in survivors:
+        print(f"\nsurvived: {name}" if args.no_diffs else "\n" + mutmut("show", name).rstrip())
+    (ROOT / "mutants" / "score.json").write_text(json.dumps({"statuses": by_status}, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
