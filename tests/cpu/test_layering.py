@@ -37,7 +37,7 @@ SEAM_MODULES = ("backends.seam", "backends.port")
 #: Vendor packages and the project's modules that wrap them.
 VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "fast.flashinfer_compat", "fast.sm90")
 BEHIND_THE_SEAM = ("harness", "recording")
-SKIPPED_DIRS = {"venv", "build", "dist", "__pycache__", "node_modules"}
+SKIPPED_DIRS = {"venv", "build", "dist", "__pycache__", "node_modules", "mutants"}  # mutants: mutmut's work folder
 
 
 def project_modules(root: Path = ROOT) -> list[Path]:
