@@ -47,9 +47,25 @@ def pytest_configure(config):
         raise pytest.UsageError(str(exc)) from exc
 
 
+def flashmla_absence(source) -> str | None:
+    """Why the FlashMLA backend cannot be tested from ``source`` (None: its modules and kernels
+    are there)."""
+    from backends.vllm_source import SLICE_COMMAND, missing_flashmla_files
+
+    missing = missing_flashmla_files(source)
+    if not missing:
+        return None
+    return (f"FlashMLA not under test: {source.describe()} lacks {', '.join(missing)} (a slice written with "
+            f"--modules-only; write it with `{SLICE_COMMAND}`)")
+
+
 def pytest_report_header(config):
     source = config.stash.get(VLLM_SOURCE, None)
-    return [f"vLLM under test: {source.describe()}" if source else NO_VLLM]
+    if not source:
+        return [NO_VLLM]
+    absent = flashmla_absence(source)
+    under_test = "FlashMLA under test: the release's FLASHMLA_SPARSE on its own kernels (a stand-in without CUDA)"
+    return [f"vLLM under test: {source.describe()}", absent or under_test]
 
 
 def pytest_collection_modifyitems(config, items):

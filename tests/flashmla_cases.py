@@ -38,7 +38,7 @@ from harness.backend_step import (
 from harness.builder import build_scenario
 from harness.cases import Case, KernelConfig, all_regime_cases, covering_config, situation_cases
 from harness.device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
-from pytest_sparse_mla.vllm import NO_VLLM, VLLM_SOURCE
+from pytest_sparse_mla.vllm import NO_VLLM, VLLM_SOURCE, flashmla_absence
 from tests.vllm_cases import in_one_cache, sequence_specs
 
 #: The configurations FlashMLA serves for DeepSeek-V3.2 on the GPU tier (heads vary by case).
@@ -53,10 +53,14 @@ _RUN_IDS: dict[int, str] = {}
 
 @pytest.fixture(scope="session")
 def flashmla_source(pytestconfig):
-    """The vLLM release ``--vllm`` names (skipped without it)."""
+    """The vLLM release ``--vllm`` names (skipped without it, and where its files lack FlashMLA's
+    modules or kernels: the reason is in the run's header)."""
     source = pytestconfig.stash.get(VLLM_SOURCE, None)
     if source is None:
         pytest.skip(NO_VLLM)
+    absent = flashmla_absence(source)
+    if absent:
+        pytest.skip(absent)
     return source
 
 
