@@ -47,8 +47,10 @@ JOURNEYS = (
             ("tests/gpu/test_attention_regimes.py", "-k", "test_kernel_matches and compacted and (ctx1- or ctx2049)"),
             ("*.safetensors", "*.recipe.json")),
     Journey("stateful", "StaleLengthsPastTheRowCount",
+            # less the graph case at 128 heads: there the project's own path shows FlashInfer's standing
+            # finding (docs/findings.md#graph-replay-with-stale-plan-state), fixed bug or not
             ("tests/gpu/test_edges.py", "tests/gpu/test_cuda_graphs.py", "-k",
-             "test_previous_steps_slots_change_nothing or test_capture_once_replan_and_replay"),
+             "test_previous_steps_slots_change_nothing or (test_capture_once_replan_and_replay and not h128)"),
             ("*.sequence.json",)),
 )
 
