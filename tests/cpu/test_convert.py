@@ -284,6 +284,12 @@ def test_request_ids_repeat_over_query_start_loc_padding_maps_to_zero(impl, devi
     assert got[tokens:].tolist() == [0] * (num_rows - tokens)
 
 
+@pytest.mark.input_rules
+def test_fewer_rows_than_query_tokens_are_refused_naming_both(impl, device):
+    with pytest.raises(ValueError, match=r"^num_rows=2 < 3 query tokens$"):
+        impl.request_ids(torch.tensor([0, 3], dtype=torch.int32, device=device), 2)
+
+
 def test_padded_rows_map_through_request_zero(impl, device):
     table = torch.tensor([[5, 6, 7], [1, 2, 3], [9, 8, 4]], dtype=torch.int32)
     req = impl.request_ids(qsl_tensor([1, 2, 1], device), 7)
@@ -400,7 +406,8 @@ def test_host_tensors_are_refused_where_the_kernel_is_compiled(monkeypatch):
 
     monkeypatch.setattr(fast.convert, "INTERPRETED", False)
     topk, table, req = ok_inputs(torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
+    with pytest.raises(RuntimeError, match=r"^the convert kernel runs on CPU tensors only in Triton's interpreter: "
+                       r"set TRITON_INTERPRET=1 before fast\.convert is imported$"):
         fast.convert.convert_topk_to_slots(topk, table, req, 16)
 
 

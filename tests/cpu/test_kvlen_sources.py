@@ -99,3 +99,42 @@ def test_every_context_source_gives_int64_contexts_on_the_host(device):
     assert ctx.tolist() == [5, 10, 2**31]
     seq = ctx_from_seq_lens(torch.tensor([3], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32))
     assert seq.dtype == ctx.dtype and seq.device == ctx.device
+
+
+def test_async_path_reads_positions_that_cover_exactly_the_rows(impl, device):
+    """Positions with one entry per row (no padded rows) are the async source: seq_lens is not
+    read."""
+    scenario = spec_decode_scenario(async_scheduling=True, slack=3)
+    meta = meta_on_device(scenario.meta, device)
+    assert meta.positions.shape[0] == scenario.num_rows, "test setup: no padded rows"
+    meta = dataclasses.replace(meta, seq_lens=torch.full_like(meta.seq_lens, -99))
+    lens = host_lens(impl, meta, async_scheduling=True)
+    assert torch.equal(lens.long(), kv_len_rule(scenario.row_ctx, TOPK, 4))
+
+
+def test_a_query_start_loc_longer_than_the_batch_gives_the_same_lens(impl, device):
+    """query_start_loc as the engine's persistent buffer: entries past the batch's requests
+    (repeating its last offset) are not read."""
+    scenario = spec_decode_scenario(async_scheduling=False)
+    meta = meta_on_device(scenario.meta, device)
+    qsl = meta.query_start_loc_cpu
+    longer = dataclasses.replace(meta, query_start_loc_cpu=torch.cat([qsl, qsl[-1:].repeat(3)]))
+    assert torch.equal(host_lens(impl, longer, async_scheduling=False), host_lens(impl, meta, async_scheduling=False))
+
+
+def test_an_empty_batch_of_padded_rows_has_no_contexts(device):
+    """A step of padded rows only has positions for its padding but no row to give a context."""
+    from fast.kvlen import row_contexts
+
+    scenario = build_scenario(batch(topk=TOPK, padded_rows=3), seed=5)
+    meta = meta_on_device(scenario.meta, device)
+    assert meta.positions is not None and meta.positions.shape[0] == 3, "test setup: padded positions"
+    assert row_contexts(meta, async_scheduling=True).numel() == 0
+
+
+def test_a_batch_without_prefills_routes_nothing_to_dense_mha(device):
+    from fast.kvlen import prefills_use_dense_mha
+
+    scenario = build_scenario(batch((40, 1), (TOPK + 9, 1), topk=TOPK), seed=5)
+    assert scenario.meta.num_prefills == 0
+    assert prefills_use_dense_mha(meta_on_device(scenario.meta, device), TOPK) is False
