@@ -9,8 +9,9 @@ of its own (:data:`NAMESPACE`) with the schemas the release's ``_flashmla_C.abi3
 a call vLLM's interface makes with the wrong arguments fails here as it would there), and, where
 torch has no CUDA, puts modules in place of ``vllm._flashmla_C`` and ``vllm._flashmla_extension_C``
 (whose import registers the real ops in the engine); :func:`in_place_of_the_kernels` points
-FlashMLA's interface at them for a test, so the real kernels, where they load, stay untouched. :func:`hopper` makes vLLM's platform an SM90
-CUDA one and lets torch without an accelerator take vLLM's pinned host buffers as plain ones.
+FlashMLA's interface at them for a test, so the real kernels, where they load, stay untouched.
+:func:`hopper` makes vLLM's platform an SM90 CUDA one and lets torch without an accelerator take
+vLLM's pinned host buffers as plain ones.
 :func:`interpreter_bool_masks` lets Triton's interpreter run vLLM's convert kernel with a
 prefill workspace: the interpreter types ``block_mask & ~scalar_mask`` as int32 (values 0 and
 1) and then refuses it as a load or store mask, where the compiled kernel has an i1 mask.
