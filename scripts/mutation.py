@@ -1,7 +1,7 @@
 """Mutation testing of the host side of ``fast/`` with mutmut (config: ``[tool.mutmut]`` in
 pyproject.toml; needs the ``mutation`` extra):
 
-    python3 -m scripts.mutation [--max-children N] [--report-only]
+    python3 -m scripts.mutation [--max-children N] [--report-only] [--retest-survivors]
 
 runs ``mutmut run`` over fast/kvlen.py, fast/layouts.py, convert's host functions and
 fast/impl.py with the CPU tests that exercise them, then prints the score (killed among the
@@ -42,6 +42,10 @@ def statuses(results_text: str) -> dict[str, str]:
     return found
 
 
+def survivors(by_status: dict[str, str]) -> list[str]:
+    return sorted(name for name, status in by_status.items() if status == "survived")
+
+
 def score_lines(by_status: dict[str, str]) -> list[str]:
     """The score: mutants caught among those some test reaches, and those no test reaches."""
     counts: dict[str, int] = {}
@@ -65,10 +69,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
     parser.add_argument("--report-only", action="store_true", help="print the last run's results without running")
     parser.add_argument("--no-diffs", action="store_true", help="name the survivors without their diffs")
+    parser.add_argument("--retest-survivors", action="store_true",
+                        help="run again only the mutants that survived the last run (mutmut keeps a mutant's result "
+                             "until its code changes, so new tests reach the survivors only this way)")
     args = parser.parse_args(argv)
     if not args.report_only:
-        proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)],
-                              cwd=ROOT)
+        names = survivors(statuses(mutmut("results"))) if args.retest_survivors else []
+        proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children),
+                               *names], cwd=ROOT)
         if proc.returncode != 0:
             return proc.returncode
     by_status = statuses(mutmut("results", "--all", "true"))
@@ -76,8 +84,7 @@ def main(argv=None) -> int:
         print("no mutmut results: run without --report-only first")
         return 1
     print("\n".join(score_lines(by_status)))
-    survivors = sorted(name for name, status in by_status.items() if status == "survived")
-    for name in survivors:
+    for name in survivors(by_status):
         print(f"\nsurvived: {name}" if args.no_diffs else "\n" + mutmut("show", name).rstrip())
     (ROOT / "mutants" / "score.json").write_text(json.dumps({"statuses": by_status}, indent=1, sort_keys=True))
     return 0
