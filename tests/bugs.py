@@ -262,6 +262,21 @@ class ConvertReadsTheTableOfInvalidEntries(FastImpl):
         return super().convert(topk_indices, block_table, req_id, block_size, out=out, with_counts=with_counts)
 
 
+class ConvertFaultsOnPaddedRowsOnly(FastImpl):
+    """A convert kernel that dereferences a null pointer on a step whose rows are all padding
+    (every index -1, as in a CUDA-graph step with no request): a real fault, the process killed
+    by SIGSEGV, wherever convert is called (the pipeline's stages or a test's direct call)."""
+
+    name = "crash-convert-null-on-padded-rows"
+
+    def convert(self, topk_indices, block_table, req_id, block_size, *, out=None, with_counts=False):
+        if topk_indices.numel() and bool((topk_indices == -1).all()):
+            import ctypes
+
+            ctypes.string_at(0)
+        return super().convert(topk_indices, block_table, req_id, block_size, out=out, with_counts=with_counts)
+
+
 class ConvertKillsItsProcess(FastImpl):
     """A convert kernel that faults on every step (the process is killed by SIGSEGV): what a
     scale case run in a child process must survive as one failed test with a recipe."""

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness.isolation import IsolatedImpl, crashes_noted
 from harness.pipeline import run_step_in_child
 from harness.scenario import BatchSpec, build_scenario
 from mla_constants import INVALID
@@ -31,6 +32,24 @@ DIRTY = 0x5A5A5A5A
 
 def qsl_tensor(q_lens, device="cpu") -> torch.Tensor:
     return torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=device)
+
+
+@pytest.fixture(scope="module")
+def impl(impl, device, pytestconfig):
+    """The implementation under test. One that is not the project's own runs its host stages in
+    a process of its own where the inputs are on the host (harness.isolation): these tests call
+    convert directly, not through the pipeline's stages (which run apart), and a convert that
+    kills its process fails its test, not the session."""
+    from mla_constants import DEFAULT_IMPL_SPEC
+    from pytest_sparse_mla.impl import IMPL_SPEC
+
+    spec = pytestconfig.stash[IMPL_SPEC]
+    if spec == DEFAULT_IMPL_SPEC or device.type != "cpu":
+        yield impl
+        return
+    isolated = IsolatedImpl(spec)
+    yield isolated
+    isolated.close()
 
 
 def on(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -197,19 +216,22 @@ def test_empty_batch(impl, device):
     assert slots.shape == (0, 2176) and counts.shape == (0,)
 
 
-def test_padded_rows_of_a_step_with_no_request(impl, device):
-    """Padded rows only (a CUDA-graph step with no request): the block table has no row and,
-    built on the host from an empty numpy array, strides (0, 0); every slot is -1."""
-    table = torch.from_numpy(np.zeros((0, 2), dtype=np.int32))
-    assert table.stride() == (0, 0), "test setup: numpy's empty array strides"
-    req = impl.request_ids(torch.zeros(1, dtype=torch.int32, device=device), 3)
-    topk = torch.full((3, 128), -1, dtype=torch.int32)
-    slots, counts = assert_matches_rule(impl, *on(device, topk, table), req, 16, with_counts=True)
-    assert bool((slots == -1).all()) and counts.tolist() == [0, 0, 0]
-
-
 #: A CUDA-graph step of padded rows only at block size 16: no request, so the block table has no row.
 PADDING_ONLY_BS16 = BatchSpec(requests=(), topk=128, kpool=1, block_size=16, padded_rows=3)
+
+
+def test_padded_rows_of_a_step_with_no_request(impl, device):
+    """Padded rows only (a CUDA-graph step with no request): the block table has no row and,
+    built on the host from an empty numpy array, strides (0, 0); every slot is -1. An
+    implementation that kills its process on it fails this test and leaves the step's recipe."""
+    scenario = build_scenario(PADDING_ONLY_BS16, 0)
+    table, topk = scenario.block_table, scenario.topk_indices
+    assert table.shape == (0, 2) and table.stride() == (0, 0), "test setup: numpy's empty array strides"
+    assert topk.shape == (3, 128) and bool((topk == -1).all()), "test setup: three padded rows"
+    with crashes_noted(scenario, "compacted"):
+        req = impl.request_ids(torch.zeros(1, dtype=torch.int32, device=device), 3)
+        slots, counts = assert_matches_rule(impl, *on(device, topk, table), req, 16, with_counts=True)
+    assert bool((slots == -1).all()) and counts.tolist() == [0, 0, 0]
 
 
 def test_a_padded_rows_only_step_with_an_empty_block_table_runs_apart(request, device):

@@ -1,0 +1,71 @@
+"""A convert kernel that kills its process, called directly by tests/cpu/test_convert.py (not
+through the pipeline's stages): under plain pytest (no xdist worker to lose) each test it kills
+fails naming the stage and the signal, the session goes on to the end, ``--dump-failures``
+writes the recipe of each crashed step, and the recipes replay the crash under the bug and pass
+on the project's implementation."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.isolation import ImplementationCrashed, IsolatedImpl, exit_description
+from recording.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+BUG = "tests.bugs:ConvertFaultsOnPaddedRowsOnly"
+CRASHED = "the implementation under test killed its process (SIGSEGV) at stage convert"
+
+
+def run_pytest(pytester, *args: str):
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(ROOT), *args)
+
+
+def test_a_convert_that_segfaults_fails_its_tests_and_the_session_goes_on(pytester, tmp_path):
+    dump = tmp_path / "C"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_convert.py"), "--impl", BUG, f"--dump-failures={dump}")
+    out = "\n".join(result.outlines)
+    outcomes = result.parseoutcomes()
+    assert result.ret == 1 and outcomes.get("failed") == 2 and outcomes.get("passed", 0) > 30, out[-3000:]
+    assert out.count(CRASHED) >= 2, out[-3000:]
+    for name in ("test_padded_rows_of_a_step_with_no_request",
+                 "test_a_padded_rows_only_step_with_an_empty_block_table_runs_apart"):
+        assert re.search(rf"^FAILED \S*test_convert\.py::{name}\b", out, re.M), out[-3000:]
+        recipe = load_recipe(dump / f"{name}.recipe.json")
+        assert recipe["crashed_at"] == "convert" and recipe["impl"] == BUG and CRASHED in recipe["crash"], recipe
+        assert recipe["spec"]["requests"] == [] and recipe["spec"]["padded_rows"] == 3, recipe["spec"]
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}", "--impl", BUG)
+    out = "\n".join(result.outlines)
+    assert result.ret == 1 and "2 failed" in out and CRASHED in out, out[-3000:]
+    result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={dump}")
+    assert result.ret == 0 and "2 passed" in "\n".join(result.outlines), "\n".join(result.outlines[-20:])
+
+
+def test_an_isolated_call_writes_into_the_callers_buffer_and_raises_as_the_implementation_does():
+    """Through the worker, convert writes into the ``out`` it is handed and returns that very
+    buffer; what the implementation raises is raised here; after a crash the next call runs
+    in a new worker."""
+    isolated = IsolatedImpl(BUG)
+    try:
+        topk = torch.full((2, 128), -1, dtype=torch.int32)
+        topk[:, :3] = torch.tensor([0, 1, 17], dtype=torch.int32)
+        table = torch.tensor([[3, 4]], dtype=torch.int32)
+        out = torch.full((2, 128), 5, dtype=torch.int32)
+        slots, counts = isolated.convert(topk, table, torch.zeros(2, dtype=torch.int32), 16, out=out,
+                                         with_counts=True)
+        assert slots is out and out[0, :4].tolist() == [48, 49, 65, -1] and counts.tolist() == [3, 3]
+        with pytest.raises(ValueError, match="topk_indices: expected int32"):
+            isolated.convert(topk.long(), table, torch.zeros(2, dtype=torch.int32), 16)
+        with pytest.raises(ImplementationCrashed, match=re.escape(CRASHED)):
+            isolated.convert(torch.full((2, 128), -1, dtype=torch.int32), table, torch.zeros(2, dtype=torch.int32), 16)
+        assert isolated.request_ids(torch.tensor([0, 2], dtype=torch.int32), 3).tolist() == [0, 0, 0]
+    finally:
+        isolated.close()
+
+
+def test_how_a_worker_ended_is_named():
+    assert exit_description(-11) == "SIGSEGV" and exit_description(-6) == "SIGABRT"
+    assert exit_description(3) == "exit status 3" and exit_description(None) == "no exit status"
