@@ -16,7 +16,6 @@ indices buffer has one trailing dump entry that fixed-shape scatters aim unused 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -83,26 +82,3 @@ def write_kv_indices(
         out.scatter_(0, fill_dest.reshape(-1), torch.full_like(slots, -1).reshape(-1))
     dest = torch.where(keep, indptr[:-1].unsqueeze(1).to(torch.int64) + rank, dump)
     out.scatter_(0, dest.reshape(-1), values.reshape(-1))
-
-
-@dataclass
-class PlannedLayout:
-    """What the plan hands the kernel for the first ``num_rows`` rows."""
-
-    name: str
-    kv_indptr: torch.Tensor  # host int32 [max_rows + 1]
-    kv_indices: torch.Tensor  # device int32 [capacity]
-    kv_len: torch.Tensor  # host int32 [num_rows]
-
-
-def lay_out(layout: str, slots: torch.Tensor, lens: torch.Tensor, max_rows: int | None = None) -> PlannedLayout:
-    """Build a layout from scratch for ``len(lens)`` planned rows of ``slots`` (tests, replay)."""
-    rows, width = slots.shape
-    max_rows = rows if max_rows is None else max_rows
-    num_rows = lens.numel()
-    lens_all = torch.zeros(rows, dtype=torch.int32)
-    lens_all[:num_rows] = lens.to(torch.int32)
-    indptr = kv_indptr_host(layout, lens_all[:num_rows], max_rows, width)
-    out = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=slots.device)
-    write_kv_indices(layout, slots, lens_all.to(slots.device), indptr[: rows + 1].to(slots.device), out)
-    return PlannedLayout(layout, indptr, out, lens.to(torch.int32).cpu())
