@@ -16,7 +16,6 @@ indices buffer has one trailing dump entry that fixed-shape scatters aim unused 
 
 from __future__ import annotations
 
-
 import torch
 
 LAYOUTS = ("strided", "packed", "compacted")
