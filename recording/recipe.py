@@ -71,34 +71,46 @@ def recipe_of_scenario(sc, layout: str, max_rows: int | None = None, **meta) -> 
             "scenario_digest": digest, **meta}
 
 
-def save_recipe(path, recipe: dict) -> Path:
+def save_with_digest(path, data: dict) -> Path:
+    """Write a JSON case file (a recipe, a sequence) with the content digest of the rest."""
     path = Path(path)
-    recipe = dict(recipe)
-    recipe["digest"] = _file_digest(recipe)
+    data = dict(data)
+    data["digest"] = _file_digest(data)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(recipe, sort_keys=True, indent=1) + "\n")
+    path.write_text(json.dumps(data, sort_keys=True, indent=1) + "\n")
     return path
 
 
-def load_recipe(path) -> dict:
-    """Read and check one recipe; any problem is a FixtureError naming the file and the field."""
+def load_checked(path, kind: str, key: str, version: int, problem_of) -> dict:
+    """Read one JSON case file of ``kind`` (``key``: ``version`` marks it), check its fields with
+    ``problem_of`` and its content digest; any problem is a FixtureError naming the file and
+    the field."""
     path = Path(path)
     if not path.is_file():
         raise FixtureError(f"{path}: no such file")
     try:
-        recipe = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FixtureError(f"{path}: not a JSON recipe: {exc}") from exc
-    if not isinstance(recipe, dict) or recipe.get(RECIPE_KEY) != RECIPE_VERSION:
-        raise FixtureError(f"{path}: not a recipe of version {RECIPE_VERSION} (no '{RECIPE_KEY}': {RECIPE_VERSION})")
-    problem = recipe_problem(recipe)
+        raise FixtureError(f"{path}: not a JSON {kind}: {exc}") from exc
+    if not isinstance(data, dict) or data.get(key) != version:
+        raise FixtureError(f"{path}: not a {kind} of version {version} (no '{key}': {version})")
+    problem = problem_of(data)
     if problem:
         raise FixtureError(f"{path}: {problem}")
-    if recipe.get("digest") != _file_digest(recipe):
+    if data.get("digest") != _file_digest(data):
         raise FixtureError(
-            f"{path}: the recipe does not match its content digest: the file was changed after it was written"
+            f"{path}: the {kind} does not match its content digest: the file was changed after it was written"
         )
-    return recipe
+    return data
+
+
+def save_recipe(path, recipe: dict) -> Path:
+    return save_with_digest(path, recipe)
+
+
+def load_recipe(path) -> dict:
+    """Read and check one recipe; any problem is a FixtureError naming the file and the field."""
+    return load_checked(path, "recipe", RECIPE_KEY, RECIPE_VERSION, recipe_problem)
 
 
 # --- what a recipe may hold ----------------------------------------------------------------------
@@ -196,10 +208,26 @@ OPTIONAL_FIELDS = {
 }
 
 
-def field_problem(name: str, value, check) -> str | None:
+def field_problem(name: str, value, check, kind: str = "recipe") -> str | None:
     """``recipe field 'NAME' is TYPE VALUE, expected ...`` where ``check`` refuses ``value``."""
     wrong = check(value)
-    return None if wrong is None else f"recipe field '{name}' is {_shown(value)}, {wrong}"
+    return None if wrong is None else f"{kind} field '{name}' is {_shown(value)}, {wrong}"
+
+
+def fields_problem(data: dict, required: dict, optional: dict, kind: str = "recipe") -> str | None:
+    """The first field of ``data`` missing, unknown, or refused by its check (``required`` and
+    ``optional``: field -> check)."""
+    for name in required:
+        if name not in data:
+            return f"{kind} field '{name}' is missing"
+    for name in data:
+        if name not in required and name not in optional:
+            return f"{kind} field '{name}' is not a {kind} field"
+    for name, check in {**required, **optional}.items():
+        problem = field_problem(name, data[name], check, kind) if name in data else None
+        if problem:
+            return problem
+    return None
 
 
 def spec_problem(spec: dict) -> str | None:
@@ -244,17 +272,7 @@ def failing_rows_problem(rows, planned: int) -> str | None:
 
 def recipe_problem(recipe: dict) -> str | None:
     """The first thing wrong with a recipe's fields (None: every field is known and valid)."""
-    for name in REQUIRED_FIELDS:
-        if name not in recipe:
-            return f"recipe field '{name}' is missing"
-    for name in recipe:
-        if name not in REQUIRED_FIELDS and name not in OPTIONAL_FIELDS:
-            return f"recipe field '{name}' is not a recipe field"
-    for name, check in {**REQUIRED_FIELDS, **OPTIONAL_FIELDS}.items():
-        problem = field_problem(name, recipe[name], check) if name in recipe else None
-        if problem:
-            return problem
-    problem = spec_problem(recipe["spec"])
+    problem = fields_problem(recipe, REQUIRED_FIELDS, OPTIONAL_FIELDS) or spec_problem(recipe["spec"])
     if problem:
         return problem
     planned = planned_rows_of(recipe["spec"])

@@ -15,8 +15,6 @@ sequence whose steps no longer rebuild bit-exactly, or whose fields are wrong, i
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import time
 from pathlib import Path
 
@@ -25,9 +23,12 @@ from .recipe import (
     LAYOUTS,
     a_bool,
     field_problem,
+    fields_problem,
     impl_spec,
     int_at_least,
+    load_checked,
     one_of,
+    save_with_digest,
     scenario_digest,
     sha256_hex,
     spec_problem,
@@ -63,11 +64,6 @@ def sequence_of_note(note: dict):
                     reuse_plan=bool(note.get("reuse_plan", False)))
 
 
-def _file_digest(recipe: dict) -> str:
-    rest = {k: v for k, v in recipe.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
-
-
 def sequence_recipe(sequence, **meta) -> dict:
     """The JSON of a sequence (``meta``: name, why, failing_step, impl, nodeid, ...)."""
     steps = [{"spec": dataclasses.asdict(s.spec), "seed": int(s.seed), "scenario_digest": scenario_digest(s)}
@@ -78,26 +74,14 @@ def sequence_recipe(sequence, **meta) -> dict:
 
 
 def save_sequence(path, recipe: dict) -> Path:
-    path = Path(path)
-    recipe = dict(recipe)
-    recipe["digest"] = _file_digest(recipe)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(recipe, sort_keys=True, indent=1) + "\n")
-    return path
+    return save_with_digest(path, recipe)
 
 
 def sequence_problem(recipe: dict) -> str | None:
     """The first thing wrong with a sequence's fields (None: every field known and valid)."""
-    for name in REQUIRED_FIELDS:
-        if name not in recipe:
-            return f"sequence field '{name}' is missing"
-    for name in recipe:
-        if name not in REQUIRED_FIELDS and name not in OPTIONAL_FIELDS:
-            return f"sequence field '{name}' is not a sequence field"
-    for name, check in {**REQUIRED_FIELDS, **OPTIONAL_FIELDS}.items():
-        problem = field_problem(name, recipe[name], check) if name in recipe else None
-        if problem:
-            return problem.replace("recipe field", "sequence field", 1)
+    problem = fields_problem(recipe, REQUIRED_FIELDS, OPTIONAL_FIELDS, "sequence")
+    if problem:
+        return problem
     steps = recipe["steps"]
     if not isinstance(steps, list) or not steps:
         return "sequence field 'steps' is not a non-empty list of {spec, seed, scenario_digest} objects"
@@ -105,9 +89,9 @@ def sequence_problem(recipe: dict) -> str | None:
         if not isinstance(step, dict) or set(step) != set(STEP_FIELDS):
             return f"sequence field 'steps[{i}]' is not a {{spec, seed, scenario_digest}} object"
         for name, check in STEP_FIELDS.items():
-            problem = field_problem(name, step[name], check)
+            problem = field_problem(f"steps[{i}].{name}", step[name], check, "sequence")
             if problem:
-                return problem.replace(f"recipe field '{name}'", f"sequence field 'steps[{i}].{name}'", 1)
+                return problem
         problem = spec_problem(step["spec"]) if isinstance(step["spec"], dict) else "expected an object"
         if problem:
             return f"sequence field 'steps[{i}]': {problem}"
@@ -124,20 +108,7 @@ def load_sequence(path):
     from harness.sequence import Sequence
 
     path = Path(path)
-    if not path.is_file():
-        raise FixtureError(f"{path}: no such file")
-    try:
-        recipe = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FixtureError(f"{path}: not a JSON sequence: {exc}") from exc
-    if not isinstance(recipe, dict) or recipe.get(SEQUENCE_KEY) != SEQUENCE_VERSION:
-        raise FixtureError(f"{path}: not a sequence of version {SEQUENCE_VERSION} (no '{SEQUENCE_KEY}')")
-    problem = sequence_problem(recipe)
-    if problem:
-        raise FixtureError(f"{path}: {problem}")
-    if recipe["digest"] != _file_digest(recipe):
-        raise FixtureError(f"{path}: the sequence does not match its content digest: the file was changed after it "
-                           "was written")
+    recipe = load_checked(path, "sequence", SEQUENCE_KEY, SEQUENCE_VERSION, sequence_problem)
     steps = []
     for i, step in enumerate(recipe["steps"]):
         spec = spec_from_dict(step["spec"])
