@@ -55,11 +55,15 @@ class StepInput:
     meta: object
     block_table: torch.Tensor  # int32 [num_reqs, table width]
     topk_indices: torch.Tensor  # int32 [rows incl. CUDA-graph padding, width]: request-local, -1 invalid
-    planned_rows: int  # rows the sparse kernel serves (the decode prefix when prefills go to dense MHA)
     prefills_to_mha: bool = False  # the engine's routing of this step's prefill rows to dense MHA
     q_nope: torch.Tensor | None = None  # [rows incl. padding, H, 512] bf16
     q_pe: torch.Tensor | None = None  # [rows incl. padding, H, R] bf16
     kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, 512 + R] bf16 or float8_e4m3fn
+
+    @property
+    def planned_rows(self) -> int:
+        """Rows the sparse kernel serves: the decode prefix when prefills go to dense MHA."""
+        return self.meta.num_decode_tokens if self.prefills_to_mha else self.meta.num_actual_tokens
 
     @property
     def runs_kernel(self) -> bool:

@@ -48,7 +48,7 @@ def step_input(scenario: Scenario, inputs: AttentionInputs | None) -> StepInput:
     """The scenario's step as the seam hands it to a backend; ``inputs`` None: plan only."""
     return StepInput(
         meta=scenario.meta, block_table=scenario.block_table, topk_indices=scenario.topk_indices,
-        planned_rows=scenario.planned_rows, prefills_to_mha=scenario.prefills_to_mha,
+        prefills_to_mha=scenario.prefills_to_mha,
         q_nope=None if inputs is None else inputs.q_nope,
         q_pe=None if inputs is None else inputs.q_pe,
         kv_cache=None if inputs is None else inputs.kv_cache,
