@@ -372,9 +372,14 @@ OTHER_EXAMPLE = ("another failing example of the test (the one Hypothesis report
                  "not judge, or noted no case)")
 
 
+#: How Hypothesis's note on the exception begins (older releases say "Falsifying", newer "Failing").
+REPORTED_EXAMPLE = ("Falsifying example: ", "Falsifying explicit example: ", "Failing test case: ",
+                    "Failing explicit example: ")
+
+
 def reported_text(exc: BaseException, example: str) -> str:
     """The example as Hypothesis reports it (its note on the exception), else as it was called."""
-    notes = [note for note in getattr(exc, "__notes__", ()) if note.startswith("Failing")]
+    notes = [note for note in getattr(exc, "__notes__", ()) if note.startswith(REPORTED_EXAMPLE)]
     return notes[0] if notes else example
 
 

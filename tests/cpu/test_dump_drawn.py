@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_sparse_mla.replay import NO_CASE_NOTED, OTHER_EXAMPLE
+from pytest_sparse_mla.replay import NO_CASE_NOTED, OTHER_EXAMPLE, REPORTED_EXAMPLE
 from recording.fixture import load_fixture
 from recording.recipe import load_recipe
 from recording.shrink import MAX_FIXTURE_BYTES
@@ -54,8 +54,8 @@ def test_a_failing_drawn_example_is_written_as_drawn_and_replays_as_it_failed(py
     # the drawn example itself: the spec it drew (async scheduling with its optimistic bound for
     # the async bug) and the seed its call was given
     assert meta["impl"] == impl and shows(meta["spec"]), meta["spec"]
-    assert meta["drawn"].startswith((f"Failing explicit example: {DRAWN_TEST}(", f"{OTHER_EXAMPLE}: {DRAWN_TEST}(")), \
-        meta["drawn"]
+    assert meta["drawn"].startswith((*(f"{how}{DRAWN_TEST}(" for how in REPORTED_EXAMPLE),
+                                     f"{OTHER_EXAMPLE}: {DRAWN_TEST}(")), meta["drawn"]
     assert drawn_seed(meta["drawn"]) == meta["seed"], meta["drawn"]
     requests = [(int(a), int(b)) for a, b in re.findall(r"Request\(seq_len=(\d+), q_len=(\d+)\)", meta["drawn"])]
     assert requests == [(r["seq_len"], r["q_len"]) for r in meta["spec"]["requests"]], meta["drawn"]
