@@ -40,8 +40,9 @@ class Context:
     l2_bytes: int
     ceilings: dict = field(default_factory=dict)
     sections: frozenset = frozenset({"ceilings", "plan", "kernel", "graph", "reference"})
+    flashmla: object | None = None  # FlashMLA's backend (``--vllm``) where it opened
     results: dict = field(
-        default_factory=lambda: {"kernel": [], "plan": [], "graph": [], "reference": [], "skipped": []}
+        default_factory=lambda: {"kernel": [], "flashmla": [], "plan": [], "graph": [], "reference": [], "skipped": []}
     )
 
     def expired(self) -> bool:

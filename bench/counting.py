@@ -10,6 +10,12 @@ Bytes, the fewest that must move for one launch (``gathered``): q read once
 written once (``rows*H*512`` bf16) and the LSE written once (``rows*H`` float32). Rows that
 share slots (prefill) can be served from L2, so their achieved rate can exceed the copy
 rate; ``unique`` counts each distinct slot once instead, a lower bound on DRAM traffic.
+
+FlashMLA (``--vllm``) is counted the same way with each KV row as its kernel is handed it:
+bf16 rows as the project's cache (``(512+R)*2`` bytes); an fp8 cache in FlashMLA's 656-byte
+layout (512 e4m3 values, 4 float32 tile scales, 64 bf16 RoPE values; FA3's fp8 row is
+``512+R`` e4m3 bytes); the fp8 prefill rows that vLLM gathers into a bf16 workspace first
+(from 32 heads on) as bf16 rows of that workspace.
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ def attention_flops(num_heads: int, total_len: int, rope_dim: int) -> int:
 
 
 def attention_bytes(rows: int, num_heads: int, total_len: int, rope_dim: int, kv_dtype: str,
-                    distinct_slots: int | None = None) -> dict[str, int]:
+                    distinct_slots: int | None = None, *, kv_row_bytes: int | None = None) -> dict[str, int]:
     """``{"gathered": ..., "unique": ...}`` bytes of one launch (see the module docstring);
-    ``unique`` is present when ``distinct_slots`` is given."""
+    ``unique`` is present when ``distinct_slots`` is given. ``kv_row_bytes``: the bytes of one
+    KV row as the kernel reads it, where that is not ``512+R`` elements of ``kv_dtype``."""
     head = KV_LORA_RANK + rope_dim
     fixed = (rows * num_heads * head * Q_BYTES + total_len * INDEX_BYTES
              + rows * num_heads * KV_LORA_RANK * OUT_BYTES + rows * num_heads * LSE_BYTES)
-    kv_row = head * KV_ELEMENT_BYTES[kv_dtype]
+    kv_row = head * KV_ELEMENT_BYTES[kv_dtype] if kv_row_bytes is None else kv_row_bytes
     out = {"gathered": fixed + total_len * kv_row}
     if distinct_slots is not None:
         out["unique"] = fixed + distinct_slots * kv_row

@@ -1,7 +1,9 @@
 """The kernel section: ``SM90AttentionState.attend`` after a plan and a convert + layout
 (``harness.launch`` builds the config and the step inputs, as in the GPU tier), per variant x
-heads x decode and prefill rows; time, FLOP/s and bytes/s against the measured ceilings. The
-same scenario loop runs the reference and graph sections on the decode shapes they select."""
+heads x decode and prefill rows; time, FLOP/s and bytes/s against the measured ceilings. With
+``--vllm``, FlashMLA's kernels on the same shape, caches and q right after FA3's
+(``bench.flashmla``). The same scenario loop runs the reference and graph sections on the
+decode shapes they select."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ import functools
 
 import torch
 
-from harness.timing import estimate_seconds, summarize
 from mla_constants import variant_name
 
 from .context import Context, error_text, free_memory, log
-from .counting import attention_bytes, attention_flops, rates, reps_for, roofline_time, rotation_count
+from .counting import attention_bytes, attention_flops, rotation_count
+from .flashmla import FLASHMLA_SEED, flashmla_unit
 from .graph_step import measure_graph
 from .reference_section import reference_records
 from .scenarios import (
@@ -26,6 +28,7 @@ from .scenarios import (
     shape_record,
     with_config,
 )
+from .timed import timed_record
 
 
 def time_kernel(ctx: Context, prep: Prepared, lens: torch.Tensor, distinct: int | None) -> dict:
@@ -33,33 +36,18 @@ def time_kernel(ctx: Context, prep: Prepared, lens: torch.Tensor, distinct: int 
     total = int(lens.to(torch.int64).sum())
     flops = attention_flops(spec.num_heads, total, spec.rope_dim)
     moved = attention_bytes(prep.rows, spec.num_heads, total, spec.rope_dim, spec.kv_dtype, distinct)
-    estimate = estimate_seconds(prep.attend, ctx.device)
-    reps = max(prep.sets.count, reps_for(estimate, target_s=ctx.sel.kernel_target_s, lo=20, hi=300))
-    times, how = ctx.timer.device_times(prep.attend, reps)
-    s = summarize(times)
-    out = {
-        **s,
-        **how,
+    return {
+        **timed_record(ctx, prep.attend, prep.sets.count, flops, moved),
         "total_len": total,
-        "flops": flops,
-        "bytes": moved["gathered"],
-        "bytes_unique": moved.get("unique"),
         "rotation": {"caches": len(prep.sets.caches), "q_out_sets": len(prep.sets.qs)},
         "finite": prep.outputs_finite(),
-        **rates(s["median_s"], flops, moved["gathered"], ctx.matmul_rate, ctx.copy_rate),
     }
-    if moved.get("unique"):
-        out["bytes_unique_per_s"] = moved["unique"] / s["median_s"]
-    if ctx.matmul_rate and ctx.copy_rate:
-        floor = roofline_time(flops, moved["gathered"], ctx.matmul_rate, ctx.copy_rate)
-        out["roofline_s"] = floor
-        out["fraction_of_roofline"] = floor / s["median_s"]
-    return out
 
 
 def run_scenarios(ctx: Context) -> None:
     sel = ctx.sel
     generator = torch.Generator(device=ctx.device).manual_seed(1234)
+    flashmla_generator = torch.Generator(device=ctx.device).manual_seed(FLASHMLA_SEED)
     for kind, rows in sel.scenario_order():
         if ctx.expired():
             ctx.skip({"section": "kernel", "kind": kind, "rows": rows}, "time budget of the run spent")
@@ -101,9 +89,11 @@ def run_scenarios(ctx: Context) -> None:
                         return {"not_timed": "kernel section not selected"}
                     return time_kernel(ctx, prep, lens, distinct)
 
-                ctx.guarded("kernel", shape_record(kind, rows, scenario), kernel_unit)
+                fa3 = ctx.guarded("kernel", shape_record(kind, rows, scenario), kernel_unit)
                 del kernel_unit  # its defaults hold the caches, freed below
                 prep = holder.get("prep")
+                if ctx.flashmla is not None and "kernel" in ctx.sections:
+                    flashmla_beside(ctx, kind, scenario, lens, caches, prep, fa3, flashmla_generator)
                 if prep is not None and index == 0 and kind == "decode":
                     extra_units(ctx, kind, rows, scenario, prep, lens)
                 holder.clear()
@@ -111,6 +101,18 @@ def run_scenarios(ctx: Context) -> None:
                 free_memory(ctx.device)
             caches = None
             free_memory(ctx.device)
+
+
+def flashmla_beside(ctx: Context, kind: str, scenario, lens: torch.Tensor, caches, prep: Prepared | None,
+                    fa3: dict | None, generator: torch.Generator) -> None:
+    """FlashMLA on FA3's shape, caches and q of set 0, with FA3's output of those inputs (where
+    FA3 was timed) measured against the same reference."""
+    fa3_timed = prep is not None and fa3 is not None and "median_s" in fa3
+    unit = functools.partial(flashmla_unit, ctx, scenario, lens, caches, generator,
+                             fa3_inputs=prep.sets.inputs(0) if prep is not None else None,
+                             fa3_out=prep.sets.out(0)[0] if fa3_timed else None)
+    ctx.guarded("flashmla", shape_record(kind, lens.numel(), scenario), unit)
+    free_memory(ctx.device)
 
 
 def extra_units(ctx: Context, kind: str, rows: int, scenario, prep: Prepared, lens: torch.Tensor) -> None:

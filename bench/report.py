@@ -94,6 +94,107 @@ def kernel_lines(data: dict) -> list[str]:
     return lines + [""]
 
 
+# The kernel's bf16 output is about 2e-3 from the float64 truth (rel L2) in every measured
+# shape; five times that means the timed output and the reference's inputs do not match.
+KERNEL_REL_L2_ALARM = 1e-2
+
+
+# --- FA3 beside FlashMLA -----------------------------------------------------------------------
+
+FLASHMLA_COVERS = [
+    "What each number covers (same shapes, caches and q; both timed alike: the median of device times after a "
+    "warm-up, CUDA events on a GPU, inputs rotated so that L2 cannot hold them):",
+    "",
+    "- FA3: `SM90AttentionState.attend`, FlashInfer's fa3 run; its plan, the convert and the layout are done "
+    "beforehand.",
+    "- FlashMLA: the FlashMLA kernel calls vLLM's FLASHMLA_SPARSE `forward_mqa` makes for the step "
+    "(`sparse_prefill_fwd` on a bf16 cache; `sparse_decode_fwd` on an fp8 cache, and from 32 heads on "
+    "`sparse_prefill_fwd` for prefill rows), replayed with the arguments vLLM handed them. Done beforehand, not "
+    "timed: vLLM's metadata build, convert kernel, q concat and head padding; the decode kernel's tile schedule "
+    "(built by the step's first call, handed in as to a step's later layers); for fp8 prefill rows from 32 heads "
+    "on, the gather and upconvert of their context into a bf16 workspace.",
+    "- FLOPs: the layer's heads for both (FlashMLA computes vLLM's padded head count: 16 heads as 64).",
+    "- Bytes: counted alike but for the KV row as each kernel reads it: FA3 512+R elements of the cache dtype "
+    "(fp8: 576 B); FlashMLA bf16 the same, fp8 its own layout (656 B: 512 e4m3, 4 float32 tile scales, 64 bf16 "
+    "RoPE), and the bf16 workspace (1152 B) for those fp8 prefill rows.",
+    "- rel L2: each kernel's output against the oracle's float32 mode on the same inputs (! above "
+    f"{KERNEL_REL_L2_ALARM:g}).",
+]
+
+
+def _tflops(r: dict | None) -> str:
+    return "-" if not r or "flops_per_s" not in r else f"{r['flops_per_s'] / 1e12:.1f}"
+
+
+def _tbps(r: dict | None) -> str:
+    return "-" if not r or "bytes_per_s" not in r else f"{r['bytes_per_s'] / 1e12:.2f}"
+
+
+def _fractions(r: dict | None) -> str:
+    if not r or "median_s" not in r:
+        return "-"
+    pct = lambda x: "-" if x is None else f"{100 * x:.0f}"  # noqa: E731
+    return f"{pct(r.get('fraction_of_matmul'))}/{pct(r.get('fraction_of_copy'))}"
+
+
+def _rel_l2(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1e}" + ("" if x <= KERNEL_REL_L2_ALARM else " !")
+
+
+def _time(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "median_s" in r:
+        return _us(r["median_s"]) + ("" if r.get("finite", True) else " NaN!")
+    return "unsupported" if "unsupported" in r else "error" if "error" in r else "not timed"
+
+
+def time_ratio(fa3: dict | None, flashmla: dict) -> float | None:
+    """FA3's median time over FlashMLA's (above 1: FlashMLA is faster)."""
+    if not fa3 or "median_s" not in fa3 or "median_s" not in flashmla:
+        return None
+    return fa3["median_s"] / flashmla["median_s"]
+
+
+def shape_key(r: dict) -> tuple:
+    return r.get("variant"), r.get("kind"), r.get("heads"), r.get("rows")
+
+
+def side_by_side(data: dict) -> list[tuple[dict | None, dict]]:
+    """``(FA3 record or None, FlashMLA record)`` per FlashMLA shape, by variant, kind, H, rows."""
+    fa3 = {shape_key(r): r for r in data.get("kernel", []) if "heads" in r}
+    recs = [r for r in data.get("flashmla", []) if "heads" in r]
+    variants = list(dict.fromkeys(r["variant"] for r in recs))
+    recs.sort(key=lambda r: (variants.index(r["variant"]), r["kind"] != "decode", r["heads"], r["rows"]))
+    return [(fa3.get(shape_key(r)), r) for r in recs]
+
+
+def flashmla_lines(data: dict) -> list[str]:
+    status = data.get("flashmla_backend") or {"status": "not run", "reason": "not attempted"}
+    if status["status"] != "run":
+        return ["## FA3 vs FlashMLA", "", f"FlashMLA not run: {_short(status.get('reason'), 400)}", ""]
+    pairs = side_by_side(data)
+    lines = [f"## FA3 vs FlashMLA ({status.get('source')})", "", *FLASHMLA_COVERS, "",
+             "| variant | kind | H | rows | FA3 us | FlashMLA us | FA3 t / FlashMLA t | FA3 TFLOP/s | FlashMLA TFLOP/s "
+             "| FA3 TB/s | FlashMLA TB/s | FA3 % matmul/copy | FlashMLA % matmul/copy | FA3 rel L2 | FlashMLA rel L2 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for fa3, fm in pairs:
+        lines.append(f"| {fm['variant']} | {fm['kind']} | {fm['heads']} | {fm['rows']} | {_time(fa3)} | {_time(fm)} "
+                     f"| {_num(time_ratio(fa3, fm))} | {_tflops(fa3)} | {_tflops(fm)} | {_tbps(fa3)} | {_tbps(fm)} "
+                     f"| {_fractions(fa3)} | {_fractions(fm)} | {_rel_l2(fm.get('fa3_rel_l2_vs_reference'))} "
+                     f"| {_rel_l2(fm.get('rel_l2_vs_reference'))} |")
+    ratios = [x for x in (time_ratio(fa3, fm) for fa3, fm in pairs) if x is not None]
+    if ratios:
+        lines += ["", f"FlashMLA faster on {sum(x > 1 for x in ratios)} of {len(ratios)} shapes timed on both; "
+                  f"FA3 t / FlashMLA t from {min(ratios):.2f} to {max(ratios):.2f}. Per shape, the calls, the heads "
+                  "the kernel ran, the KV row bytes and the unique bytes: `flashmla` in the JSON."]
+    for reason in dict.fromkeys(fm["unsupported"] for _, fm in pairs if "unsupported" in fm):
+        lines.append(f"- unsupported: {_short(reason, 240)}")
+    return lines + [""]
+
+
 def plan_cell(r: dict) -> str:
     if "rejected_at_plan" in r:
         return "rejected"
@@ -208,11 +309,6 @@ def reference_lines(data: dict) -> list[str]:
     return lines + [""]
 
 
-# The kernel's bf16 output is about 2e-3 from the float64 truth (rel L2) in every measured
-# shape; five times that means the timed output and the reference's inputs do not match.
-KERNEL_REL_L2_ALARM = 1e-2
-
-
 def disagreement_lines(data: dict) -> list[str]:
     """Reference records where the kernel's output (same inputs) is far from float64."""
     return [f"- kernel output disagrees with the float64 reference ({r.get('variant')} {r.get('kind')} rows "
@@ -222,9 +318,23 @@ def disagreement_lines(data: dict) -> list[str]:
             if not r.get("kernel_rel_l2_vs_float64", 0.0) <= KERNEL_REL_L2_ALARM]
 
 
+def flashmla_problem_lines(data: dict) -> list[str]:
+    """FlashMLA shapes where either kernel's output is far from the reference, and what the
+    kernel was handed that the read-back found malformed."""
+    lines = []
+    for r in data.get("flashmla", []):
+        where = f"{r.get('variant')} {r.get('kind')} rows {r.get('rows')} H {r.get('heads')}"
+        for key, kernel in (("fa3_rel_l2_vs_reference", "FA3"), ("rel_l2_vs_reference", "FlashMLA")):
+            if key in r and not r[key] <= KERNEL_REL_L2_ALARM:
+                lines.append(f"- {kernel} output disagrees with the float32 reference ({where}): rel L2 "
+                             f"{r[key]:.2g} (alarm at {KERNEL_REL_L2_ALARM:g})")
+        lines += [f"- FlashMLA read-back ({where}): {_short(p, 200)}" for p in r.get("problems", [])[:3]]
+    return lines
+
+
 def problem_lines(data: dict) -> list[str]:
-    lines = disagreement_lines(data)
-    for section in ("kernel", "plan", "graph", "reference"):
+    lines = disagreement_lines(data) + flashmla_problem_lines(data)
+    for section in ("kernel", "flashmla", "plan", "graph", "reference"):
         errors = [r for r in data.get(section, []) if "error" in r]
         for r in errors[:3]:
             where = ", ".join(f"{k}={r[k]}" for k in ("variant", "kind", "rows", "heads", "layout", "mode") if k in r)
@@ -244,7 +354,8 @@ def problem_lines(data: dict) -> list[str]:
 
 
 def markdown(data: dict) -> str:
-    parts = header_lines(data) + kernel_lines(data) + plan_lines(data) + graph_lines(data) + reference_lines(data)
+    parts = (header_lines(data) + kernel_lines(data) + flashmla_lines(data) + plan_lines(data) + graph_lines(data)
+             + reference_lines(data))
     return "\n".join(parts + problem_lines(data)).rstrip() + "\n"
 
 
@@ -261,6 +372,10 @@ def roofline_points(data: dict) -> list[dict]:
     for r in data.get("kernel", []):
         if "median_s" in r:
             points.append({"x": r["intensity"], "y": r["flops_per_s"], "group": r["variant"], "kind": r["kind"]})
+    for r in data.get("flashmla", []):
+        if "median_s" in r:
+            points.append({"x": r["intensity"], "y": r["flops_per_s"], "group": f"flashmla {r['variant']}",
+                           "kind": r["kind"]})
     for r in data.get("reference", []):
         if "median_s" in r and r.get("problem_bytes"):
             points.append({"x": r["flops"] / r["problem_bytes"], "y": r["flops_per_s"],
@@ -303,7 +418,8 @@ def write_roofline(path: Path, data: dict) -> str:
     ax.set_xlabel("arithmetic intensity (FLOP / byte, each selected KV row counted once per row)")
     ax.set_ylabel("achieved FLOP/s")
     env = data.get("environment", {})
-    ax.set_title(f"Sparse MLA fa3, {env.get('gpu') or 'CPU'}, FlashInfer {env.get('flashinfer')}", fontsize=10)
+    kernels = "fa3 and FlashMLA" if any(p["group"].startswith("flashmla") for p in points) else "fa3"
+    ax.set_title(f"Sparse MLA {kernels}, {env.get('gpu') or 'CPU'}, FlashInfer {env.get('flashinfer')}", fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

@@ -4,6 +4,7 @@ a CUDA-graph step against the eager step, and the reference oracle at full scale
     python3 -m bench.run --out DIR            # one H200 with FlashInfer: about 3-4 minutes
     python3 -m bench.run --out DIR --quick    # a small subset (smoke check on a GPU)
     python3 -m bench.run --out DIR --cpu-smoke  # no GPU: reference at tiny shapes, outputs
+    python3 -m bench.run --out DIR --vllm PATH  # FlashMLA (vLLM's FLASHMLA_SPARSE) beside FA3
 
 Writes ``DIR/bench.json`` (every number and the environment), ``DIR/bench.md`` and, when
 matplotlib is installed, ``DIR/roofline.png``; prints the markdown last. No new measurement
@@ -25,6 +26,7 @@ from recording.environment import runtime_environment
 
 from .ceilings import measure_ceilings
 from .context import Context, gpu_unavailable_reason, log
+from .flashmla import open_flashmla, run_flashmla_alone
 from .kernel import run_scenarios
 from .plan_cost import run_plan_study
 from .reference_section import run_cpu_references, targets
@@ -43,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--cpu-smoke", action="store_true", help="no GPU: the reference at tiny shapes and the outputs")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help=f"start no new measurement after this many seconds (default {DEFAULT_BUDGET_S:g})")
+    p.add_argument("--vllm", metavar="PATH",
+                   help="time FlashMLA beside FA3 from this vLLM release: a wheel, a folder holding the vllm package "
+                        "(a slice with FlashMLA's .so), or 'installed'")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     return p.parse_args(argv)
@@ -101,6 +106,23 @@ def run_cpu(ctx: Context, data: dict) -> None:
     if "reference" in ctx.sections:
         log("reference at tiny shapes (CPU)")
         run_cpu_references(ctx)
+    if ctx.flashmla is not None and "kernel" in ctx.sections:
+        log("FlashMLA at tiny shapes (CPU), without FA3")
+        run_flashmla_alone(ctx)
+
+
+def flashmla_status(args, ctx: Context, measures: bool) -> dict:
+    """FlashMLA's backend opened into ``ctx`` where the run measures kernels and ``--vllm``
+    names a release it opens from; what happened, for the JSON and the report."""
+    if not measures:
+        return {"status": "not run", "reason": "this run measures no kernel (see not run)"}
+    if "kernel" not in ctx.sections:
+        return {"status": "not run", "reason": "kernel section not selected"}
+    log("FlashMLA (--vllm)" if args.vllm else "FlashMLA: no --vllm")
+    ctx.flashmla, reason = open_flashmla(args.vllm)
+    if reason:
+        return {"status": "not run", "reason": reason}
+    return {"status": "run", "source": ctx.flashmla.source.describe(), "backend": ctx.flashmla.describe()}
 
 
 def main(argv=None) -> int:
@@ -118,6 +140,7 @@ def main(argv=None) -> int:
         "counting": counting_text(),
         "subset": describe_subset(ctx.sel),
     }
+    data["flashmla_backend"] = flashmla_status(args, ctx, measures=not reason or args.cpu_smoke)
     if reason and not args.cpu_smoke:
         data["not_run"] = {"all": f"{reason} (use --cpu-smoke on a machine without an SM90 GPU)"}
     else:

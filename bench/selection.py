@@ -64,8 +64,8 @@ QUICK = Selection(
     reference_rows=(1, 256), reference_heads=(16, 128),
     kernel_target_s=0.05, plan_target_s=0.1, ceiling_copy_bytes=256 << 20, ceiling_matmul_n=4096, ceiling_reps=10,
 )
-CPU_SMOKE = Selection(
-    name="cpu-smoke", topk=128, variants=VARIANTS[:1], heads=(4, 8),
+CPU_SMOKE = Selection(  # its kernel shapes are FlashMLA's on the CPU (the stand-in kernels, under a test)
+    name="cpu-smoke", topk=128, variants=VARIANTS[:2], heads=(4, 8),
     decode_rows=(1, 4), prefill_rows=(),
     plan_rows=(), plan_heads=(), plan_fp8_heads=(), plan_layouts=(),
     graph_rows=(), graph_heads=(), graph_layouts=(),
@@ -85,6 +85,10 @@ def describe_subset(sel: Selection) -> dict[str, str]:
             f"a 1-row prefill is a decode row); topk {sel.topk}, kpool 1, every row selecting topk slots; "
             f"layout {KERNEL_LAYOUT}; the state plans one query row per token, so decode and prefill differ "
             "only in how much KV the rows share"
+        ),
+        "flashmla": (
+            "with --vllm: FlashMLA's kernels as vLLM's FLASHMLA_SPARSE calls them, on each kernel shape above "
+            "(the same caches and q as FA3's set 0) that vLLM's backend serves"
         ),
         "plan": (
             f"layouts {list(sel.plan_layouts)} x rows {list(sel.plan_rows)} x H {list(sel.plan_heads)} "
