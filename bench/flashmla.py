@@ -8,8 +8,8 @@ op namespace received. One step through the layer runs first, untimed: vLLM's ``
 metadata), its convert kernel, the q concat and head padding, the fp8 cache packed into
 FlashMLA's layout, the fp8 prefill rows' context gathered and upconverted into a bf16
 workspace, and the decode kernel's tile schedule (built by its first call; the replays hand it
-back, as the later layers of a step do). This is what FA3's ``attend`` covers: the kernel after
-its plan, its convert and its layout.
+back, as the later layers of a step do), as FA3's ``attend`` is timed after its plan, its convert
+and its layout.
 
 Rotation, as FA3's: replay set ``j`` hands the kernel the same view of cache ``j % len(caches)``
 in the kernel's layout, and its own copy of q, so that L2 cannot hold them; a workspace the
@@ -21,8 +21,8 @@ head count: 16 heads run as 64) over each row's executed length; bytes with each
 kernel is handed it (656 bytes in FlashMLA's fp8 layout).
 
 Error: each kernel's output against the oracle's float32 mode on the same q and cache over the
-scenario's intended selection (``rel_l2_vs_reference``, and ``fa3_rel_l2_vs_reference`` for
-FA3's output of the same inputs where FA3 ran).
+scenario's intended selection (``rel_l2_vs_reference``: FlashMLA's output of the step, taken
+before the replays; ``fa3_rel_l2_vs_reference``: FA3's output of the same inputs where FA3 ran).
 """
 
 from __future__ import annotations
@@ -283,16 +283,16 @@ def flashmla_unit(ctx: Context, scenario, lens: torch.Tensor, caches: list, gene
     if outcome.planned_rows != rows or not calls:
         raise RuntimeError(f"FlashMLA served {outcome.planned_rows} rows in {len(calls)} kernel calls; FA3 serves "
                            f"{rows}")
+    outputs = {"rel_l2_vs_reference": outcome.out} | ({"fa3_rel_l2_vs_reference": fa3_out} if fa3_out is not None
+                                                     else {})
+    checked = {"finite": bool(torch.isfinite(outcome.out.float()).all()) and bool(torch.isfinite(outcome.lse).all()),
+               "problems": list(outcome.schedule_problems),
+               **errors_vs_reference(ctx, scenario, inputs, lens, outputs)}  # before the replays write any buffer
     counts = step_counts(calls, outcome, spec.num_heads, spec.rope_dim, spec.kv_dtype)
     replay = replay_of(calls, step_cache, layer.kernel_cache, caches, ctx.l2_bytes)
     record = timed_record(ctx, replay, replay.count, counts["flops"], counts["moved"])
-    outputs = {"rel_l2_vs_reference": outcome.out} | ({"fa3_rel_l2_vs_reference": fa3_out} if fa3_out is not None
-                                                     else {})
     return {**record, "total_len": counts["total_len"], "calls": call_records(calls, step_cache),
-            "rotation": {"caches": replay.cache_sets, "q_sets": replay.count},
-            "finite": bool(torch.isfinite(outcome.out.float()).all()) and bool(torch.isfinite(outcome.lse).all()),
-            "problems": list(outcome.schedule_problems),
-            **errors_vs_reference(ctx, scenario, inputs, lens, outputs)}
+            "rotation": {"caches": replay.cache_sets, "q_sets": replay.count}, **checked}
 
 
 def run_flashmla_alone(ctx: Context) -> None:
