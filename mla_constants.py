@@ -13,6 +13,7 @@ TOPK = 2048  # the indexer's top-k of DeepSeek-V3.2 / GLM DSA
 # --- slot ids -------------------------------------------------------------------------------
 
 INVALID = -1  # an indexer / convert entry that selects nothing
+NULL_BLOCK_ID = 0  # the physical block the engine never allocates; padded requests' table rows hold it
 
 # --- softmax scales -------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ from mla_constants import INVALID, KV_LORA_RANK
 from reference.flashmla_layout import pack
 
 from . import vllm_shims
-from .seam import LayerConfig, StepInput, StepOutcome
+from .seam import LayerConfig, StepInput, StepOutcome, query_rows
 from .vllm_shims import (
     FLASHMLA_INTERFACE_MODULE,
     FLASHMLA_OPS_MODULE,
@@ -472,7 +472,8 @@ class FlashMLALayer:
         with self.engine():
             metadata = self.builder.build(0, cam)
         rows = self.mqa_rows(metadata)
-        outcome = StepOutcome(backend=self.backend.name, planned_rows=rows, plans=self.plans)
+        served = min(rows, query_rows(step.meta))  # a FULL graph's padded rows run, unread
+        outcome = StepOutcome(backend=self.backend.name, planned_rows=served, plans=self.plans)
         if not step.runs_kernel:
             return outcome
         heads = self.config.num_heads
@@ -489,8 +490,10 @@ class FlashMLALayer:
                                            self.attention_layer)
         self.plans += sum(c.fresh_schedule for c in recorder.calls)
         outcome.plans = self.plans
-        outcome.out = out[:rows]
-        outcome.lse, outcome.executed_slots, outcome.executed_lengths = recorder.per_row(rows, self.device)
+        outcome.out = out[:served]
+        lse, (slots, mask), lengths = recorder.per_row(rows, self.device)
+        outcome.lse, outcome.executed_slots, outcome.executed_lengths = lse[:served], (slots[:served], mask[:served]), \
+            lengths[:served]
         outcome.schedule_problems = recorder.problems
         return outcome
 

@@ -47,6 +47,12 @@ class LayerConfig:
     adaptive_verification: bool = False
 
 
+def query_rows(meta) -> int:
+    """The query rows of a step's metadata: its last query start (``num_actual_tokens`` counts
+    a FULL CUDA graph's padded rows as well)."""
+    return int(meta.query_start_loc_cpu[meta.num_reqs]) if meta.num_reqs else 0
+
+
 @dataclass
 class StepInput:
     """One engine step. ``meta`` has the fields of ``harness.spec.StepMetadata``; host tensors
@@ -62,8 +68,9 @@ class StepInput:
 
     @property
     def planned_rows(self) -> int:
-        """Rows the sparse kernel serves: the decode prefix when prefills go to dense MHA."""
-        return self.meta.num_decode_tokens if self.prefills_to_mha else self.meta.num_actual_tokens
+        """Rows the sparse kernel serves: the decode prefix when prefills go to dense MHA, else
+        the query rows (a FULL CUDA graph's padded rows are tokens of the metadata, not queries)."""
+        return self.meta.num_decode_tokens if self.prefills_to_mha else query_rows(self.meta)
 
     @property
     def runs_kernel(self) -> bool:

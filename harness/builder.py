@@ -3,7 +3,8 @@
 From a :class:`harness.spec.BatchSpec` and a seed, :func:`build_scenario` derives everything
 on the host: the block table (permuted physical blocks, physical block 0 never allocated, a
 table wider than any allocation with stale entries past each allocation), the indexer rows,
-the metadata the production builder reads, and each row's context and regime. Every random
+the metadata the production builder reads (as vLLM's model runner fills it, a FULL CUDA graph's
+padding included), and each row's context and regime. Every random
 draw comes from a NumPy generator keyed by ``(seed, component)``
 (:func:`harness.hashed_values.component_seed`), so the same spec and seed give the same
 tensors on any machine.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mla_constants import NULL_BLOCK_ID
 from reference.indexer import decode_rows_use_identity, prefill_rows_use_identity
 from reference.rules import classify_rows, route_prefills_to_mha, row_context
 
@@ -131,6 +133,16 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
     upper[spec_decode] += spec.host_bound_slack
     positions = torch.zeros(num_rows + spec.padded_rows, dtype=torch.int64)
     positions[:num_rows] = ctx - 1
+    num_actual_tokens, num_prefills = num_rows, len(reqs) - num_decodes
+    if spec.full_graph:
+        # vLLM's runner under a FULL graph: the token count is the capture size, every request
+        # (the padded ones too) a decode, and the positions past the real tokens hold what an
+        # earlier step left in the persistent buffer
+        num_actual_tokens = num_decode_tokens = num_rows + spec.padded_rows
+        num_decodes, num_prefills = len(reqs), 0
+        stale = np.random.default_rng(component_seed(seed, "stale-positions"))
+        positions[num_rows:] = torch.from_numpy(stale.integers(0, 4 * spec.topk, spec.padded_rows))
+        table[[i for i, r in enumerate(reqs) if not r.q_len]] = NULL_BLOCK_ID
     if not spec.with_host_bound:
         upper = None
     if not spec.with_positions:
@@ -143,8 +155,8 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
         positions=positions,
         num_decodes=num_decodes,
         num_decode_tokens=num_decode_tokens,
-        num_prefills=len(reqs) - num_decodes,
-        num_actual_tokens=num_rows,
+        num_prefills=num_prefills,
+        num_actual_tokens=num_actual_tokens,
     )
     return Scenario(
         spec=spec,

@@ -36,7 +36,7 @@ from mla_constants import (
     variant_name,
 )
 
-from .spec import BatchSpec, Request
+from .spec import BatchSpec, Request, graph_padded, uniform_query_len
 
 SLOT_IDS_PAST = 1 << 23
 
@@ -59,7 +59,7 @@ SPACE: tuple[Dimension, ...] = (
     Dimension("batch", ("empty", "decodes", "prefills", "mixed"), "batch-composition"),
     Dimension("spec_rows", ("none", "spec-decode"), "batch-composition"),
     Dimension("no_query_requests", ("none", "trailing", "middle"), "batch-composition"),
-    Dimension("padded_rows", ("none", "some"), "batch-composition"),
+    Dimension("padded_rows", ("none", "piecewise", "full-graph"), "batch-composition"),
     Dimension("prefill_route", ("no-prefill", "sparse", "dense-mha"), "batch-composition"),
     Dimension("scheduling", ("sync", "async"), "context-sources"),
     Dimension("context_source", ("host-bound", "positions", "seq-lens"), "context-sources"),
@@ -101,6 +101,14 @@ def _no_query_class(spec: BatchSpec) -> str:
         return "none"
     last_live = max((i for i, n in enumerate(q) if n), default=0)
     return "middle" if 0 in q[:last_live] else "trailing"
+
+
+def _padded_rows_class(spec: BatchSpec) -> str:
+    """CUDA-graph padding: none, rows past the tokens the metadata counts (a piecewise graph), or
+    a FULL graph's metadata that counts them (uniform decode batches)."""
+    if spec.full_graph:
+        return "full-graph"
+    return "piecewise" if spec.padded_rows else "none"
 
 
 def _spec_rows_class(spec: BatchSpec) -> str:
@@ -151,7 +159,7 @@ def classify(spec: BatchSpec, layout: str) -> Assignment:
         "batch": _batch_class(spec),
         "spec_rows": _spec_rows_class(spec),
         "no_query_requests": _no_query_class(spec),
-        "padded_rows": "some" if spec.padded_rows else "none",
+        "padded_rows": _padded_rows_class(spec),
         "prefill_route": _prefill_route_class(spec),
         "scheduling": "async" if spec.async_scheduling else "sync",
         "context_source": _context_source_class(spec),
@@ -188,12 +196,16 @@ def _conflict(a: Assignment) -> bool:
         has(drafts=("partly-rejected", "all-rejected"), scheduling="sync"),
         has(drafts=("partly-rejected", "all-rejected"), spec_rows="none"),
         has(drafts=("partly-rejected", "all-rejected"), batch=("empty", "prefills")),
+        # a FULL graph runs uniform decode batches, its padded requests trailing
+        has(padded_rows="full-graph", batch=("empty", "prefills", "mixed")),
+        has(padded_rows="full-graph", no_query_requests=("none", "middle")),
     )
     return any(rules)
 
 
 #: The dimensions :func:`_conflict` relates; every class of the others combines with anything.
-CONSTRAINED = ("batch", "spec_rows", "no_query_requests", "prefill_route", "scheduling", "context_source", "drafts")
+CONSTRAINED = ("batch", "spec_rows", "no_query_requests", "padded_rows", "prefill_route", "scheduling",
+               "context_source", "drafts")
 
 
 def feasible(a: Assignment) -> bool:
@@ -365,7 +377,8 @@ def _requests(a: Assignment, ch: Chooser, topk: int, kpool: int, threshold: int)
     n_pre = ch.integer(1, 2) if batch_class in ("prefills", "mixed") else 0
     decodes = []
     for i in range(n_dec):
-        q = threshold if (a["spec_rows"] == "spec-decode" and (i == 0 or ch.pick((True, False)))) else 1
+        uniform = a["padded_rows"] == "full-graph"
+        q = threshold if (a["spec_rows"] == "spec-decode" and (i == 0 or uniform or ch.pick((True, False)))) else 1
         decodes.append(Request(max(_context(ch, topk, kpool), q), q))
     prefills = []
     for i in range(n_pre):
@@ -423,11 +436,14 @@ def realize(assignment, ch: Chooser) -> InputCase:
         async_scheduling=async_,
         host_bound_slack=slack if async_ else 0,
         decode_threshold=threshold,
-        padded_rows=ch.integer(1, 7) if a["padded_rows"] == "some" else 0,
+        padded_rows=ch.integer(1, 7) if a["padded_rows"] == "piecewise" else 0,
         min_block_id=SLOT_IDS_PAST // block_size + 1 if a["slot_ids"] == "past-2^23" else 1,
         with_host_bound=with_host_bound,
         with_positions=with_positions,
     )
+    if a["padded_rows"] == "full-graph":
+        rows = sum(r.q_len for r in spec.requests)
+        spec = graph_padded(spec, rows + uniform_query_len(spec) * ch.integer(1, 3))
     return InputCase(spec, a["layout"], tuple(sorted(a.items())))
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends.seam import query_rows
 from mla_constants import DEEPSEEK_V32_SM_SCALE, INVALID, KV_LORA_RANK, ROPE_DIM, TOPK
 from reference.indexer import buffer_width
 from reference.rules import convert_rule, request_ids_per_row
@@ -71,6 +72,9 @@ class BatchSpec(KernelVariantDims):
     host_bound_slack: int = 0  # tokens the host upper bound over-counts on spec-decode requests (async only)
     decode_threshold: int = 1  # requests with q_len <= this are decodes (1 + num speculative tokens)
     padded_rows: int = 0  # CUDA-graph padding rows past the last query token
+    # The step runs in a FULL CUDA graph (a uniform decode batch): the engine metadata counts the
+    # padded rows as tokens and the trailing Request(0, 0) as its padded requests (graph_padded).
+    full_graph: bool = False
     table_slack: int = 2  # block-table columns past the longest allocation (stale entries)
     spare_blocks: int = 3  # physical blocks nobody owns
     min_block_id: int = 1  # first physical block id handed out (push slot ids past 2**23)
@@ -104,6 +108,9 @@ class BatchSpec(KernelVariantDims):
             raise ValueError("host_bound_slack needs async_scheduling: without it the host bound is exact")
         if self.min_block_id < 1:
             raise ValueError("physical block 0 is reserved (slot 0 is what a -1 clamps to)")
+        graph = full_graph_problem(self)
+        if graph:
+            raise ValueError(graph)
         if self.split_score_signs and not self.score_offsets:
             raise ValueError("split_score_signs needs score_offsets: it flips the sign of a row's offset")
         for offset in self.score_offsets:
@@ -118,6 +125,50 @@ class BatchSpec(KernelVariantDims):
 
     def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
+
+
+def uniform_query_len(spec: BatchSpec) -> int | None:
+    """The query length every request with a query row shares, None where they differ or
+    there is none."""
+    lens = {r.q_len for r in spec.requests if r.q_len}
+    return lens.pop() if len(lens) == 1 else None
+
+
+def full_graph_problem(spec: BatchSpec) -> str | None:
+    """Why ``spec`` is not a step vLLM's model runner runs in a FULL CUDA graph, where it says
+    it is one. The sparse MLA backends support FULL graphs for uniform decode batches only
+    (``AttentionCGSupport.UNIFORM_BATCH``); the dispatcher pads the tokens to a capture size
+    that is a multiple of the uniform query length and the requests to that size over it
+    (``CudagraphDispatcher._create_padded_batch_descriptor``): the padded requests trail with no
+    query row and seq_len 0."""
+    if not spec.full_graph:
+        return None
+    q = uniform_query_len(spec)
+    if q is None or q > spec.decode_threshold:
+        return "full_graph: a FULL CUDA graph runs uniform decode batches (one q_len <= decode_threshold)"
+    live = [i for i, r in enumerate(spec.requests) if r.q_len]
+    padded = spec.requests[live[-1] + 1:]
+    if len(live) != live[-1] + 1 or any(r.seq_len for r in padded):
+        return "full_graph: the padded requests trail the batch with no query row and seq_len 0"
+    tokens = len(live) * q + spec.padded_rows
+    if tokens % q or len(spec.requests) != tokens // q:
+        return (f"full_graph: {tokens} tokens at query length {q} pad to {tokens // q} requests "
+                f"({tokens % q} tokens over), the batch has {len(spec.requests)}")
+    return None
+
+
+def graph_padded(spec: BatchSpec, capture_size: int) -> BatchSpec:
+    """``spec`` (a uniform decode batch) as vLLM's model runner runs it in the FULL CUDA graph of
+    ``capture_size`` tokens: padded rows up to it, padded requests up to ``capture_size / q``."""
+    q = uniform_query_len(spec)
+    if q is None:
+        raise ValueError("graph_padded needs a uniform decode batch")
+    live = tuple(r for r in spec.requests if r.q_len)
+    rows = len(live) * q
+    if capture_size < rows or capture_size % q:
+        raise ValueError(f"capture size {capture_size} must be a multiple of {q} and at least the {rows} rows")
+    padded = (Request(0, 0),) * (capture_size // q - len(live))
+    return spec.replace(requests=live + padded, padded_rows=capture_size - rows, full_graph=True)
 
 
 def spec_from_dict(spec: dict) -> BatchSpec:
@@ -142,7 +193,7 @@ class StepMetadata:
     num_decodes: int
     num_decode_tokens: int
     num_prefills: int
-    num_actual_tokens: int
+    num_actual_tokens: int  # the query rows; under a FULL CUDA graph the padded rows too
 
 
 @dataclass
@@ -164,7 +215,9 @@ class Scenario:
 
     @property
     def num_rows(self) -> int:
-        return self.meta.num_actual_tokens
+        """Query rows: the last query start (the token count of the metadata includes a FULL
+        graph's padded rows)."""
+        return query_rows(self.meta)
 
     @property
     def num_slots(self) -> int:

@@ -195,6 +195,8 @@ SPEC_FIELDS = {
     "min_block_id": int_at_least(1), "score_offsets": score_offsets, "split_score_signs": a_bool,
     "with_host_bound": a_bool, "with_positions": a_bool,
 }
+#: Fields of a recipe's ``spec`` that recipes written before them lack (absent: the default).
+OPTIONAL_SPEC_FIELDS = {"full_graph": a_bool}
 #: Each field every recipe has, with its check (``spec``'s fields: :data:`SPEC_FIELDS`).
 REQUIRED_FIELDS = {
     RECIPE_KEY: int_at_least(RECIPE_VERSION), "spec": a_dict, "seed": int_at_least(0), "layout": one_of(*LAYOUTS),
@@ -237,10 +239,10 @@ def spec_problem(spec: dict) -> str | None:
         if name not in spec:
             return f"recipe field 'spec.{name}' is missing"
     for name in spec:
-        if name not in SPEC_FIELDS:
+        if name not in SPEC_FIELDS and name not in OPTIONAL_SPEC_FIELDS:
             return f"recipe field 'spec.{name}' is not a field of a batch spec"
-    for name, check in SPEC_FIELDS.items():
-        problem = field_problem(f"spec.{name}", spec[name], check)
+    for name, check in {**SPEC_FIELDS, **OPTIONAL_SPEC_FIELDS}.items():
+        problem = field_problem(f"spec.{name}", spec[name], check) if name in spec else None
         if problem:
             return problem
     from harness.spec import spec_from_dict

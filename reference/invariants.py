@@ -43,7 +43,11 @@ def check_row_invariants(
     cols = torch.arange(rows.shape[1]).unsqueeze(0)
     in_span = cols < lens.unsqueeze(1)
     out: list[Violation] = []
-    label = (lambda r: f" (regime {regimes[r]})") if regimes else (lambda r: "")
+    def label(r: int) -> str:
+        if not regimes:
+            return ""
+        return f" (regime {regimes[r]})" if r < len(regimes) else f" (past the {len(regimes)} query rows)"
+
     for r in _first_rows(counts != lens):
         out.append(
             Violation("len==valid", r, f"planned len {int(lens[r])} != {int(counts[r])} valid entries{label(r)}")

@@ -327,6 +327,20 @@ class RequestIdsSkipEmptyRequests(FastImpl):
         return out
 
 
+class RowsFromTheTokenCount(FastImpl):
+    """docs/input-space.md#batch-composition:
+    host lengths for ``num_actual_tokens`` rows, their contexts from the positions: right where
+    the metadata counts the query rows, wrong under a FULL CUDA graph, whose token count holds
+    the padded rows too (their positions are what an earlier step left in the buffer)."""
+
+    name = "input-space-rows-from-the-token-count"
+
+    def kv_lens(self, meta, *, topk, kpool, async_scheduling):
+        if meta.positions is None or meta.num_reqs == 0:
+            return super().kv_lens(meta, topk=topk, kpool=kpool, async_scheduling=async_scheduling)
+        return kvlen.kv_lens_from_ctx(kvlen.ctx_from_positions(meta.positions, meta.num_actual_tokens), topk, kpool)
+
+
 class StaleLengthsPastTheRowCount(FastImpl):
     """docs/findings.md#stale-lengths-after-a-smaller-replan:
     an attention state whose plan writes the lengths of the current rows over the last plan's

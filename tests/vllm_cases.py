@@ -120,10 +120,11 @@ def magnitude_params():
 
 
 def padded_empty_step(spec) -> bool:
-    """A step with no query row padded for a CUDA graph. vLLM's model runner passes the padded
-    token count as ``num_actual_tokens`` there, and the project's step metadata counts the real
-    rows (docs/input-space.md#transitions): through vLLM's forward on FlashInfer such a step is
-    the harness's metadata, not vLLM's, so the GPU tier leaves it out (docs/vllm.md)."""
+    """A step with no query row and rows padded for a CUDA graph. vLLM's runner never hands its
+    attention such a step: a step without tokens skips the model, and an idle data-parallel rank
+    or a capture runs a dummy batch of requests with query rows (``GPUModelRunner._dummy_run``).
+    Run through vLLM's forward on an H200, FlashInfer refused it at run; the GPU tier leaves it
+    out of vLLM's covering design (docs/vllm.md), and the project's port plans it."""
     return spec.padded_rows > 0 and not any(r.q_len for r in spec.requests)
 
 

@@ -14,6 +14,7 @@ import pytest
 from recording.fixture import FixtureError
 from recording.recipe import (
     OPTIONAL_FIELDS,
+    OPTIONAL_SPEC_FIELDS,
     REQUIRED_FIELDS,
     SPEC_FIELDS,
     _file_digest,
@@ -86,6 +87,11 @@ BAD = {
     "rope-as-int": (lambda r: with_spec(r, rope=1), "'spec.rope' is int 1, expected true or false"),
     "request-negative": (lambda r: with_spec(r, requests=[{"seq_len": -1, "q_len": 1}]),
                          "'spec.requests' is list"),
+    "full-graph-as-string": (lambda r: with_spec(r, full_graph="yes"),
+                             "'spec.full_graph' is str \"yes\", expected true or false"),
+    "full-graph-without-its-padded-requests": (lambda r: with_spec(r, full_graph=True, padded_rows=2),
+                                               "'spec' is not a batch spec: full_graph: 5 tokens at query length 1 "
+                                               "pad to 5 requests (0 tokens over), the batch has 3"),
     "requests-refused-together": (lambda r: with_spec(r, kpool=3), "'spec' is not a batch spec: topk=256 must be a "
                                                                    "positive multiple of kpool=3"),
 }
@@ -105,7 +111,10 @@ def test_the_good_recipe_loads_and_every_field_it_may_hold_is_checked(tmp_path, 
     assert load_recipe(written(tmp_path, good_recipe))["failing_rows"] == [0, 2]
     fields = set(good_recipe) | {"digest"}
     assert fields <= set(REQUIRED_FIELDS) | set(OPTIONAL_FIELDS)
-    assert set(good_recipe["spec"]) == set(SPEC_FIELDS)
+    assert set(good_recipe["spec"]) == set(SPEC_FIELDS) | set(OPTIONAL_SPEC_FIELDS)
+    # a recipe written before an optional spec field loads as its default
+    older = dict(good_recipe, spec=without(good_recipe["spec"], "full_graph"))
+    assert load_recipe(written(tmp_path, older))["spec"].get("full_graph", False) is False
 
 
 def test_a_changed_file_without_a_new_digest_is_still_caught_by_the_digest(tmp_path, good_recipe):

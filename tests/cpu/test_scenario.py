@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from harness import BatchSpec, Request, batch, build_attention_inputs, build_scenario
 from harness.cases import LONG_CTX, all_regime_cases, situation_cases
 from harness.scenario import SCORE_OFFSET_KEY, score_offset_coordinate, with_empty_rows
-from mla_constants import INVALID, TOPK
+from harness.spec import graph_padded
+from mla_constants import INVALID, NULL_BLOCK_ID, TOPK
 from reference import classify_row, kv_len_rule, sparse_mla_reference
 from reference.indexer import buffer_width
 from reference.rules import route_prefills_to_mha, valid_is_prefix
@@ -460,6 +461,42 @@ def test_metadata_of_a_mixed_padded_batch():
     assert m.positions.tolist() == [c - 1 for c in expected_ctx] + [0, 0, 0]
     assert sc.topk_indices.shape == (48, buffer_width(128, 1))
     assert sc.request_ids().tolist() == [0] * 4 + [1] + [2] * 40 + [0] * 3
+
+
+def test_metadata_of_a_full_graph_step_is_as_vllms_runner_pads_it():
+    """Two spec-decode requests (3 rows each) in the FULL graph of 12 tokens: 4 requests, the
+    padded two trailing with no query row, seq_len 0 and the null block; the token count and the
+    decode split count the padded rows; the positions past the queries are not theirs."""
+    spec = graph_padded(batch((100, 3), (2050, 3), decode_threshold=3, topk=128, kpool=4), 12)
+    assert (spec.padded_rows, len(spec.requests), spec.full_graph) == (6, 4, True)
+    sc = build_scenario(spec, seed=15)
+    m = sc.meta
+    assert (m.num_reqs, m.num_decodes, m.num_decode_tokens, m.num_prefills, m.num_actual_tokens) == (4, 4, 12, 0, 12)
+    assert m.query_start_loc_cpu.tolist() == [0, 3, 6, 6, 6]
+    assert m.seq_lens.tolist() == m.seq_lens_cpu_upper_bound.tolist() == [100, 2050, 0, 0]
+    assert sc.num_rows == sc.planned_rows == 6 and sc.topk_indices.shape[0] == 12
+    assert m.positions.tolist()[:6] == [97, 98, 99, 2047, 2048, 2049]
+    assert m.positions.shape == (12,) and m.positions[6:].tolist() != [0] * 6, "the padded positions are stale"
+    assert bool((sc.block_table[2:] == NULL_BLOCK_ID).all()) and bool((sc.block_table[:2] != NULL_BLOCK_ID).all())
+    assert sc.request_ids().tolist() == [0] * 3 + [1] * 3 + [0] * 6
+
+
+@pytest.mark.parametrize(("pairs", "config", "message"), [
+    (((100, 1), (50, 3)), dict(decode_threshold=3, padded_rows=2), "uniform decode batches"),
+    (((100, 40),), dict(decode_threshold=3), "uniform decode batches"),
+    (((100, 1), (0, 0), (50, 1)), dict(padded_rows=1), "padded requests trail"),
+    (((100, 2), (50, 2)), dict(decode_threshold=2, padded_rows=1), "5 tokens at query length 2"),
+])
+def test_a_full_graph_step_is_a_uniform_decode_batch_padded_as_the_dispatcher_pads(pairs, config, message):
+    with pytest.raises(ValueError, match=message):
+        batch(*pairs, full_graph=True, **config)
+
+
+def test_graph_padding_refuses_a_capture_size_the_dispatcher_would_not_pick():
+    with pytest.raises(ValueError, match="multiple of 2"):
+        graph_padded(batch((100, 2), (50, 2), decode_threshold=2), 7)
+    with pytest.raises(ValueError, match="uniform decode batch"):
+        graph_padded(batch((100, 2), (50, 1), decode_threshold=2), 8)
 
 
 def test_host_bound_slack_only_moves_spec_decode_upper_bounds():
