@@ -43,7 +43,9 @@ from harness.backend_step import (
     run_step,
     selection_problems,
 )
-from harness.cases import KernelConfig, context_case, situation_cases
+from harness.cases import LONG_CTX, Case, KernelConfig, context_case, situation_cases
+from harness.spec import batch, graph_padded
+from mla_constants import TOPK
 from reference import flashmla_layout
 from tests import flashmla_cases, flashmla_stand_in
 from tests.flashmla_cases import run_case, run_sequence, scenario_and_inputs, step_params
@@ -56,6 +58,9 @@ FP8_MIXED = KernelConfig("float8_e4m3fn", True, 16, 0.5)
 FP8_APART = KernelConfig("float8_e4m3fn", True, 64, 0.5)
 #: A batch with decode rows and sparse prefill rows (the fp8 paths differ on it).
 MIXED_CASE = next(c for c in situation_cases(4) if c.name.startswith("decode+prefill-sparse"))
+#: Three spec-decode requests (2 rows each) in the FULL CUDA graph of 10 tokens.
+FULL_GRAPH_CASE = Case("full-graph-decodes", graph_padded(
+    batch((TOPK + 3, 2), (40, 2), (LONG_CTX, 2), topk=TOPK, kpool=4, decode_threshold=2), 10))
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +134,16 @@ def test_bf16_cache_runs_the_prefill_kernel_on_every_row(stand_in, kernel_calls,
 def test_fp8_cache_below_32_heads_runs_one_mixed_batch_on_the_decode_kernel(stand_in, kernel_calls, device, request):
     outcome = _run(stand_in, MIXED_CASE, FP8_MIXED, device, request)
     assert kernel_calls == [("sparse_decode_fwd", 64, outcome.planned_rows)], kernel_calls
+
+
+@pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)
+def test_a_full_graph_step_runs_its_padded_rows_and_serves_its_query_rows(stand_in, kernel_calls, config, device,
+                                                                          request):
+    """vLLM hands FlashMLA's kernels every token of a FULL graph's metadata (``num_actual_tokens``,
+    padded rows included); the 6 query rows among the 10 are served and checked."""
+    outcome = _run(stand_in, FULL_GRAPH_CASE, config, device, request)
+    assert outcome.planned_rows == 6 and outcome.out.shape[0] == 6
+    assert sum(rows for _, _, rows in kernel_calls) == 10, kernel_calls
 
 
 def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(stand_in, kernel_calls, device, request):
