@@ -5,7 +5,8 @@ A step's buffers, plan and graph are carried into the next, so what breaks is of
 but a change between two: drafts rejected under async scheduling and then none drafted, drafts
 trimmed for some requests only, a request that has no query row this step (under each source of
 its context), fewer or shorter rows written over buffers that still hold the last step's slots,
-CUDA-graph padding up to a larger batch seen before. :func:`step_transitions` names the
+CUDA-graph padding up to a larger batch seen before (piecewise, or a FULL graph whose metadata
+counts the padding). :func:`step_transitions` names the
 transitions from one batch spec to the next; the stateful tests record them, the run's coverage
 line counts them, and a test checks that the draw reaches every one of :data:`TRANSITIONS`.
 """
@@ -27,6 +28,8 @@ TRANSITIONS: dict[str, str] = {
     "idle-request-positions": "a request with no query row, context from the positions",
     "idle-request-seq-lens": "a request with no query row, context from seq_lens (no bound, no positions)",
     "graph-padding-after-larger": "CUDA-graph padding up to the rows of a larger batch seen before",
+    "full-graph-after-larger": "a uniform decode batch in the FULL CUDA graph of a larger batch seen before "
+                               "(the metadata counts the padded rows and requests)",
     "prefill-chunks-become-decodes": "requests that ran a prefill chunk last step decode in this one",
 }
 
@@ -40,6 +43,15 @@ def context_source(spec: BatchSpec) -> str:
 
 def rows_of(spec: BatchSpec) -> int:
     return sum(r.q_len for r in spec.requests)
+
+
+def scheduled_requests(spec: BatchSpec) -> tuple:
+    """The requests the scheduler put in the step: a FULL graph's trailing padded requests left
+    out."""
+    if not spec.full_graph:
+        return spec.requests
+    live = [i for i, r in enumerate(spec.requests) if r.q_len]
+    return spec.requests[: live[-1] + 1] if live else ()
 
 
 def decode_q_lens(spec: BatchSpec) -> list[int]:
@@ -68,9 +80,11 @@ def step_transitions(previous: BatchSpec | None, current: BatchSpec, *, largest_
         names.add("rejected-drafts-then-no-drafts")
     if len(set(decodes)) > 1:
         names.add("drafts-differ-per-request")
-    if any(r.q_len == 0 for r in current.requests):
+    if any(r.q_len == 0 for r in scheduled_requests(current)):
         names.add(f"idle-request-{context_source(current)}")
-    if current.padded_rows and largest_rows and rows + current.padded_rows == largest_rows > rows:
+    if current.full_graph and current.padded_rows and largest_rows > rows:
+        names.add("full-graph-after-larger")
+    elif current.padded_rows and largest_rows and rows + current.padded_rows == largest_rows > rows:
         names.add("graph-padding-after-larger")
     if prefills_before:
         names.add("prefill-chunks-become-decodes")

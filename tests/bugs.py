@@ -290,6 +290,26 @@ class ConvertKillsItsProcess(FastImpl):
         os.kill(os.getpid(), signal.SIGSEGV)
 
 
+class HostStagesKillTheirProcess(FastImpl):
+    """The host lengths and the layout's indptr kill their process (SIGSEGV): each test that
+    calls them directly must fail, naming the stage, and the session go on."""
+
+    name = "crash-host-stages"
+
+    def kv_lens(self, *args, **kwargs):
+        _killed()
+
+    def kv_indptr(self, *args, **kwargs):
+        _killed()
+
+
+def _killed():
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
 class BlockSizeAsShift(FastImpl):
     """docs/input-space.md#block-sizes:
     the convert rule with the block size taken as a power of two (``tok >> log2(bs)``,

@@ -16,11 +16,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.isolation import IsolatedImpl, crashes_noted
+from harness.isolation import crashes_noted
 from harness.pipeline import run_step_in_child
 from harness.scenario import BatchSpec, build_scenario
 from mla_constants import INVALID
 from reference.rules import convert_rule, request_ids_per_row, valid_counts
+from tests.cpu.host_stages import host_stages_apart
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -34,22 +35,7 @@ def qsl_tensor(q_lens, device="cpu") -> torch.Tensor:
     return torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=device)
 
 
-@pytest.fixture(scope="module")
-def impl(impl, device, pytestconfig):
-    """The implementation under test. One that is not the project's own runs its host stages in
-    a process of its own where the inputs are on the host (harness.isolation): these tests call
-    convert directly, not through the pipeline's stages (which run apart), and a convert that
-    kills its process fails its test, not the session."""
-    from mla_constants import DEFAULT_IMPL_SPEC
-    from pytest_sparse_mla.impl import IMPL_SPEC
-
-    spec = pytestconfig.stash[IMPL_SPEC]
-    if spec == DEFAULT_IMPL_SPEC or device.type != "cpu":
-        yield impl
-        return
-    isolated = IsolatedImpl(spec)
-    yield isolated
-    isolated.close()
+impl = pytest.fixture(scope="module", name="impl")(host_stages_apart)
 
 
 def on(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,8 +1,9 @@
 """A convert kernel that kills its process, called directly by tests/cpu/test_convert.py (not
-through the pipeline's stages): under plain pytest (no xdist worker to lose) each test it kills
-fails naming the stage and the signal, the session goes on to the end, ``--dump-failures``
-writes the recipe of each crashed step, and the recipes replay the crash under the bug and pass
-on the project's implementation."""
+through the pipeline's stages), and host lengths and layouts that do, called directly by
+tests/cpu/test_kvlen_sources.py and tests/cpu/test_layouts.py: under plain pytest (no xdist
+worker to lose) each test it kills fails naming the stage and the signal, the session goes on
+to the end, ``--dump-failures`` writes the recipe of each crashed convert step, and the recipes
+replay the crash under the bug and pass on the project's implementation."""
 
 from __future__ import annotations
 
@@ -69,3 +70,16 @@ def test_an_isolated_call_writes_into_the_callers_buffer_and_raises_as_the_imple
 def test_how_a_worker_ended_is_named():
     assert exit_description(-11) == "SIGSEGV" and exit_description(-6) == "SIGABRT"
     assert exit_description(3) == "exit status 3" and exit_description(None) == "no exit status"
+
+
+def test_host_lengths_and_layouts_that_kill_their_process_fail_their_tests_and_the_session_goes_on(pytester):
+    bug = "tests.bugs:HostStagesKillTheirProcess"
+    modules = [str(ROOT / "tests/cpu" / name) for name in ("test_kvlen_sources.py", "test_layouts.py")]
+    result = run_pytest(pytester, *modules,
+                        "-k", "sync_path or async_path or strided_reads or packed_clamps", "--impl", bug)
+    out = "\n".join(result.outlines)
+    crashes = {stage: out.count(f"ImplementationCrashed: the implementation under test killed its process (SIGSEGV) "
+                                f"at stage {stage}") for stage in ("kv_lens", "kv_indptr")}
+    outcomes = result.parseoutcomes()
+    assert result.ret == 1 and outcomes.get("failed") == 5 and "passed" not in outcomes, out[-3000:]
+    assert crashes == {"kv_lens": 3, "kv_indptr": 2}, (crashes, out[-3000:])

@@ -30,6 +30,7 @@ from harness.input_space import (
 )
 from harness.pipeline import describe_rows, prepare_step, selection_mismatches
 from harness.sequence import ReusedBuffers, host_step_problems
+from harness.spec import graph_padded, uniform_query_len
 from harness.transitions import TRANSITIONS, step_transitions
 from pytest_sparse_mla.coverage import coverage_lines, record_input, record_transitions
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
@@ -214,10 +215,22 @@ class EvolvingBatch(RuleBasedStateMachine):
         order = sorted(range(len(live)), key=lambda i: (live[i].q_len > threshold, i))  # decodes first
         rows = sum(r.q_len for r in live)
         padded = max(0, self.largest - rows) if self.graph_padding else 0
-        return BatchSpec(requests=tuple(live[i] for i in order), topk=TOPK_SMALL, kpool=self.kpool,
+        spec = BatchSpec(requests=tuple(live[i] for i in order), topk=TOPK_SMALL, kpool=self.kpool,
                          block_size=self.block_size, decode_threshold=threshold, async_scheduling=self.async_,
                          host_bound_slack=self.slack, padded_rows=padded,
                          with_host_bound=self.source == "host-bound", with_positions=self.source != "seq-lens")
+        return self.in_full_graph(spec) if self.graph_padding else spec
+
+    def in_full_graph(self, spec: BatchSpec) -> BatchSpec:
+        """A uniform decode batch with no idle request runs in the FULL graph captured for the
+        largest batch seen (its rows rounded up to the query length, within the buffers), as
+        vLLM's runner pads it; any other batch keeps the piecewise padding."""
+        q = uniform_query_len(spec)
+        if q is None or q > spec.decode_threshold or any(not r.q_len for r in spec.requests):
+            return spec
+        rows = sum(r.q_len for r in spec.requests)
+        capture = max(rows, -(-self.largest // q) * q)
+        return graph_padded(spec, capture) if capture <= MAX_ROWS else spec
 
     @invariant()
     def step_plans_the_intended_slots(self):

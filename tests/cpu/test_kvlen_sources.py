@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from harness import batch, build_scenario
 from harness.pipeline import meta_on_device
 from mla_constants import TOPK
 from reference import kv_len_rule
+from tests.cpu.host_stages import host_stages_apart
+
+impl = pytest.fixture(scope="module", name="impl")(host_stages_apart)
 
 
 def spec_decode_scenario(async_scheduling: bool, slack: int = 0):

@@ -10,6 +10,9 @@ import torch
 
 from fast.layouts import LAYOUTS, indices_capacity
 from reference import planned_selection
+from tests.cpu.host_stages import host_stages_apart
+
+impl = pytest.fixture(scope="module", name="impl")(host_stages_apart)
 
 W = 128
 # Row 0: a prefix of 3; row 1: a hole then a tail (regime C shape); row 2: empty.
