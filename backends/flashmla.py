@@ -473,7 +473,8 @@ class FlashMLALayer:
             metadata = self.builder.build(0, cam)
         rows = self.mqa_rows(metadata)
         served = min(rows, query_rows(step.meta))  # a FULL graph's padded rows run, unread
-        outcome = StepOutcome(backend=self.backend.name, planned_rows=served, plans=self.plans)
+        outcome = StepOutcome(backend=self.backend.name, planned_rows=served, plans=self.plans,
+                              dense_prefill=bool(self.impl.supports_dense_mha_prefill))
         if not step.runs_kernel:
             return outcome
         heads = self.config.num_heads

@@ -97,6 +97,9 @@ class StepOutcome:
     refusal: str | None = None  # why the kernel refused the step, as it is expected to (nothing ran)
     plans: int = 0  # plans made so far by the layer
     reads_back: bool = False  # executed lengths come from the kernel's own schedule, not from the plan
+    # False: the layer has no dense-MHA path for its prefills (FlashMLA's fp8 NoPE cache), so the
+    # engine hands the sparse kernel every row, whatever the step's routing
+    dense_prefill: bool = True
 
     def describe_row(self, row: int, valid: int | None = None) -> str:
         parts = [f"row {row}"]

@@ -6,7 +6,8 @@ backend's :class:`~backends.seam.StepOutcome`. The checks, each naming the row, 
 context and its lengths when it fails:
 
 - :func:`routing_problems`: the backend serves the rows the reference's routing rule gives the
-  sparse kernel (all rows, or the decode prefix when prefills go to dense MHA);
+  sparse kernel (all rows, or the decode prefix when prefills go to dense MHA and the layer has
+  a dense path);
 - :func:`executed_length_problems`: every planned row's executed KV length equals its valid
   count (the count of valid entries of its converted indexer row); host bounds are bounds; what
   the backend's read-back found malformed (work items past a row, stray rows);
@@ -75,10 +76,13 @@ def context(outcome: StepOutcome, scenario: Scenario) -> str:
 
 
 def routing_problems(outcome: StepOutcome, scenario: Scenario) -> list[str]:
-    expected = scenario.planned_rows
+    """The rows served against the routing rule: the decode prefix where the step routes its
+    prefills to dense MHA and the layer has that path, else every query row."""
+    expected = scenario.planned_rows if outcome.dense_prefill else scenario.num_rows
     if outcome.planned_rows == expected:
         return []
-    return [f"the backend serves {outcome.planned_rows} rows with the sparse kernel, the routing rule {expected}"]
+    why = "" if outcome.dense_prefill else " (the layer has no dense-MHA path: every query row)"
+    return [f"the backend serves {outcome.planned_rows} rows with the sparse kernel, the routing rule {expected}{why}"]
 
 
 def executed_length_problems(outcome: StepOutcome, scenario: Scenario) -> list[str]:

@@ -38,6 +38,7 @@ from harness.backend_step import (
 from harness.builder import build_scenario
 from harness.cases import Case, KernelConfig, all_regime_cases, covering_config, situation_cases
 from harness.device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
+from mla_constants import DEEPSEEK_V32_SM_SCALE
 from pytest_sparse_mla.vllm import NO_VLLM, VLLM_SOURCE, flashmla_absence
 from tests.vllm_cases import in_one_cache, sequence_specs
 
@@ -93,6 +94,30 @@ def gpu_shaped_params():
     return [pytest.param(case, KernelConfig(kv_dtype, True, heads, k_scale),
                          id=f"{case.id}-{KernelConfig(kv_dtype, True, heads, k_scale).id}")
             for kv_dtype, k_scale in GPU_VARIANTS for heads in SITUATION_HEADS for case in shaped_cases()]
+
+
+def gpu_input_space_params():
+    """The input space's covering design (every value class of every dimension) in the
+    configurations the GPU tier runs FlashMLA in, DeepSeek-V3.2's: a NoPE variant's case runs
+    with rope 64 on the same cache dtype (the variant classes themselves are the CPU tier's)."""
+    from harness.cases import input_space_cases
+    from harness.input_space import SPACE, classify
+
+    params = []
+    for case, layout in input_space_cases(1):
+        spec = case.spec if case.spec.rope else case.spec.replace(rope=True, sm_scale=DEEPSEEK_V32_SM_SCALE)
+        classes = classify(spec, layout)
+        params.append(pytest.param(Case(case.name, spec), layout, id="-".join(classes[d.name] for d in SPACE)))
+    return params
+
+
+def run_scenario(backend, scenario, device, request):
+    """One step of ``scenario`` through a fresh layer of ``backend`` (a configuration it does
+    not serve skipped with its reason), checked as :func:`check_step` checks."""
+    max_tokens = max(scenario.topk_indices.shape[0], 1)
+    skip_unsupported(backend, scenario.spec, max_tokens)
+    layer = backend.open_layer(layer_config(scenario.spec, max_tokens), device)
+    return check_step(backend, layer, scenario, build_attention_inputs(scenario, device), request)
 
 
 def skip_unsupported(backend, spec, max_tokens: int) -> None:

@@ -44,8 +44,11 @@ from harness.backend_step import (
     selection_problems,
 )
 from harness.cases import LONG_CTX, Case, KernelConfig, context_case, situation_cases
+from harness.input_space import classify, covering_cases
+from harness.scenario import build_scenario
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK
+from pytest_sparse_mla.coverage import record_input
 from reference import flashmla_layout
 from tests import flashmla_cases, flashmla_stand_in
 from tests.flashmla_cases import run_case, run_sequence, scenario_and_inputs, step_params
@@ -104,6 +107,35 @@ def test_kernel_is_handed_each_rows_selection(stand_in, case, config, device, re
     """Every row served by the sparse kernel is handed exactly its intended selection (a), its
     valid count as its length, and its output and LSE are within budget of the oracle."""
     run_case(stand_in, case, config, device, request)
+
+
+#: Decode rows and prefills that fit in topk (routed to dense MHA where the layer has that path).
+TO_MHA_CASE = next(c for c in situation_cases(4) if c.name.startswith("decode+prefill-to-mha"))
+
+
+@pytest.mark.parametrize(("config", "dense"), [(BF16, True), (KernelConfig("float8_e4m3fn", False, 16), False)],
+                         ids=["bf16-rope64", "fp8-nope"])
+def test_prefills_reach_the_sparse_kernel_only_where_the_layer_has_no_dense_path(stand_in, config, dense, device,
+                                                                                 request):
+    """vLLM's FLASHMLA_SPARSE has no dense-MHA prefill for a NoPE model on an fp8 cache (the
+    576-byte rows do not fit the dense workspace): there every row of a step whose prefills fit
+    in topk is served by the sparse kernel and checked; elsewhere the decode rows alone."""
+    scenario, _ = scenario_and_inputs(TO_MHA_CASE, config, device)
+    flashmla_cases.skip_unsupported(stand_in, scenario.spec, scenario.topk_indices.shape[0])
+    outcome = _run(stand_in, TO_MHA_CASE, config, device, request)
+    assert scenario.prefills_to_mha and outcome.dense_prefill is dense
+    assert outcome.planned_rows == (scenario.meta.num_decode_tokens if dense else scenario.num_rows)
+
+
+@pytest.mark.parametrize("case", covering_cases(1), ids=lambda c: c.id)
+def test_the_input_spaces_covering_design_through_flashmla(stand_in, case, device, request):
+    """Every value class of every dimension of the production input space (block sizes, batch
+    composition, CUDA-graph padding, context sources, kpool and topk, kernel variants, heads)
+    through FLASHMLA_SPARSE's build() and forward_mqa(): each served row is handed its intended
+    slots with its valid count as its length, and its output and LSE are within budget. A
+    configuration FlashMLA does not serve is skipped with its reason."""
+    record_input(classify(case.spec, case.layout))
+    flashmla_cases.run_scenario(stand_in, build_scenario(case.spec, seed=0), device, request)
 
 
 @pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)

@@ -21,7 +21,10 @@ import pytest
 from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
 from backends.registry import open_backend
 from harness.backend_step import layer_config, output_comparisons, run_step
+from harness.builder import build_scenario
 from harness.cases import KernelConfig, large_batch_cases
+from harness.input_space import classify
+from pytest_sparse_mla.coverage import record_input
 from tests import flashmla_cases
 from tests.flashmla_cases import (
     gpu_regime_params,
@@ -123,6 +126,15 @@ def test_sequence_on_flashmla(flashmla_on_gpu, kpool, config, request):
     layer, outcomes = run_sequence(flashmla_on_gpu, kpool, config, DEVICE, request)
     ran = sum(1 for o in outcomes if o.planned_rows)
     assert layer.plans == (ran if config.kv_dtype == "float8_e4m3fn" else 0), f"{layer.plans} schedules, {ran} steps"
+
+
+@pytest.mark.parametrize(("case", "layout"), flashmla_cases.gpu_input_space_params())
+def test_the_input_spaces_covering_design_on_flashmla(flashmla_on_gpu, case, layout, request):
+    """Every value class of the production input space but the kernel variant (block sizes,
+    batch composition, CUDA-graph padding, context sources, kpool and topk, heads, slot ids past
+    2**23) on FlashMLA's kernels, in DeepSeek-V3.2's configurations."""
+    record_input(classify(case.spec, layout))
+    flashmla_cases.run_scenario(flashmla_on_gpu, build_scenario(case.spec, seed=0), DEVICE, request)
 
 
 @pytest.mark.gpu_large
