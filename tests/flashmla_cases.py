@@ -96,6 +96,21 @@ def gpu_shaped_params():
             for kv_dtype, k_scale in GPU_VARIANTS for heads in SITUATION_HEADS for case in shaped_cases()]
 
 
+#: The magnitude edge's configurations on FlashMLA: bf16, and fp8 on each of its two kernels (the
+#: decode kernel below 32 heads, the prefill kernel on the upconverted workspace from 32 on).
+MAGNITUDE_CONFIGS = (KernelConfig("bfloat16", True, 16), KernelConfig("float8_e4m3fn", True, 16, 0.5),
+                     KernelConfig("float8_e4m3fn", True, 64))
+
+
+def magnitude_params():
+    """The magnitude edge's cases (raw score offsets far from zero, docs/edges.md#magnitude) in
+    each of :data:`MAGNITUDE_CONFIGS`."""
+    from tests.gpu.test_edges import magnitude_cases
+
+    return [pytest.param(case, config, id=f"{case.id}-{config.id}")
+            for config in MAGNITUDE_CONFIGS for case in magnitude_cases()]
+
+
 def gpu_input_space_params():
     """The input space's covering design (every value class of every dimension) in the
     configurations the GPU tier runs FlashMLA in, DeepSeek-V3.2's: a NoPE variant's case runs
