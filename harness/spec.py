@@ -159,7 +159,8 @@ def full_graph_problem(spec: BatchSpec) -> str | None:
 
 def graph_padded(spec: BatchSpec, capture_size: int) -> BatchSpec:
     """``spec`` (a uniform decode batch) as vLLM's model runner runs it in the FULL CUDA graph of
-    ``capture_size`` tokens: padded rows up to it, padded requests up to ``capture_size / q``."""
+    ``capture_size`` tokens: padded rows up to it, padded requests up to ``capture_size / q``. Its
+    requests without a query row are left out (the runner's batch holds the scheduled ones)."""
     q = uniform_query_len(spec)
     if q is None:
         raise ValueError("graph_padded needs a uniform decode batch")
