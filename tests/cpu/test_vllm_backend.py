@@ -27,6 +27,8 @@ from harness.builder import build_scenario
 from harness.cases import KernelConfig, situation_cases
 from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify, covering_cases
+from harness.spec import batch, graph_padded
+from mla_constants import TOPK
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from tests import fa3_stand_in
@@ -173,6 +175,21 @@ def test_every_context_source(vllm_backend, stand_in, source, device, request):
         outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
         bounded = vllm_backend.design == "bounded" and source == "host bound"
         assert outcome.host_exact is not bounded, f"{case.name}: host lengths exact={outcome.host_exact}"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_full_graph_step_plans_its_query_rows(vllm_backend, stand_in, async_scheduling, device, request):
+    """Spec-decode rows around topk in the FULL CUDA graph of 15 tokens, the metadata as vLLM's
+    runner pads it (the token count and decode split count the padded rows, padded requests
+    trail): vLLM's build plans the 6 query rows alone, and each executes its valid count."""
+    spec = graph_padded(BF16.apply(batch((TOPK + 3, 3), (40, 3), kpool=4, decode_threshold=3,
+                                         async_scheduling=async_scheduling,
+                                         host_bound_slack=2 if async_scheduling else 0)), 15)
+    scenario = build_scenario(spec, 7)
+    assert (scenario.meta.num_actual_tokens, scenario.num_rows, scenario.meta.num_reqs) == (15, 6, 5)
+    layer = vllm_backend.open_layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
+    outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
+    assert outcome.planned_rows == 6 and outcome.executed_lengths.numel() == 6
 
 
 def test_adaptive_verification_bounds_every_row_by_the_longest(vllm_backend, stand_in, device, request):
