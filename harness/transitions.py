@@ -45,15 +45,6 @@ def rows_of(spec: BatchSpec) -> int:
     return sum(r.q_len for r in spec.requests)
 
 
-def scheduled_requests(spec: BatchSpec) -> tuple:
-    """The requests the scheduler put in the step: a FULL graph's trailing padded requests left
-    out."""
-    if not spec.full_graph:
-        return spec.requests
-    live = [i for i, r in enumerate(spec.requests) if r.q_len]
-    return spec.requests[: live[-1] + 1] if live else ()
-
-
 def decode_q_lens(spec: BatchSpec) -> list[int]:
     return [r.q_len for r in spec.requests if 0 < r.q_len <= spec.decode_threshold]
 
@@ -80,7 +71,8 @@ def step_transitions(previous: BatchSpec | None, current: BatchSpec, *, largest_
         names.add("rejected-drafts-then-no-drafts")
     if len(set(decodes)) > 1:
         names.add("drafts-differ-per-request")
-    if any(r.q_len == 0 for r in scheduled_requests(current)):
+    # a FULL graph's requests without a query row are its padding, not idle requests
+    if not current.full_graph and any(r.q_len == 0 for r in current.requests):
         names.add(f"idle-request-{context_source(current)}")
     if current.full_graph and current.padded_rows and largest_rows > rows:
         names.add("full-graph-after-larger")

@@ -216,17 +216,19 @@ def field_problem(name: str, value, check, kind: str = "recipe") -> str | None:
     return None if wrong is None else f"{kind} field '{name}' is {_shown(value)}, {wrong}"
 
 
-def fields_problem(data: dict, required: dict, optional: dict, kind: str = "recipe") -> str | None:
+def fields_problem(data: dict, required: dict, optional: dict, kind: str = "recipe", prefix: str = "",
+                   unknown: str | None = None) -> str | None:
     """The first field of ``data`` missing, unknown, or refused by its check (``required`` and
-    ``optional``: field -> check)."""
+    ``optional``: field -> check), named ``prefix + name`` (an unknown one "is not ``unknown``",
+    by default a ``kind`` field)."""
     for name in required:
         if name not in data:
-            return f"{kind} field '{name}' is missing"
+            return f"{kind} field '{prefix}{name}' is missing"
     for name in data:
         if name not in required and name not in optional:
-            return f"{kind} field '{name}' is not a {kind} field"
+            return f"{kind} field '{prefix}{name}' is not {unknown or f'a {kind} field'}"
     for name, check in {**required, **optional}.items():
-        problem = field_problem(name, data[name], check, kind) if name in data else None
+        problem = field_problem(prefix + name, data[name], check, kind) if name in data else None
         if problem:
             return problem
     return None
@@ -235,16 +237,9 @@ def fields_problem(data: dict, required: dict, optional: dict, kind: str = "reci
 def spec_problem(spec: dict) -> str | None:
     """What is wrong with a recipe's ``spec``: a missing, unknown or ill-typed field, or values
     the batch spec refuses together (its own message)."""
-    for name in SPEC_FIELDS:
-        if name not in spec:
-            return f"recipe field 'spec.{name}' is missing"
-    for name in spec:
-        if name not in SPEC_FIELDS and name not in OPTIONAL_SPEC_FIELDS:
-            return f"recipe field 'spec.{name}' is not a field of a batch spec"
-    for name, check in {**SPEC_FIELDS, **OPTIONAL_SPEC_FIELDS}.items():
-        problem = field_problem(f"spec.{name}", spec[name], check) if name in spec else None
-        if problem:
-            return problem
+    problem = fields_problem(spec, SPEC_FIELDS, OPTIONAL_SPEC_FIELDS, prefix="spec.", unknown="a field of a batch spec")
+    if problem:
+        return problem
     from harness.spec import spec_from_dict
 
     try:
