@@ -16,11 +16,10 @@ import pytest
 
 from backends.port import KERNELS
 from backends.registry import open_backend
+from harness.launch import DEVICE
 from tests.vllm_cases import expect_kernel_findings, run_case, step_params
 
 pytestmark = pytest.mark.gpu
-
-DEVICE = "cuda"
 
 
 @pytest.fixture(scope="module", params=[f"port-{k}" for k in KERNELS])
