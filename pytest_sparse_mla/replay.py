@@ -258,7 +258,9 @@ class FailureDump:
 
     def _dump_case(self) -> str | None:
         sequence = self.log.sequence if self._build is None and self.log is not None else None
-        if sequence is not None and len(sequence["steps"]) > 1:
+        # A sequence that failed at its first step is written as a sequence too where that step
+        # noted no case of its own (a host-stage sequence checks its steps itself).
+        if sequence is not None and (len(sequence["steps"]) > 1 or (sequence["steps"] and self.log.step is None)):
             path = self._dump_sequence(sequence)
             if path is not None:
                 return path

@@ -139,6 +139,25 @@ def test_cpu_journey_a_sequence_bug_dumps_replays_red_and_green_when_fixed(pytes
     assert green.ret == 0, "\n".join(green.outlines)[-3000:]
 
 
+def test_a_sequence_that_fails_at_its_first_step_is_written_as_that_step(pytester, tmp_path):
+    """A bug every step shows fails a host-stage sequence at its first step, which notes no case
+    of its own: the dump is the one-step sequence, which replays red under the bug and green on
+    the project's own implementation."""
+    dump = tmp_path / "dumps"
+    bug = "--impl=tests.bugs:ContextIsPosition"
+    result = run_pytest(pytester, str(ROOT / "tests/cpu/test_sequences.py"), bug, "-k",
+                        "test_decode_steps_through_reused_buffers", f"--dump-failures={dump}")
+    output = "\n".join(result.outlines + result.errlines)
+    written = sorted(dump.glob("*.sequence.json"))
+    assert result.ret == 1 and len(written) == 1 and "nothing written" not in output, output[-3000:]
+    recipe = json.loads(written[0].read_text())
+    assert recipe["failing_step"] == 0 and len(recipe["steps"]) == 1, recipe
+    red = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), f"--replay={written[0]}", bug)
+    assert red.ret == 1 and "step 0 of the sequence fails" in "\n".join(red.outlines), "\n".join(red.outlines)[-3000:]
+    green = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), f"--replay={written[0]}")
+    assert green.ret == 0, "\n".join(green.outlines)[-3000:]
+
+
 @pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
 def test_gpu_journey_a_stateful_bug_dumps_a_sequence_that_replays_red_and_green_on_a_simulated_machine(
