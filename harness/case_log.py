@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(eq=False)  # a log is one test's: two with the same notes are still two logs
 class CaseLog:
     step: object | None = None  # harness.pipeline.Step
     inputs: object | None = None  # harness.scenario.AttentionInputs of the step, when a compare saw them

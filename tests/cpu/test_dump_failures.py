@@ -620,3 +620,17 @@ def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_ke
     with pytest.raises(pytest.fail.Exception, match="died at convert"):
         test_replay.load_case(path, Request())
     assert calls == ["stages apart"]
+
+
+def test_nested_case_logs_close_their_own_log():
+    """A test that runs a session of its own (a suite self-test under ``--dump-failures``) opens
+    a log inside the one its own test opened; each block closes its own, even while both hold
+    the same notes, and notes go to the innermost."""
+    from harness.case_log import note_sequence
+    from recording.case_log import logging_cases
+
+    with logging_cases() as outer:
+        with logging_cases() as inner:
+            assert inner is not outer
+        note_sequence("reused-buffers", "packed", 8)
+    assert outer.sequence is not None and inner.sequence is None
