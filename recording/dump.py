@@ -5,7 +5,9 @@ fixture with its standalone reproducer (:mod:`recording.repro`), or as a recipe
 :data:`recording.shrink.MAX_FIXTURE_BYTES`. A batch too large to build whole whose plan is
 wrong on some rows is written as the fixture of those rows (:func:`fixture_of_failing_rows`);
 one whose plan is right on every row failed in its kernel run, which only the whole batch
-shows: a recipe. Each recipe says why it is one (``why``). Nothing here runs for a passing test.
+shows: a recipe. A step whose plan is wrong only on its own block table (its fixture's host
+stages re-run over the stored slots as one block of size 1) is a recipe too. Each recipe says
+why it is one (``why``). Nothing here runs for a passing test.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ WHY_TOO_LARGE = ("a batch too large to build whole whose plan is right on every 
                  "kernel run, which only the whole batch shows")
 WHY_PASSES_ITS_REPLAY = ("the noted case passes its replay through the implementation under test (the test failed "
                          "on a check the replay does not make): a file of it would not reproduce the failure")
+WHY_OWN_BLOCK_TABLE = ("the step's plan is wrong as the implementation made it on the step's own block table, and "
+                       "right when its fixture's host stages re-run over the stored slots as one block of size 1: "
+                       "the recipe rebuilds the step, block table and all")
 
 
 class NothingToWrite(Exception):
@@ -76,7 +81,10 @@ def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, 
     started = time.perf_counter()
     small = shrink_fixture(fixture, impl, device) if shrink else fixture
     if small is None:
-        raise NothingToWrite(WHY_PASSES_ITS_REPLAY)
+        recipe = recipe_of_own_block_table(fixture, step)
+        if recipe is None:
+            raise NothingToWrite(WHY_PASSES_ITS_REPLAY)
+        return save_recipe(directory / f"{name}{RECIPE_SUFFIX}", recipe)
     if isinstance(small.meta.get("shrunk"), dict):
         small.meta["shrunk"]["seconds"] = round(time.perf_counter() - started, 3)
     size = fixture_bytes(small)
@@ -90,6 +98,19 @@ def write_failure(directory, name: str, fixture: Fixture, impl=None, step=None, 
     path = save_fixture(directory / f"{name}.safetensors", small)
     write_repro(small, path)
     return path
+
+
+def recipe_of_own_block_table(fixture: Fixture, step) -> dict | None:
+    """The recipe of a noted ``step`` whose plan, as the implementation made it on the step's own
+    block table, is wrong while its fixture's host stages, re-run over the stored slots as one
+    block of size 1, plan it right: only the spec and seed rebuild what failed. None where
+    there is no step, the plan as made is right too, or the step is not rebuilt by its spec."""
+    from .replay import replay
+
+    if step is None or "plan != intent" not in replay(fixture).failures():
+        return None
+    meta = {k: fixture.meta[k] for k in RECIPE_META if k in fixture.meta}
+    return recipe_of_step(step, why=WHY_OWN_BLOCK_TABLE, **meta)
 
 
 def write_crash(directory, file_name: str, crash: dict, **meta) -> Path | None:

@@ -28,12 +28,6 @@ from types import SimpleNamespace
 
 import torch
 
-# Imported by Triton's interpreter at its first kernel: imported here, before any nested
-# session, whose module snapshot would drop them (their native objects then reported as leaked
-# at exit).
-import triton.compiler.code_generator
-import triton.language.extra.libdevice  # noqa: F401
-
 import fast.convert
 import fast.flashinfer_compat as compat
 import fast.sm90 as sm90
