@@ -1,11 +1,16 @@
 """Mutation testing of the host side of ``fast/`` with mutmut (config: ``[tool.mutmut]`` in
 pyproject.toml; needs the ``mutation`` extra):
 
-    python3 -m scripts.mutation [--max-children N] [--report-only] [--retest-survivors]
+    python3 -m scripts.mutation [--vllm PATH] [--only GLOB] [--max-children N] [--report-only]
+                                [--retest-survivors]
 
 runs ``mutmut run`` over fast/kvlen.py, fast/layouts.py, convert's host functions and
-fast/impl.py with the CPU tests that exercise them, then prints the score (killed among the
-mutants some test reaches), the mutants no test reaches, and each survivor with its diff. The
+fast/impl.py, and over the adapter that drives vLLM's own backend (backends/vllm_sm90.py and
+the schedule read-back, backends/fa3_schedule.py), with the CPU tests that exercise them, then
+prints the score (killed among the mutants some test reaches) per area and in all, the mutants
+no test reaches, and each survivor with its diff. The adapter's tests need a vLLM
+(``--vllm PATH``, handed to pytest through ``PYTEST_ADDOPTS``); without one they skip and its
+mutants are not reached. ``--only 'backends.*'`` runs the mutants whose names match. The
 survivors that no behaviour tells apart from the code are listed in docs/mutation.md with why.
 mutmut keeps its results in ``mutants/`` (ignored by git): a second run re-tests only what changed.
 """
@@ -46,7 +51,7 @@ def survivors(by_status: dict[str, str]) -> list[str]:
     return sorted(name for name, status in by_status.items() if status == "survived")
 
 
-def score_lines(by_status: dict[str, str]) -> list[str]:
+def score_lines(by_status: dict[str, str], label: str = "mutation score") -> list[str]:
     """The score: mutants caught among those some test reaches, and those no test reaches."""
     counts: dict[str, int] = {}
     for status in by_status.values():
@@ -55,13 +60,29 @@ def score_lines(by_status: dict[str, str]) -> list[str]:
     survived = counts.get("survived", 0)
     reached = caught + survived
     score = 100.0 * caught / reached if reached else 0.0
-    lines = [f"mutation score: {score:.1f} % ({caught} of {reached} mutants reached by a test caught; "
+    lines = [f"{label}: {score:.1f} % ({caught} of {reached} mutants reached by a test caught; "
              f"{survived} survived)",
              f"not reached by any test: {counts.get('no tests', 0)}; all mutants: {len(by_status)}"]
     others = {s: n for s, n in counts.items() if s not in (*CAUGHT, "survived", "no tests")}
     if others:
         lines.append("other outcomes: " + ", ".join(f"{s} {n}" for s, n in sorted(others.items())))
     return lines
+
+
+def by_area(by_status: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The statuses per top-level package of the mutated code (``fast``, ``backends``)."""
+    areas: dict[str, dict[str, str]] = {}
+    for name, status in by_status.items():
+        areas.setdefault(name.split(".", 1)[0], {})[name] = status
+    return areas
+
+
+def pytest_env(vllm: str | None) -> dict[str, str]:
+    """The environment of mutmut's run: ``--vllm`` handed to each pytest session it starts."""
+    env = dict(os.environ)
+    if vllm:
+        env["PYTEST_ADDOPTS"] = f"{env.get('PYTEST_ADDOPTS', '')} --vllm={Path(vllm).resolve()}".strip()
+    return env
 
 
 def main(argv=None) -> int:
@@ -72,11 +93,15 @@ def main(argv=None) -> int:
     parser.add_argument("--retest-survivors", action="store_true",
                         help="run again only the mutants that survived the last run (mutmut keeps a mutant's result "
                              "until its code changes, so new tests reach the survivors only this way)")
+    parser.add_argument("--vllm", metavar="PATH", help="the vLLM (wheel, folder or slice) the adapter's tests run "
+                                                         "with; without it they skip")
+    parser.add_argument("--only", metavar="GLOB", action="append", default=[],
+                        help="run only the mutants whose names match (repeatable), e.g. 'backends.*'")
     args = parser.parse_args(argv)
     if not args.report_only:
-        names = survivors(statuses(mutmut("results"))) if args.retest_survivors else []
+        names = survivors(statuses(mutmut("results"))) if args.retest_survivors else list(args.only)
         proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children),
-                               *names], cwd=ROOT)
+                               *names], cwd=ROOT, env=pytest_env(args.vllm))
         if proc.returncode != 0:
             return proc.returncode
     by_status = statuses(mutmut("results", "--all", "true"))
@@ -84,6 +109,8 @@ def main(argv=None) -> int:
         print("no mutmut results: run without --report-only first")
         return 1
     print("\n".join(score_lines(by_status)))
+    for area, statuses_of_area in sorted(by_area(by_status).items()):
+        print("\n".join(score_lines(statuses_of_area, f"  {area}/")))
     for name in survivors(by_status):
         print(f"\nsurvived: {name}" if args.no_diffs else "\n" + mutmut("show", name).rstrip())
     (ROOT / "mutants" / "score.json").write_text(json.dumps({"statuses": by_status}, indent=1, sort_keys=True))

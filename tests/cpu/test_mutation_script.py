@@ -1,0 +1,35 @@
+"""``python3 -m scripts.mutation``: the score per area and in all, and the vLLM its adapter's
+tests are handed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scripts.mutation import by_area, pytest_env, score_lines, statuses
+
+RESULTS = """
+    fast.kvlen.x_kv_lens_host__mutmut_1: killed
+    fast.kvlen.x_kv_lens_host__mutmut_2: survived
+    fast.layouts.x_kv_indptr_host__mutmut_1: timeout
+    backends.fa3_schedule.x_read_schedule__mutmut_1: no tests
+    backends.vllm_sm90.x_step__mutmut_3: killed
+"""
+
+
+def test_the_score_counts_caught_among_reached_per_area_and_in_all():
+    found = statuses(RESULTS)
+    assert score_lines(found)[0] == "mutation score: 75.0 % (3 of 4 mutants reached by a test caught; 1 survived)"
+    assert score_lines(found)[1] == "not reached by any test: 1; all mutants: 5"
+    areas = by_area(found)
+    assert sorted(areas) == ["backends", "fast"] and len(areas["fast"]) == 3
+    assert score_lines(areas["backends"], "  backends/")[0].startswith("  backends/: 100.0 % (1 of 1 mutants")
+
+
+def test_the_vllm_is_handed_to_every_pytest_session_mutmut_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-q")
+    wheel = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert pytest_env(str(wheel))["PYTEST_ADDOPTS"] == f"-q --vllm={wheel.resolve()}"
+    assert pytest_env(None)["PYTEST_ADDOPTS"] == "-q"
+    monkeypatch.delenv("PYTEST_ADDOPTS")
+    assert "PYTEST_ADDOPTS" not in pytest_env(None)
+    assert pytest_env("rel/dir")["PYTEST_ADDOPTS"] == f"--vllm={Path('rel/dir').resolve()}"
