@@ -138,8 +138,18 @@ def test_gaps_overlaps_and_backward_works_are_problems(works, problem):
 
 
 def test_a_work_clamped_to_nothing_reads_no_kv_and_is_no_problem():
-    assert extents([(0, 0, 40), (0, 40, 40), (0, 77, 77)], rows=1) == [RowExtent(40, 3)]
+    assert extents([(0, 0, 40), (0, 40, 40), (0, 77, 77), (0, 1, 1)], rows=1) == [RowExtent(40, 4)]
     assert extents([(0, 0, 0)], rows=1) == [RowExtent(0, 1)]
+
+
+def test_a_query_tile_clamped_to_nothing_beside_one_that_reads_is_a_problem():
+    (got,) = extents([(0, 0, 0), (0, 0, 40)], rows=1)
+    assert got == RowExtent(40, 2, ("query tiles cover different lengths [0, 40]",))
+
+
+def test_the_works_after_a_backward_one_are_still_read():
+    (got,) = extents([(0, 0, 40), (0, 20, 10), (0, 40, 60)], rows=1)
+    assert got == RowExtent(60, 3, ("work [20, 10) ends before it starts",))
 
 
 def test_works_naming_rows_that_are_not_planned_are_stray():
