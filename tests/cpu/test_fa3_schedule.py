@@ -140,6 +140,8 @@ def test_gaps_overlaps_and_backward_works_are_problems(works, problem):
 def test_a_work_clamped_to_nothing_reads_no_kv_and_is_no_problem():
     assert extents([(0, 0, 40), (0, 40, 40), (0, 77, 77), (0, 1, 1)], rows=1) == [RowExtent(40, 4)]
     assert extents([(0, 0, 0)], rows=1) == [RowExtent(0, 1)]
+    assert extents([(0, 0, 40), (0, 40, 40), (0, 40, 60)], rows=1) == [RowExtent(60, 3)]
+    assert extents([(0, 5, 5)], rows=1) == [RowExtent(0, 1)]  # clamped away whole: reads nothing
 
 
 def test_a_query_tile_clamped_to_nothing_beside_one_that_reads_is_a_problem():
