@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap
+from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap, stand_ins_in_use
 from harness.backend_step import executed_length_problems, layer_config, run_step
 from harness.builder import build_scenario
 from harness.cases import KernelConfig, situation_cases
@@ -98,6 +98,12 @@ def test_release_and_design_are_read_from_its_code(vllm_backend):
     assert (vllm_backend.design == "bounded") == ("cam" in plan.parameters)
     assert f"vLLM {vllm_backend.version}" in vllm_backend.describe()
     assert vllm_backend.module.__file__.startswith(str(vllm_backend.source.root))
+    # the summary's rows per backend and the findings' expectations read these
+    assert vllm_backend.version == vllm_backend.source.version and vllm_backend.name == f"vllm-{vllm_backend.version}"
+    # 0.30 (exact lengths) plans an fp8 cache as its uint8 storage; the bounded releases map it to e4m3
+    assert vllm_backend.plans_fp8_as_storage_dtype == (vllm_backend.design == "exact")
+    in_use = [n for n in stand_ins_in_use() if n.startswith("vllm")]
+    assert in_use and vllm_backend.describe().endswith(f"stand-ins: {', '.join(in_use)}"), vllm_backend.describe()
 
 
 def _names_read_from_stand_ins(path) -> set[tuple[str, str]]:
