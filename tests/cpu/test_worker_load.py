@@ -1,5 +1,6 @@
 """The "xdist workers" section: which worker ends the run, and with which tests."""
 
+import functools
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -114,12 +115,18 @@ def test_recorded_seconds_win_and_unrecorded_tests_are_guessed_from_their_kind()
     assert expected_seconds("c", False, recorded) == 0.0
 
 
+@functools.cache
+def text_of_file(path: str) -> str | None:
+    file = ROOT / path
+    return file.read_text() if file.is_file() else None
+
+
 def defines_test(nodeid: str) -> bool:
     """The test id's file exists under the project root and defines its test function."""
     path, _, rest = nodeid.partition("::")
     name = rest.split("::")[-1].split("[")[0]
-    file = ROOT / path
-    return file.is_file() and re.search(rf"^\s*def {re.escape(name)}\(", file.read_text(), re.M) is not None
+    text = text_of_file(path)
+    return text is not None and re.search(rf"^\s*def {re.escape(name)}\(", text, re.M) is not None
 
 
 def test_the_checked_in_durations_name_tests_of_this_suite():
