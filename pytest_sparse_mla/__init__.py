@@ -18,6 +18,8 @@ no ``-p`` is needed.
   a file);
 - ``vllm``: ``--vllm=PATH`` (a vLLM release's own SM90 backend under test, the ``vllm_backend``
   fixture, the ``vllm`` marker), the release in the header, the rows read back in the summary;
+- ``interpreter``: the ``interpreter`` marker (a CPU-tier test that hands Triton kernels CPU
+  tensors runs in a child pytest under Triton's interpreter where the run's kernels are compiled);
 - ``worker_load``: the tests dealt to the xdist workers heaviest first (``durations.json``), and
   the "xdist workers" section: per worker, its tests' seconds, when its first test started and
   its last one ended, and its longest tests (the run's critical path).
@@ -36,4 +38,5 @@ pytest_plugins = [
     "pytest_sparse_mla.coverage",
     "pytest_sparse_mla.gpus",
     "pytest_sparse_mla.vllm",
+    "pytest_sparse_mla.interpreter",
 ]

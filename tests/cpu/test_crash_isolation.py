@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BUG = "tests.bugs:ConvertFaultsOnPaddedRowsOnly"
 CRASHED = "the implementation under test killed its process (SIGSEGV) at stage convert"
 
+# The worker moves CPU tensors through shared memory, and the nested sessions build CPU inputs:
+# the convert kernel runs them in Triton's interpreter (a child pytest on a GPU machine).
+pytestmark = pytest.mark.interpreter
+
 
 def run_pytest(pytester, *args: str):
     return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(ROOT), *args)

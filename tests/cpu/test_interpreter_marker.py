@@ -1,0 +1,55 @@
+"""The ``interpreter`` marker: where the run's Triton kernels are compiled (a GPU machine), a
+marked test runs in a child pytest under Triton's interpreter with no visible GPU, and its
+outcome, failure text included, is the child's."""
+
+from __future__ import annotations
+
+import fast.convert
+from pytest_sparse_mla.interpreter import child_environment, child_verdict, runs_in_a_child
+
+MARKED = """
+import os
+import pytest
+
+@pytest.mark.interpreter
+def test_sees_the_interpreter():
+    assert os.environ["TRITON_INTERPRET"] == "1" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert "PYTEST_XDIST_WORKER" not in os.environ
+
+@pytest.mark.interpreter
+def test_fails_in_the_child():
+    assert os.getpid() == -1, "the child's own assertion"
+
+def test_unmarked_runs_here():
+    assert os.environ.get("TRITON_INTERPRET") == "child"
+"""
+
+
+def test_only_a_run_with_compiled_kernels_sends_marked_tests_to_a_child():
+    assert runs_in_a_child(False) and not runs_in_a_child(True)
+
+
+def test_the_child_runs_interpreted_with_no_gpu_and_no_xdist_identity():
+    env = child_environment({"PATH": "/bin", "PYTEST_XDIST_WORKER": "gw3", "PYTEST_XDIST_TESTRUNUID": "x",
+                             "PYTEST_CURRENT_TEST": "t", "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert env == {"PATH": "/bin", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "SPARSE_MLA_DEVICE": "cpu"}
+
+
+def test_a_child_passes_only_with_status_0_and_a_pass():
+    assert child_verdict(0, "....\n1 passed in 0.5s\n") is None
+    assert child_verdict(1, "1 failed in 0.5s") == "exit status 1, last line: 1 failed in 0.5s"
+    assert child_verdict(5, "no tests ran in 0.01s") == "exit status 5, last line: no tests ran in 0.01s"
+    assert child_verdict(0, "1 skipped in 0.1s") == "exit status 0, last line: 1 skipped in 0.1s"
+    assert child_verdict(-1, "") == "exit status -1, last line: (no output)"
+
+
+def test_marked_tests_of_a_run_with_compiled_kernels_take_the_childs_outcome(pytester, monkeypatch):
+    monkeypatch.setattr(fast.convert, "INTERPRETED", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "child")
+    pytester.makepyfile(test_marked=MARKED)
+    result = pytester.runpytest_inprocess("-p", "pytest_sparse_mla.interpreter", "-p", "no:cacheprovider",
+                                          "-p", "no:xdist")
+    result.assert_outcomes(passed=2, failed=1)
+    out = "\n".join(result.outlines)
+    assert "run in Triton's interpreter in a child pytest (this run's kernels are compiled): exit status 1" in out
+    assert "the child's own assertion" in out, out[-3000:]
