@@ -317,8 +317,10 @@ def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str],
     build_log = out / f"jit-{name}-{phase}.jsonl"
     for f in (junit, build_log):
         f.unlink(missing_ok=True)
+    table = out / f"flashmla-table-{name}-{phase}.jsonl"
+    table.unlink(missing_ok=True)
     env = dict(env, FLASHINFER_JIT_BUILD_LOG=str(build_log), GPU_RUNNER_RUN=f"{name}-{phase}",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", SPARSE_MLA_FLASHMLA_TABLE=str(table))
     command = build_pytest_command(junit, expand_placeholders(extra, release, phase))
     print(f"=== {release} {phase}: {' '.join(command[1:])}", flush=True)
     started = time.monotonic()

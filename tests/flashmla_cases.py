@@ -203,11 +203,15 @@ def run_sequence(backend, kpool, config, device, request):
 
 def table_path(config) -> Path:
     """Where the GPU tier's per-case errors go: ``$SPARSE_MLA_FLASHMLA_TABLE``, else the pytest
-    cache (``.pytest_cache/d/sparse-mla/flashmla-table.jsonl``)."""
+    cache (``.pytest_cache/d/sparse-mla/flashmla-table.jsonl``), which is the same folder under
+    the rootdir where the cache plugin is off (``-p no:cacheprovider``, as scripts/gpu_runner.py
+    runs)."""
     named = os.environ.get(TABLE_ENV)
     if named:
         return Path(named)
-    return config.cache.mkdir("sparse-mla") / "flashmla-table.jsonl"
+    cache = getattr(config, "cache", None)
+    folder = cache.mkdir("sparse-mla") if cache is not None else config.rootpath / ".pytest_cache" / "d" / "sparse-mla"
+    return folder / "flashmla-table.jsonl"
 
 
 def run_id(config) -> str:

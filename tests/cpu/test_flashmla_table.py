@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from harness.cases import KernelConfig
 from reference.budget import Comparison
 from scripts import flashmla_table
-from tests.flashmla_cases import TABLE_ENV, table_row, write_table_row
+from tests.flashmla_cases import TABLE_ENV, table_path, table_row, write_table_row
 
 
 def comparison(name: str, max_ratio: float, ok: bool = True) -> Comparison:
@@ -59,3 +59,19 @@ def test_an_earlier_run_can_be_named(monkeypatch, tmp_path):
 def test_a_missing_file_is_an_error(tmp_path, capsys):
     assert flashmla_table.main([str(tmp_path / "none.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_without_the_cache_plugin_the_table_goes_to_the_rootdirs_cache_folder(monkeypatch, tmp_path):
+    """``-p no:cacheprovider`` (as scripts/gpu_runner.py runs) leaves the config without a cache:
+    the table still has a place, the folder the cache plugin would have used."""
+    monkeypatch.delenv(TABLE_ENV, raising=False)
+    config = SimpleNamespace(rootpath=tmp_path)  # no ``cache`` attribute, as under no:cacheprovider
+    assert table_path(config) == tmp_path / ".pytest_cache" / "d" / "sparse-mla" / "flashmla-table.jsonl"
+    request = SimpleNamespace(config=config, node=SimpleNamespace(nodeid="t::a", callspec=SimpleNamespace(id="a")))
+    write_table_row(request, {"test": "t::a"})
+    assert table_path(config).read_text() == '{"test": "t::a"}\n'
+
+
+def test_the_runner_names_a_table_per_run(monkeypatch, tmp_path):
+    monkeypatch.setenv(TABLE_ENV, str(tmp_path / "flashmla-table-0.7.4-warm.jsonl"))
+    assert table_path(SimpleNamespace()) == tmp_path / "flashmla-table-0.7.4-warm.jsonl"
