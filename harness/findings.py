@@ -81,3 +81,23 @@ def regime_c_finding(step) -> str | None:
         f"regime C rows planned as a prefix: planned slots != intended slots on {len(bad)} rows; "
         f"{step.context()}\n" + describe_rows(step, sorted(bad))
     )
+
+
+#: vLLM's builder plans a FULL graph step's query rows (``query_start_loc_cpu[-1]``) while its
+#: forward_mqa runs the padded token count; a FlashInfer that checks the query shape at run refuses.
+PADDED_GRAPH_ROWS_FINDING = (
+    "vLLM plans a padded FULL graph step's query rows and runs its padded rows: "
+    + FINDINGS_DOC + "#vllm-padded-graph-rows-unplanned"
+)
+#: What FlashInfer 0.7.4's run() raises on q rows other than the planned ones.
+QUERY_SHAPE_REFUSAL = "q_nope rows and heads must match the planned query shape"
+
+
+class PaddedGraphRowsUnplanned(AssertionError):
+    """FlashInfer's run() refused a padded FULL graph step of vLLM's backend: the plan has the
+    step's query rows, q the padded token count."""
+
+
+def padded_graph_step(spec) -> bool:
+    """A FULL CUDA graph step with padded token rows (``harness.spec.graph_padded``)."""
+    return bool(spec.full_graph) and spec.padded_rows > 0

@@ -134,6 +134,22 @@ class StandIn06Wrapper(StandInWrapper):
     release = "0.6"
 
 
+class StandInQueryShapeWrapper(StandInWrapper):
+    """The stand-in with FlashInfer 0.7.4's check at run: q rows and heads must be the planned
+    ones (the plan's last qo_indptr entry, its num_heads), else FlashInfer's ValueError."""
+
+    checks_query_shape = True
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, *args, **kwargs):
+        super().plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, *args, **kwargs)
+        self.planned_query_shape = (int(qo_indptr[-1]), int(num_heads))
+
+    def run(self, q_nope, *args, **kwargs):
+        if tuple(q_nope.shape[:2]) != self.planned_query_shape:
+            raise ValueError("q_nope rows and heads must match the planned query shape.")
+        return super().run(q_nope, *args, **kwargs)
+
+
 def install(monkeypatch, wrapper_cls=StandInWrapper) -> None:
     """Make ``from flashinfer.mla import BatchMLAPagedAttentionWrapper`` give ``wrapper_cls``; on
     a torch without CUDA, nothing is being captured (its ``is_current_stream_capturing``

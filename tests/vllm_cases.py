@@ -9,6 +9,7 @@ as fa3 does (``tests.fa3_stand_in``); the GPU tier on FlashInfer itself.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -36,7 +37,16 @@ from harness.cases import (
     situation_cases,
 )
 from harness.device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
-from harness.findings import FINDINGS_DOC, NOPE_ROUNDING_FINDING, NopeRoundingBeyond2x, nope_rounding_only
+from harness.findings import (
+    FINDINGS_DOC,
+    NOPE_ROUNDING_FINDING,
+    PADDED_GRAPH_ROWS_FINDING,
+    QUERY_SHAPE_REFUSAL,
+    NopeRoundingBeyond2x,
+    PaddedGraphRowsUnplanned,
+    nope_rounding_only,
+    padded_graph_step,
+)
 from mla_constants import TOPK
 from pytest_sparse_mla.vllm import VLLM_TWIN_KEY
 
@@ -97,6 +107,23 @@ def expect_findings(backend, config, request) -> None:
         request.applymarker(pytest.mark.xfail(raises=Fp8PlannedAsUint8, strict=True, reason=FP8_AS_UINT8_FINDING))
     elif kpe_scale_ignored(config):
         request.applymarker(pytest.mark.xfail(raises=KpeScaleIgnored, strict=True, reason=KPE_SCALE_FINDING))
+
+
+def flashinfer_checks_query_shape(request) -> bool:
+    """Whether the FlashInfer the test runs on refuses q rows other than the planned ones at run:
+    probed on the GPU (``Features.run_checks_query_shape``), declared by a CPU stand-in."""
+    if request.node.get_closest_marker("gpu") is not None:
+        return bool(request.getfixturevalue("features").run_checks_query_shape)
+    wrapper = getattr(sys.modules.get("flashinfer.mla"), "BatchMLAPagedAttentionWrapper", None)
+    return bool(getattr(wrapper, "checks_query_shape", False))
+
+
+def expect_padded_graph_finding(backend, spec, request) -> None:
+    """A strict xfail where vLLM's padded FULL graph step meets a FlashInfer that checks the query
+    shape at run (docs/findings.md#vllm-padded-graph-rows-unplanned)."""
+    if hasattr(backend, "design") and padded_graph_step(spec) and flashinfer_checks_query_shape(request):
+        request.applymarker(pytest.mark.xfail(raises=PaddedGraphRowsUnplanned, strict=True,
+                                              reason=PADDED_GRAPH_ROWS_FINDING))
 
 
 #: The kernel tests' cases whose bf16 NoPE output is measured past 2x (H200, FlashInfer 0.7.4,
@@ -175,12 +202,19 @@ def check_step(backend, layer, scenario, inputs, request, *, compare=True, twin=
     ``baseline`` (the upgrade check's note): the step's output, its rows' executed KV lengths
     (what vLLM wrote into FlashInfer's schedule) and its error ratios are recorded under names
     ending in ``step``, so that a comparison on another release shows any drift in either."""
+    expect_padded_graph_finding(backend, scenario.spec, request)
     try:
         outcome = run_step(layer, scenario, inputs)
     except ValueError as exc:
         if UINT8_REFUSAL in str(exc) and scenario.spec.kv_dtype == "float8_e4m3fn":
             raise Fp8PlannedAsUint8(f"vLLM {backend.version}: FlashInfer refused the plan: {exc}; "
                                     f"{scenario.describe()}") from exc
+        if QUERY_SHAPE_REFUSAL in str(exc) and padded_graph_step(scenario.spec) and hasattr(backend, "design"):
+            raise PaddedGraphRowsUnplanned(
+                f"vLLM {backend.version}: FlashInfer's run() refused the padded FULL graph step: {exc}; vLLM's "
+                f"build() planned the {scenario.num_rows} query rows (query_start_loc_cpu[-1]) and forward_mqa "
+                f"ran {scenario.meta.num_actual_tokens} rows (num_actual_tokens, padded); {scenario.describe()}"
+            ) from exc
         raise
     where = f"{context(outcome, scenario)}; {backend.describe()}"
     problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
