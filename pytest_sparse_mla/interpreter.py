@@ -3,11 +3,15 @@ crash-isolation worker, which moves CPU tensors through shared memory; the Flash
 kernels) needs Triton's interpreter. Where the run compiles its kernels (a GPU machine: the
 device is chosen once per run, and the interpreter cannot be switched on in a process that has
 defined its kernels), such a test runs in a child pytest of its own with ``TRITON_INTERPRET=1``
-and no visible GPU, and its outcome is the child's: a failure shows the child's output.
+and no visible GPU, and its outcome is the child's: a failure shows the child's output. Where Triton's interpreter
+cannot run the project's convert kernel at all (a Triton release whose interpreter fails on it,
+found by one probe in a child process per test process), the marked tests are skipped with that
+reason: the kernel itself is checked compiled on that machine.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -62,6 +66,30 @@ def run_in_interpreter(nodeid: str, rootdir: str, extra: list[str]) -> tuple[int
     return done.returncode, done.stdout + done.stderr
 
 
+#: The probe: the project's convert kernel once, on CPU tensors.
+PROBE = ("import torch\nfrom fast.impl import FastImpl\n"
+         "FastImpl().convert(torch.zeros((1, 128), dtype=torch.int32), torch.zeros((1, 1), dtype=torch.int32), "
+         "torch.zeros(1, dtype=torch.int32), 1)\n")
+
+
+@functools.cache
+def interpreter_problem(rootdir: str) -> str | None:
+    """Why Triton's interpreter cannot run the project's convert kernel here, or None (probed
+    once per process, in a child with the interpreter on and no visible GPU)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE], cwd=rootdir, env=child_environment(dict(os.environ)),
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"Triton's interpreter did not run the convert kernel within {CHILD_TIMEOUT_S} s"
+    if done.returncode == 0:
+        return None
+    import triton
+
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return (f"Triton's interpreter cannot run the project's convert kernel on this machine (triton "
+            f"{triton.__version__}): {lines[-1] if lines else f'exit status {done.returncode}'}")
+
+
 def child_verdict(rc: int, output: str) -> str | None:
     """Why the child's run of the test is not a pass, or None: exit status 0 with one test passed."""
     tail = output.strip().splitlines()[-1] if output.strip() else ""
@@ -79,6 +107,9 @@ def pytest_pyfunc_call(pyfuncitem):
     if not runs_in_a_child(convert.INTERPRETED):
         return None
     config = pyfuncitem.config
+    problem = interpreter_problem(str(config.rootpath))
+    if problem:
+        pytest.skip(problem)
     rc, output = run_in_interpreter(pyfuncitem.nodeid, str(config.rootpath), forwarded_arguments(config))
     problem = child_verdict(rc, output)
     if problem:

@@ -5,7 +5,7 @@ outcome, failure text included, is the child's."""
 from __future__ import annotations
 
 import fast.convert
-from pytest_sparse_mla.interpreter import child_environment, child_verdict, runs_in_a_child
+from pytest_sparse_mla.interpreter import child_environment, child_verdict, interpreter_problem, runs_in_a_child
 
 MARKED = """
 import os
@@ -53,3 +53,25 @@ def test_marked_tests_of_a_run_with_compiled_kernels_take_the_childs_outcome(pyt
     out = "\n".join(result.outlines)
     assert "run in Triton's interpreter in a child pytest (this run's kernels are compiled): exit status 1" in out
     assert "the child's own assertion" in out, out[-3000:]
+
+
+def test_the_probe_finds_the_interpreter_working_here():
+    """On a machine that runs the CPU tier interpreted (CI) the probe passes; where it cannot run
+    the kernel, the marked tests skip with the probe's reason instead of failing on the machine."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    assert interpreter_problem(root) is None
+
+
+def test_a_machine_whose_interpreter_cannot_run_the_kernel_skips_marked_tests_with_the_reason(pytester, monkeypatch):
+    import pytest_sparse_mla.interpreter as plugin
+
+    monkeypatch.setattr(fast.convert, "INTERPRETED", False)
+    monkeypatch.setattr(plugin, "interpreter_problem", lambda root: "Triton's interpreter cannot run it (probe)")
+    monkeypatch.setenv("TRITON_INTERPRET", "child")
+    pytester.makepyfile(test_marked=MARKED)
+    result = pytester.runpytest_inprocess("-p", "pytest_sparse_mla.interpreter", "-p", "no:cacheprovider",
+                                          "-p", "no:xdist", "-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    assert "Triton's interpreter cannot run it (probe)" in "\n".join(result.outlines)
