@@ -6,7 +6,7 @@ configuration the suite builds per case (:class:`LayerConfig`), sharing one top-
 step is what the engine does each forward:
 
 1. ``build(cam)``: vLLM's ``build()`` (its ``_kv_lens_host``, the dense-MHA cut, its
-   ``_SM90State.plan``: a fresh plan, a kept plan or a replan, then on 0.32 and later the
+   ``_SM90State.plan``: a fresh plan, a kept plan or a replan, then in the bounded design the
    device clamp of every work item's kv_end);
 2. the indexer's rows written into the shared top-k buffer;
 3. ``forward(q_nope, q_pe, kv_cache, metadata)``: vLLM's ``forward_mqa`` (its convert kernel,
@@ -14,9 +14,12 @@ step is what the engine does each forward:
 
 :meth:`VllmLayer.schedule` reads FlashInfer's schedule back after ``build`` (what the kernel
 executes; ``backends.fa3_schedule``). Two designs ship: ``exact`` (0.30: exact host lengths,
-a plan every step, the strided layout) and ``bounded`` (0.32 to 0.34: host upper bounds plus
-32 tokens of slack, a plan kept while the bounds fit, the device clamp, packed indices); the
-design is read from the loaded module, not from its version.
+a plan every step, the strided layout) and ``bounded`` (0.31 to 0.34: host upper bounds plus
+32 tokens of slack, a plan kept while the bounds fit, the device clamp, packed indices). What
+differs between releases is read from the loaded release, not from its version: the design,
+the dtype an fp8 cache is planned with, whether ``forward_mqa`` reads the cache's block stride,
+what a -1 inside a row's planned length is packed as (:meth:`VllmSM90Backend.minus_one_filler`)
+and the FlashInfer release its METADATA pins.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from mla_constants import KV_LORA_RANK
 from . import fa3_schedule
 from .seam import LayerConfig, StepInput, StepOutcome, spans_selection
 from .vllm_shims import load_sm90_module, stand_ins_in_use
-from .vllm_source import VllmSource, design_of
+from .vllm_source import VllmSource, design_of, flashinfer_pin
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
 #: vLLM's kv_cache_dtype string and the torch dtype of its cache tensor (fp8 is uint8 storage).
@@ -108,10 +111,36 @@ class VllmSM90Backend:
         # read from its code: the releases that map it name float8_e4m3fn there.
         builder_init = inspect.getsource(self.module.FlashInferMLASparseSM90Builder.__init__)
         self.plans_fp8_as_storage_dtype = "float8_e4m3fn" not in builder_init
+        # Whether forward_mqa hands the convert kernel the cache's block stride (blocks may lie
+        # further apart than block_size rows) or reads the cache as contiguous blocks.
+        forward = inspect.getsource(self.module.FlashInferMLASparseSM90Impl.forward_mqa)
+        self.reads_block_stride = "BLOCK_STRIDE_ROWS" in forward
+        self.flashinfer_pin = flashinfer_pin(source)  # None where the source has no METADATA
 
     def describe(self) -> str:
-        return (f"{self.source.describe()}: SM90 sparse backend, {self.design} design; "
+        fp8 = "uint8 (its storage dtype)" if self.plans_fp8_as_storage_dtype else "float8_e4m3fn"
+        stride = "any block stride" if self.reads_block_stride else "contiguous blocks"
+        pin = f"pins flashinfer-python {self.flashinfer_pin}" if self.flashinfer_pin else "pins no flashinfer-python"
+        return (f"{self.source.describe()}: SM90 sparse backend, {self.design} design, plans an fp8 cache as {fp8}, "
+                f"reads {stride}, {pin}; "
                 f"stand-ins: {', '.join(n for n in stand_ins_in_use() if n.startswith('vllm'))}")
+
+    def minus_one_filler(self, device) -> str:
+        """What a -1 of a converted row inside its planned length becomes in kv_indices:
+        ``"slot 0"`` or ``"the row's first slot"``. The bounded design packs rows with its own
+        kernel (``_SM90State.pack_indices``), run here on one probe row ``[5, -1, -1, -1]``; the
+        exact design copies its rows into the strided layout clamped at 0 in ``forward_mqa``."""
+        pack = getattr(self.module._SM90State, "pack_indices", None)
+        if pack is None:
+            return "slot 0"
+        slots = torch.tensor([[5, -1, -1, -1]], dtype=torch.int32, device=device)
+        holder = SimpleNamespace(kv_indptr=torch.tensor([0, 4], dtype=torch.int32, device=device),
+                                 kv_indices=torch.full((4,), -7, dtype=torch.int32, device=device))
+        pack(holder, slots)
+        packed = holder.kv_indices.tolist()
+        if packed[0] != 5 or len(set(packed[1:])) != 1:
+            raise AssertionError(f"{self.name}'s pack of [5, -1, -1, -1] gave {packed}")
+        return {0: "slot 0", 5: "the row's first slot"}.get(packed[1], f"slot {packed[1]}")
 
     def unsupported(self, config: LayerConfig) -> str | None:
         return None  # what the installed FlashInfer refuses shows at plan

@@ -3,8 +3,10 @@
 PATH is one of
 
 - a vLLM wheel file (``vllm-0.33.0-cp38-abi3-....whl``): the files the suite needs
-  (:data:`SLICE_FILES`) are extracted once into a cache folder keyed by the wheel's name and
-  size, and loaded from there;
+  (:data:`SLICE_FILES`) are read from it, each checked against the hash the wheel's own
+  ``RECORD`` gives it (a file that cannot be read, or reads other than its hash, is an error of
+  one line naming it), and kept in a cache folder named by those hashes, so a cached slice
+  is reused only for a wheel with the same content;
 - a folder holding the ``vllm`` package (an unpacked wheel, a source checkout, or a slice this
   module wrote), or the ``vllm`` package folder itself;
 - ``installed``: the ``vllm`` package the interpreter would import.
@@ -14,12 +16,16 @@ A wheel is 240-340 MB and a GPU runner may receive only a few tens of MB, so
 backend's code under test is read from (:data:`MODULE_FILES`), those of the FLASHMLA_SPARSE
 backend and FlashMLA's Python interface (:data:`FLASHMLA_MODULE_FILES`), FlashMLA's compiled
 kernels when the wheel has them (:data:`OPTIONAL_FILES`, left out by ``--modules-only``), and the
-wheel's METADATA (the release's version). ``--vllm=DIR`` then loads from the slice.
+wheel's METADATA (the release's version). ``--vllm=DIR`` then loads from the slice. A slice is
+written into a new or empty folder only, through a folder of its own beside it that is renamed
+into place when complete: a failed slice leaves nothing behind, and two releases never mix.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import csv
 import email.parser
 import hashlib
 import importlib.util
@@ -29,6 +35,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +69,7 @@ SLICE_METADATA = "vllm-slice.METADATA"
 
 
 class VllmSourceError(ValueError):
-    """``--vllm`` names nothing the suite can load vLLM's backend from."""
+    """``--vllm`` names nothing the suite can load vLLM's backend from (the message is one line)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ class VllmSource:
 
 
 def design_of(source: VllmSource) -> str:
-    """``bounded`` (host upper bounds, a kept plan, the device clamp of the schedule: vLLM 0.32
+    """``bounded`` (host upper bounds, a kept plan, the device clamp of the schedule: vLLM 0.31
     to 0.34) or ``exact`` (exact host lengths, a plan every step: 0.30), read from the
     backend's code: the bounded design's state has a clamp."""
     text = source.path_of(MODULE_FILES[0]).read_text()
@@ -116,11 +123,35 @@ def _version_from_metadata(text: str) -> str:
     return version.strip()
 
 
-def _wheel_metadata_name(names: list[str]) -> str:
-    found = [n for n in names if re.fullmatch(r"vllm-[^/]+\.dist-info/METADATA", n)]
-    if len(found) != 1:
-        raise VllmSourceError(f"the wheel holds {len(found)} vllm-*.dist-info/METADATA files, expected 1")
-    return found[0]
+def _metadata_text(source: VllmSource) -> str | None:
+    """The release's METADATA: a slice's copy, a dist-info beside the package, or the installed
+    distribution's; None where there is none (a source checkout)."""
+    if source.installed:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        try:
+            return distribution("vllm").read_text("METADATA")
+        except PackageNotFoundError:
+            return None
+    slice_meta = source.root / SLICE_METADATA
+    if slice_meta.is_file():
+        return slice_meta.read_text()
+    dist = sorted(source.root.glob("vllm-*.dist-info/METADATA"))
+    return dist[-1].read_text() if dist else None
+
+
+def flashinfer_pin(source: VllmSource) -> str | None:
+    """The flashinfer-python release the vLLM release pins (``Requires-Dist:
+    flashinfer-python==X`` of its METADATA, outside any extra), or None where it names none."""
+    text = _metadata_text(source)
+    if text is None:
+        return None
+    for requirement in email.parser.Parser().parsestr(text).get_all("Requires-Dist") or ():
+        spec, _, marker = requirement.partition(";")
+        match = re.fullmatch(r"\s*flashinfer[-_.]python\s*\(?\s*==\s*([^\s,)]+)\s*\)?\s*", spec, re.IGNORECASE)
+        if match and "extra" not in marker:
+            return match.group(1)
+    return None
 
 
 def _version_of_folder(root: Path) -> str:
@@ -146,31 +177,169 @@ def _check_modules(root: Path, origin: str) -> None:
         raise VllmSourceError(f"{origin}: lacks {missing}; a vLLM release without the SM90 sparse backend")
 
 
-def write_slice(wheel: str | os.PathLike, out: str | os.PathLike, *, kernels: bool = True) -> list[Path]:
-    """Extract :data:`SLICE_FILES` (FlashMLA's modules and kernels where present; without
-    ``kernels`` the modules alone) and the METADATA of ``wheel`` into ``out``; return the files
-    written."""
-    wheel, out = Path(wheel), Path(out)
+# --- reading a wheel against its RECORD ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WheelFiles:
+    """What :func:`read_wheel` took from a vLLM wheel, every file checked against its RECORD."""
+
+    version: str
+    metadata: bytes  # the dist-info's METADATA, as the wheel holds it
+    files: dict[str, bytes]  # path in the wheel -> content
+    digest: str  # sha256 over the RECORD hashes of the files and the METADATA: the content's name
+
+
+def _read_member(archive: zipfile.ZipFile, name: str) -> bytes:
+    """A member's bytes; a member the archive cannot give back intact (its compressed data or
+    its CRC-32 broken) is a :class:`VllmSourceError` naming it."""
+    try:
+        return archive.read(name)
+    except zipfile.BadZipFile as exc:
+        why = "fails its CRC-32 check" if "CRC" in str(exc) else f"cannot be read ({exc})"
+    except zlib.error as exc:
+        why = f"cannot be decompressed ({exc})"
+    except (EOFError, OSError, NotImplementedError) as exc:
+        why = f"cannot be read ({exc})"
+    raise VllmSourceError(f"{name} {why}: the wheel is corrupt (download it again)")
+
+
+def _record_of(text: str) -> dict[str, str]:
+    """RECORD's rows: path -> ``algorithm=digest`` (urlsafe base64, no padding; empty for the
+    RECORD itself)."""
+    return {row[0]: row[1] for row in csv.reader(text.splitlines()) if len(row) >= 2}
+
+
+def _checked(archive: zipfile.ZipFile, name: str, record: dict[str, str]) -> bytes:
+    """A member's bytes, checked against the hash RECORD gives it."""
+    data = _read_member(archive, name)
+    algorithm, _, expected = record.get(name, "").partition("=")
+    if not expected or algorithm not in hashlib.algorithms_guaranteed:
+        raise VllmSourceError(f"its RECORD gives {name} no hash to check it against")
+    found = base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=").decode()
+    if found != expected:
+        raise VllmSourceError(f"{name} does not match the wheel's RECORD ({algorithm} {found}, RECORD: {expected}): "
+                              "the wheel was changed after it was built")
+    return data
+
+
+def _what_the_wheel_is(archive: zipfile.ZipFile, names: list[str]) -> str:
+    """The distribution a wheel that is not vLLM's holds, as its METADATA names it."""
+    others = [n for n in names if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+    if not others:
+        return "it holds no *.dist-info/METADATA"
+    try:
+        meta = email.parser.Parser().parsestr(_read_member(archive, others[0]).decode("utf-8", "replace"))
+    except VllmSourceError:
+        return f"it holds {others[0]}"
+    return f"it is {meta.get('Name', '?')} {meta.get('Version', '?')}"
+
+
+def read_wheel(wheel: str | os.PathLike, names) -> WheelFiles:
+    """The files ``names`` that a vLLM wheel holds (those it lacks are left out; the
+    :data:`MODULE_FILES` must be there) and its METADATA, each checked against the wheel's own
+    RECORD. Any problem is a :class:`VllmSourceError` of one line, the wheel not named."""
     try:
         archive = zipfile.ZipFile(wheel)
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise VllmSourceError(f"{wheel}: not a readable wheel ({exc})") from exc
+    except zipfile.BadZipFile:
+        raise VllmSourceError("not a wheel: not a zip archive") from None
+    except OSError as exc:
+        raise VllmSourceError(f"cannot be read ({exc.strerror or exc})") from None
     with archive:
-        names = archive.namelist()
-        meta = _wheel_metadata_name(names)
-        missing = [m for m in MODULE_FILES if m not in names]
+        listed = archive.namelist()
+        metas = [n for n in listed if re.fullmatch(r"vllm-[^/]+\.dist-info/METADATA", n)]
+        if not metas:
+            raise VllmSourceError(f"not a vLLM wheel: {_what_the_wheel_is(archive, listed)}")
+        if len(metas) > 1:
+            raise VllmSourceError(f"holds {len(metas)} vllm-*.dist-info/METADATA files, expected 1")
+        record_name = metas[0].rsplit("/", 1)[0] + "/RECORD"
+        if record_name not in listed:
+            raise VllmSourceError(f"has no {record_name}: its files cannot be checked")
+        record = _record_of(_read_member(archive, record_name).decode("utf-8", "replace"))
+        metadata = _checked(archive, metas[0], record)
+        version = _version_from_metadata(metadata.decode("utf-8", "replace"))
+        present = set(listed)
+        missing = [m for m in MODULE_FILES if m not in present]
         if missing:
-            raise VllmSourceError(f"{wheel}: lacks {missing}; a vLLM release without the SM90 sparse backend")
-        written = []
-        for name in [n for n in (SLICE_FILES if kernels else SLICE_MODULE_FILES) if n in names]:
-            target = out / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with archive.open(name) as src, open(target, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            written.append(target)
-        (out / SLICE_METADATA).write_bytes(archive.read(meta))
-        written.append(out / SLICE_METADATA)
-    return written
+            raise VllmSourceError(f"vLLM {version} lacks {missing}; a vLLM release without the SM90 sparse backend")
+        files = {n: _checked(archive, n, record) for n in names if n in present}
+    content = "\n".join(f"{n} {record[n]}" for n in [*sorted(files), metas[0]])
+    return WheelFiles(version, metadata, files, hashlib.sha256(content.encode()).hexdigest())
+
+
+# --- writing a slice: a new or empty folder, filled through a folder of its own ------------------
+
+
+def _slice_release(folder: Path) -> str | None:
+    try:
+        return _version_from_metadata((folder / SLICE_METADATA).read_text())
+    except (OSError, UnicodeDecodeError, VllmSourceError):
+        return None
+
+
+def output_problem(out: Path) -> str | None:
+    """Why a slice cannot be written to ``out`` (None: a new or empty folder)."""
+    if out.is_symlink() and not out.exists():
+        return f"{out} is a broken link"
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a folder"
+    if out.is_dir() and any(out.iterdir()):
+        release = _slice_release(out)
+        held = f"vLLM {release}'s slice" if release else "other files"
+        return f"{out} is not empty (it holds {held}): a slice is written into a new or empty folder"
+    return None
+
+
+def _write_files(found: WheelFiles, folder: Path) -> None:
+    for name, data in found.files.items():
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    (folder / SLICE_METADATA).write_bytes(found.metadata)
+
+
+def _placed(found: WheelFiles, out: Path) -> bool:
+    """Write ``found`` into a folder beside ``out`` and rename it to ``out``: True when it took
+    ``out``'s place (a new or empty folder), False when ``out`` was taken meanwhile (by another
+    process's rename); nothing of this call is left behind either way."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write_files(found, scratch)
+        scratch.rename(out)  # replaces an empty folder; refused where out holds anything
+        return True
+    except OSError:
+        if out.is_dir() and any(out.iterdir()):
+            return False
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _written(found: WheelFiles, folder: Path) -> list[Path]:
+    return [folder / n for n in found.files] + [folder / SLICE_METADATA]
+
+
+def write_slice(wheel: str | os.PathLike, out: str | os.PathLike, *, kernels: bool = True) -> list[Path]:
+    """Extract :data:`SLICE_FILES` (FlashMLA's modules and kernels where present; without
+    ``kernels`` the modules alone) and the METADATA of ``wheel`` into ``out``, a new or empty
+    folder, each file checked against the wheel's RECORD; return the files written. Nothing is
+    left in or beside ``out`` when it fails."""
+    wheel, out = Path(wheel), Path(out)
+    problem = output_problem(out)
+    if problem:
+        raise VllmSourceError(problem)
+    try:
+        found = read_wheel(wheel, SLICE_FILES if kernels else SLICE_MODULE_FILES)
+    except VllmSourceError as exc:
+        raise VllmSourceError(f"{wheel}: {exc}") from None
+    try:
+        placed = _placed(found, out)
+    except OSError as exc:
+        raise VllmSourceError(f"{out}: cannot write the slice ({exc.strerror or exc})") from None
+    if not placed:
+        raise VllmSourceError(output_problem(out) or f"{out} was written meanwhile by another process")
+    return _written(found, out)
 
 
 def _cache_root() -> Path:
@@ -184,24 +353,35 @@ def _slice_contents_key() -> str:
 
 
 def _slice_of_wheel(wheel: Path) -> Path:
-    """The wheel's slice in the cache, written once; workers racing to write it each write a
-    folder of their own and the first rename wins."""
-    key = f"{wheel.name}-{wheel.stat().st_size}-{_slice_contents_key()}"
-    target = _cache_root() / key
-    if (target / SLICE_METADATA).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=key + ".", dir=target.parent))
-    write_slice(wheel, scratch)
-    try:
-        scratch.rename(target)
-    except OSError:  # another process renamed its copy first
-        shutil.rmtree(scratch, ignore_errors=True)
+    """The wheel's slice in the cache, named by the release and the RECORD hashes of its files
+    (so a wheel of other content never meets this one's slice). The wheel's files are read and
+    checked on every call (a corrupt wheel is refused whatever the cache holds), and a cached
+    slice must hold them byte for byte. Workers racing to write it each write a folder of their
+    own and the first rename wins."""
+    found = read_wheel(wheel, SLICE_FILES)
+    target = _cache_root() / f"vllm-{found.version}-{found.digest[:16]}-{_slice_contents_key()}"
+    if not (target / SLICE_METADATA).is_file():
+        try:
+            _placed(found, target)
+        except OSError as exc:
+            raise VllmSourceError(f"cannot write the slice into the cache {target} ({exc.strerror or exc})") from None
+    for path in _written(found, target):
+        expected = found.metadata if path.name == SLICE_METADATA else found.files[path.relative_to(target).as_posix()]
+        if not path.is_file() or path.read_bytes() != expected:
+            raise VllmSourceError(f"the cached slice {target} differs from the wheel at {path.relative_to(target)} "
+                                  f"(changed since it was written): remove {target}")
     return target
 
 
+#: What ``--vllm`` takes, for the lines that say what it was given instead.
+EXPECTED = "a vLLM wheel file, a folder holding the vllm package, or 'installed'"
+
+
 def resolve(spec: str) -> VllmSource:
-    """The :class:`VllmSource` that ``--vllm=spec`` names."""
+    """The :class:`VllmSource` that ``--vllm=spec`` names; anything else is a
+    :class:`VllmSourceError` of one line saying what ``spec`` is."""
+    if not spec.strip():
+        raise VllmSourceError(f"--vllm is empty: give {EXPECTED}")
     if spec == "installed":
         found = importlib.util.find_spec("vllm")
         if found is None or not found.submodule_search_locations:
@@ -216,18 +396,26 @@ def resolve(spec: str) -> VllmSource:
             release = _version_of_folder(root)
         return VllmSource(root, release, "installed", installed=True)
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".whl":
-        root = _slice_of_wheel(path.resolve())
+    where = f"--vllm={spec}"
+    if not path.exists():
+        raise VllmSourceError(f"{where}: no such file or folder (expected {EXPECTED})")
+    if path.is_file():
+        if path.suffix != ".whl":
+            raise VllmSourceError(f"{where}: a file that is not a wheel (*.whl) (expected {EXPECTED})")
+        try:
+            root = _slice_of_wheel(path.resolve())
+        except VllmSourceError as exc:
+            raise VllmSourceError(f"{where}: {exc}") from None
         return VllmSource(root, _version_of_folder(root), str(path))
-    if path.is_dir():
-        root = path.resolve()
-        if (root / "v1").is_dir():  # the vllm package folder itself (a slice's has no __init__.py)
-            root = root.parent
-        _check_modules(root, str(path))
-        return VllmSource(root, _version_of_folder(root), str(path))
-    raise VllmSourceError(
-        f"--vllm={spec!r}: expected a vLLM wheel file, a folder holding the vllm package, or 'installed'"
-    )
+    if not path.is_dir():
+        raise VllmSourceError(f"{where}: neither a file nor a folder (expected {EXPECTED})")
+    root = path.resolve()
+    if (root / "v1").is_dir():  # the vllm package folder itself (a slice's has no __init__.py)
+        root = root.parent
+    if not (root / "vllm").is_dir():
+        raise VllmSourceError(f"{where}: a folder without a vllm package (no vllm/ in it; expected {EXPECTED})")
+    _check_modules(root, where)
+    return VllmSource(root, _version_of_folder(root), str(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cut = sub.add_parser("slice", help="write the files a GPU runner needs from a vLLM wheel")
     cut.add_argument("wheel")
-    cut.add_argument("-o", "--out", required=True)
+    cut.add_argument("-o", "--out", required=True, help="a new or empty folder")
     cut.add_argument("--modules-only", action="store_true",
                      help="leave out FlashMLA's compiled kernels (4 MB): the SM90 FlashInfer backend alone "
                           "(the flashmla backend then refuses to open, naming them)")

@@ -100,10 +100,64 @@ def test_release_and_design_are_read_from_its_code(vllm_backend):
     assert vllm_backend.module.__file__.startswith(str(vllm_backend.source.root))
     # the summary's rows per backend and the findings' expectations read these
     assert vllm_backend.version == vllm_backend.source.version and vllm_backend.name == f"vllm-{vllm_backend.version}"
-    # 0.30 (exact lengths) plans an fp8 cache as its uint8 storage; the bounded releases map it to e4m3
-    assert vllm_backend.plans_fp8_as_storage_dtype == (vllm_backend.design == "exact")
+    described = vllm_backend.describe()
+    assert f"{vllm_backend.design} design" in described
+    pin = vllm_backend.flashinfer_pin
+    assert (f"pins flashinfer-python {pin}" if pin else "pins no flashinfer-python") in described, described
     in_use = [n for n in stand_ins_in_use() if n.startswith("vllm")]
     assert in_use and vllm_backend.describe().endswith(f"stand-ins: {', '.join(in_use)}"), vllm_backend.describe()
+
+
+def test_fp8_is_planned_with_the_dtype_its_code_names(vllm_backend, stand_in, device, monkeypatch):
+    """The dtype vLLM's builder hands FlashInfer's plan() for an fp8 cache is the one the backend
+    read from its code: uint8 (the cache spec's storage dtype, which FlashInfer refuses: the
+    finding docs/findings.md#vllm-fp8-planned-as-uint8) or float8_e4m3fn."""
+    planned = []
+    plan = stand_in.plan
+
+    def noted_plan(self, *args, kv_data_type=None, **kwargs):
+        planned.append(kv_data_type)
+        return plan(self, *args, kv_data_type=kv_data_type, **kwargs)
+
+    monkeypatch.setattr(stand_in, "plan", noted_plan)
+    spec = KernelConfig("float8_e4m3fn", True, 16).apply(batch((TOPK + 9, 1), (40, 1)))
+    scenario = build_scenario(spec, 11)
+    layer = vllm_backend.open_layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
+    try:
+        run_step(layer, scenario, None)
+    except ValueError as exc:  # the stand-in refuses uint8 as FlashInfer does
+        assert "kv_data_type torch.uint8 is not supported" in str(exc), exc
+    expected = torch.uint8 if vllm_backend.plans_fp8_as_storage_dtype else torch.float8_e4m3fn
+    assert planned == [expected], f"vLLM {vllm_backend.version} planned an fp8 cache as {planned}"
+
+
+def test_minus_one_inside_a_planned_length_is_packed_as_the_release_packs_it(vllm_backend, stand_in, device):
+    """Past each row's executed length, up to where the next row's entries start, kv_indices hold
+    what the release makes of the converted row's -1 tail (``minus_one_filler``: slot 0, or the
+    row's first slot), never another slot: the clamp keeps the kernel from reading them, and a
+    row's own first slot keeps a read there inside the row's selection."""
+    filler = vllm_backend.minus_one_filler(device)
+    assert filler in ("slot 0", "the row's first slot"), filler
+    case = next(c for c in situation_cases(4) if c.name.startswith("decode-mixed"))
+    spec = BF16.apply(case.spec)
+    scenario = build_scenario(spec, 2)
+    layer = vllm_backend.open_layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
+    outcome = run_step(layer, scenario, build_attention_inputs(scenario, device))
+    n = outcome.planned_rows
+    indptr = layer.state.wrapper._kv_indptr_buf[: n + 1].to("cpu", torch.int64).tolist()
+    indices = layer.state.kv_indices.to("cpu", torch.int64)
+    padded = 0
+    for row in range(n):
+        start, end = indptr[row], indptr[row + 1]
+        executed = int(outcome.executed_lengths[row])
+        first = int(indices[start]) if executed else 0
+        expected = 0 if filler == "slot 0" else first
+        tail = indices[start + executed : end]
+        padded += tail.numel()
+        assert bool((tail == expected).all()), (
+            f"row {row}: past its {executed} executed entries kv_indices hold {sorted(set(tail.tolist()))[:8]}, "
+            f"expected {filler} ({expected}); {vllm_backend.describe()}")
+    assert padded, "no row had entries past its executed length: the case checks nothing"
 
 
 def _names_read_from_stand_ins(path) -> set[tuple[str, str]]:
