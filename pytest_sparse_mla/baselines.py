@@ -5,8 +5,10 @@ with DIR (the record format, the comparison and the report: ``recording.baseline
 The run, on the controlling process:
 
 1. configure: a baseline that is missing, empty, of another schema or with any file that
-   cannot be read, an output folder that is not empty, and a machine where the GPU tier cannot
-   run are usage errors before any test runs;
+   cannot be read, an output folder that is not empty, a machine where the GPU tier cannot
+   run, and an option of the check given without it (--baseline-out without
+   --compare-baseline, --baseline-timing or --baseline-fixtures without either baseline
+   option) are usage errors before any test runs;
 2. the tests (any ``-n``): each GPU-tier case hands its outputs and ratios to the ``baseline``
    fixture; the record is written with the teardown report, which carries every property the
    test attached; the controller notes each test's outcome and the ids -k/-m deselected.
@@ -33,6 +35,7 @@ import pytest
 from .keys import GROUP, WARNING_KEY
 
 TIMING_CHOICES = ("pass", "off")
+DEFAULT_BASELINE_OUT = "baseline-compare"
 DESELECTED_KEY = "sparse_mla_deselected"  # workeroutput: node ids a worker deselected
 NOT_RERUN_KEY = "sparse_mla_fixture_not_rerun"  # report property: why a fixture replay was not re-run
 
@@ -54,14 +57,14 @@ def pytest_addoption(parser):
     )
     group.addoption(
         "--baseline-out",
-        default="baseline-compare",
+        default=None,
         metavar="DIR",
         help="where --compare-baseline records this run and writes report.md / report.json; a new or empty "
-        "folder (default: baseline-compare)",
+        f"folder (default: {DEFAULT_BASELINE_OUT})",
     )
     group.addoption(
         "--baseline-timing",
-        default="pass",
+        default=None,
         choices=TIMING_CHOICES,
         help="pass (default): after the tests, time the recorded cases again with one process per GPU and "
         "judge those times; off: record and judge no time",
@@ -88,7 +91,7 @@ def baseline_directory(config) -> Path | None:
     if config.getoption("--record-baseline"):
         return Path(config.getoption("--record-baseline"))
     if config.getoption("--compare-baseline"):
-        return Path(config.getoption("--baseline-out")) / "current"
+        return compare_folder(config) / "current"
     return None
 
 
@@ -103,8 +106,13 @@ def output_folder(config) -> Path | None:
     if config.getoption("--record-baseline"):
         return Path(config.getoption("--record-baseline"))
     if config.getoption("--compare-baseline"):
-        return Path(config.getoption("--baseline-out"))
+        return compare_folder(config)
     return None
+
+
+def compare_folder(config) -> Path:
+    """Where --compare-baseline records this run and writes its report (--baseline-out)."""
+    return Path(config.getoption("--baseline-out") or DEFAULT_BASELINE_OUT)
 
 
 def upgrade_check_fixtures(config) -> list[str]:
@@ -181,6 +189,19 @@ def check_fixture_options(config, checking: bool) -> None:
         raise pytest.UsageError("--baseline-fixtures: " + "; ".join(problems))
 
 
+def check_upgrade_options(config, record: bool, compare: bool) -> None:
+    """The options that only the upgrade check reads are given with it: --baseline-out with
+    --compare-baseline (--record-baseline writes into the folder it names), --baseline-timing
+    with either."""
+    if config.getoption("--baseline-out") is not None and not compare:
+        raise pytest.UsageError(
+            "--baseline-out names where --compare-baseline records this run and writes its report: give it with "
+            "--compare-baseline" + (" (--record-baseline writes into the folder it names)" if record else ""))
+    if config.getoption("--baseline-timing") is not None and not (record or compare):
+        raise pytest.UsageError("--baseline-timing decides the timing pass of the upgrade check: give it with "
+                                "--record-baseline or --compare-baseline")
+
+
 def gpu_tier_unavailable_reason() -> str | None:
     """Why the GPU tier cannot run on this machine, as far as the controller can tell without
     CUDA (None: it may run; a FlashInfer that fails to import shows only when tests run)."""
@@ -196,6 +217,7 @@ def pytest_configure(config):
     if record and compare:
         raise pytest.UsageError("--record-baseline and --compare-baseline: give one of them")
     check_fixture_options(config, bool(record or compare))
+    check_upgrade_options(config, bool(record), bool(compare))
     if not (record or compare):
         return
     from recording.baseline import BaselineError, check_baseline

@@ -3,8 +3,8 @@ production code runs on (``--device``, the ``device`` fixture), and the GPU gati
 ``gpu``-marked tests: skipped with the reason where no SM90 GPU with FlashInfer is usable, and
 said plainly (header and summary) where an NVIDIA GPU is visible but the GPU tier cannot run;
 ``--require-gpu-tier`` makes that a failure. Options that name something to load or write are
-checked when the run starts, each a usage error of one line: ``--impl`` is loaded and checked
-against the seam by the controlling process.
+checked when the run starts, each a usage error of one line before any test runs: ``--impl`` is
+loaded and checked against the seam by the controlling process.
 
 Who decides what: the controlling process (the only one under plain pytest) never touches
 CUDA nor imports FlashInfer; it asks NVML / nvidia-smi and ``importlib`` for the header and for
@@ -12,8 +12,11 @@ CUDA nor imports FlashInfer; it asks NVML / nvidia-smi and ``importlib`` for the
 make the full check (CUDA, the FlashInfer import) when they collect ``gpu`` tests, and hand
 its result to the controller (``workeroutput``) for the summary.
 
-The controller of an xdist run imports no torch before its workers start (seconds each worker
-would otherwise wait): it loads and checks ``--impl`` once they are started.
+The controller of an xdist run loads and checks an ``--impl`` other than the default before
+xdist starts any worker, so a bad one is the run's only output, at once (the import of the
+user's module, and of torch where it imports it, delays the workers by that long). The default
+implementation is the project's own: with it the controller imports no torch before its workers
+start (seconds each worker would otherwise wait) and checks it once they are started.
 """
 
 from __future__ import annotations
@@ -205,8 +208,8 @@ def pytest_configure(config):
     config.stash[IMPL_SPEC] = config.getoption("--impl")
     if not is_controller(config):
         return  # a worker loads the implementation after its GPU pinning (pytest_sparse_mla.gpus)
-    if not runs_tests_in_workers(config):
-        config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])
+    if not runs_tests_in_workers(config) or config.stash[IMPL_SPEC] != DEFAULT_IMPL_SPEC:
+        config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])  # before xdist starts any worker
     gpus = gpu_env.gpus_without_cuda()
     status = GpuTierStatus(gpus, availability.reason_without_cuda(gpus))
     config.stash[GPU_STATUS] = status
@@ -223,9 +226,10 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
-    """The controller of an xdist run loads and checks ``--impl`` once xdist has started the
-    workers (at the start of the session), before it hands them tests: the same usage error,
-    without the workers waiting for torch to load here first."""
+    """The controller of an xdist run with the default ``--impl`` loads and checks it once xdist
+    has started the workers (at the start of the session), before it hands them tests, so that
+    the workers do not wait for torch to load here first (any other ``--impl`` was checked at
+    configure, before the workers started)."""
     config = session.config
     if is_controller(config) and IMPL not in config.stash:
         config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])

@@ -343,17 +343,125 @@ def test_the_xdist_controller_imports_no_torch_before_it_starts_its_workers(pyte
     assert (pytester.path / "at_start.txt").read_text() == ""
 
 
-def test_a_bad_impl_is_a_usage_error_under_xdist_too(pytester, monkeypatch):
-    """The controller checks ``--impl`` once xdist has started the workers (here: none, so that
-    nothing waits for them), before it hands out any test."""
+@pytest.mark.parametrize(("spec", "line"), [
+    ("no_such_backend:make",
+     "--impl 'no_such_backend:make': cannot load the factory: No module named 'no_such_backend'"),
+    ("bad_impls:raises", "--impl 'bad_impls:raises': the factory raised RuntimeError: this backend needs its server"),
+], ids=["no-module", "factory-raises"])
+def test_a_bad_impl_under_xdist_is_one_usage_error_before_any_worker_starts(pytester, monkeypatch, spec, line):
+    """An ``--impl`` other than the default is loaded and checked before xdist starts a worker:
+    the error is the run's only output, with no worker's start-up to wait for."""
     from xdist.workermanage import NodeManager
 
     started = []
     monkeypatch.setattr(NodeManager, "setup_nodes", lambda self, putevent: started.append(True) or [])
-    result, out = usage_run(pytester, "--impl=bad_impls:raises", xdist=True)
-    assert started == [True], out[-3000:]  # an xdist run, the check after its start
-    assert_one_usage_error(result, out, "--impl 'bad_impls:raises': the factory raised RuntimeError: "
-                                        "this backend needs its server")
+    result, out = usage_run(pytester, f"--impl={spec}", xdist=True)
+    assert started == [], out[-3000:]
+    assert_one_usage_error(result, out, line)
+
+
+def test_the_default_impl_under_xdist_is_checked_once_the_workers_started(pytester, monkeypatch):
+    """The default implementation (the project's own) is checked after xdist started the workers
+    (here: none), so that they do not wait for torch to load in the controller first."""
+    from xdist.workermanage import NodeManager
+
+    import pytest_sparse_mla.impl as plugin_impl
+
+    started, checked = [], []
+    monkeypatch.setattr(NodeManager, "setup_nodes", lambda self, putevent: started.append(True) or [])
+    monkeypatch.setattr(plugin_impl, "checked_impl", lambda spec: checked.append((spec, list(started))))
+    usage_run(pytester, "-p", "no:benchmark", xdist=True)
+    assert checked == [("fast.impl:default_impl", [True])]
+
+
+# --- --vllm, and the upgrade check's options, checked at start-up ---------------------------------
+
+#: What ``--vllm`` was expected to name, as its lines end.
+EXPECTED_VLLM = "a vLLM wheel file, a folder holding the vllm package, or 'installed'"
+
+
+def small_zip(path: Path, files: dict[str, str]) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+    return path
+
+
+def test_vllm_naming_a_missing_path_is_one_usage_error(pytester):
+    result, out = usage_run(pytester, "--vllm=no/such/vllm.whl")
+    assert_one_usage_error(result, out, f"--vllm=no/such/vllm.whl: no such file or folder (expected {EXPECTED_VLLM})")
+
+
+def test_vllm_empty_is_one_usage_error(pytester):
+    result, out = usage_run(pytester, "--vllm=")
+    assert_one_usage_error(result, out, f"--vllm is empty: give {EXPECTED_VLLM}")
+
+
+def test_vllm_naming_a_folder_without_vllm_is_one_usage_error(pytester, tmp_path):
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    result, out = usage_run(pytester, f"--vllm={folder}")
+    assert_one_usage_error(result, out, f"--vllm={folder}: a folder without a vllm package (no vllm/ in it; "
+                                        f"expected {EXPECTED_VLLM})")
+
+
+def test_vllm_naming_a_file_that_is_not_a_wheel_is_one_usage_error(pytester, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("")
+    result, out = usage_run(pytester, f"--vllm={notes}")
+    assert_one_usage_error(result, out,
+                           f"--vllm={notes}: a file that is not a wheel (*.whl) (expected {EXPECTED_VLLM})")
+    broken = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    broken.write_bytes(b"<html>a proxy's error page</html>")
+    result, out = usage_run(pytester, f"--vllm={broken}")
+    assert_one_usage_error(result, out, f"--vllm={broken}: not a wheel: not a zip archive")
+
+
+def test_vllm_naming_another_projects_wheel_is_one_usage_error_naming_it(pytester, tmp_path):
+    wheel = small_zip(tmp_path / "flashinfer_python-0.7.4-py3-none-any.whl", {
+        "flashinfer/__init__.py": "",
+        "flashinfer_python-0.7.4.dist-info/METADATA": "Metadata-Version: 2.1\nName: flashinfer-python\n"
+                                                      "Version: 0.7.4\n",
+    })
+    result, out = usage_run(pytester, f"--vllm={wheel}")
+    assert_one_usage_error(result, out, f"--vllm={wheel}: not a vLLM wheel: it is flashinfer-python 0.7.4")
+
+
+def test_vllm_naming_a_release_without_the_sm90_backend_is_one_usage_error(pytester, tmp_path):
+    """A vLLM wheel whose files are intact (its RECORD fits) but that has no SM90 sparse backend."""
+    import base64
+    import hashlib
+
+    metadata = "Metadata-Version: 2.1\nName: vllm\nVersion: 0.10.0\n"
+    digest = base64.urlsafe_b64encode(hashlib.sha256(metadata.encode()).digest()).rstrip(b"=").decode()
+    wheel = small_zip(tmp_path / "vllm-0.10.0-cp38-abi3-manylinux1_x86_64.whl", {
+        "vllm/__init__.py": "",
+        "vllm-0.10.0.dist-info/METADATA": metadata,
+        "vllm-0.10.0.dist-info/RECORD": f"vllm-0.10.0.dist-info/METADATA,sha256={digest},{len(metadata)}\n"
+                                        "vllm-0.10.0.dist-info/RECORD,,\n",
+    })
+    result, out = usage_run(pytester, f"--vllm={wheel}")
+    from backends.vllm_source import MODULE_FILES
+
+    assert_one_usage_error(result, out, f"--vllm={wheel}: vLLM 0.10.0 lacks {list(MODULE_FILES)}; a vLLM release "
+                                        "without the SM90 sparse backend")
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--baseline-out=upgrade"], "--baseline-out names where --compare-baseline records this run and writes its "
+                                 "report: give it with --compare-baseline"),
+    (["--record-baseline=base", "--baseline-out=upgrade"],
+     "--baseline-out names where --compare-baseline records this run and writes its report: give it with "
+     "--compare-baseline (--record-baseline writes into the folder it names)"),
+    (["--baseline-timing=off"], "--baseline-timing decides the timing pass of the upgrade check: give it with "
+                                "--record-baseline or --compare-baseline"),
+], ids=["out-alone", "out-with-record", "timing-alone"])
+def test_an_upgrade_check_option_without_the_check_is_one_usage_error(pytester, args, line):
+    result, out = usage_run(pytester, *args)
+    assert_one_usage_error(result, out, line)
+    assert not (pytester.path / "upgrade").exists() and not (pytester.path / "base").exists()
 
 
 def test_dump_failures_into_what_cannot_be_a_folder_is_a_usage_error(pytester, tmp_path):
