@@ -141,3 +141,22 @@ def stray_works(schedule: Schedule, num_rows: int) -> list[int]:
     """Rows named by work items that are not planned rows (padding rows must have none)."""
     rows = schedule.row
     return sorted({int(r) for r in rows[(rows < 0) | (rows >= num_rows)].tolist()})
+
+
+def column_parts(schedule: Schedule, num_rows: int, width: int) -> torch.Tensor:
+    """``[num_rows, width]`` int64: for each query row, which of its KV parts reads each column
+    (KV position): the row's works split its KV range at their distinct ``kv_start`` values, and
+    the parts are numbered from 0 in KV order. A row read by one work, or by none, is all 0.
+    Query tiles of one row that cover the same range split it alike; where they do not, the
+    parts are the union of their split points."""
+    parts = torch.zeros((num_rows, width), dtype=torch.int64)
+    starts: dict[int, set[int]] = {}
+    for r, s, e in zip(schedule.row.tolist(), schedule.kv_start.tolist(), schedule.kv_end.tolist(), strict=True):
+        if 0 <= r < num_rows and e > s:
+            starts.setdefault(r, set()).add(s)
+    columns = torch.arange(width)
+    for r, row_starts in starts.items():
+        bounds = torch.tensor(sorted(row_starts - {0}), dtype=torch.int64)
+        if bounds.numel():
+            parts[r] = torch.searchsorted(bounds, columns, right=True)
+    return parts

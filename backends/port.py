@@ -28,6 +28,7 @@ from fast.layouts import indices_capacity as indices_capacity
 from fast.sm90 import AttentionConfig as AttentionConfig
 from mla_constants import KV_LORA_RANK
 
+from . import fa3_schedule
 from .seam import LayerConfig, StepInput, StepOutcome, spans_selection
 
 #: Work items FA3's scheduler holds per plan (rows at page size 1; measured, docs/findings.md).
@@ -35,6 +36,21 @@ WORK_CAPACITY = FA3_WORK_CAPACITY
 #: The text of the refusal a FlashInfer that checks page counts gives a strided plan of short rows.
 PLAN_REFUSAL = PAGE_COUNT_REFUSAL
 KERNELS = MLA_KERNELS
+
+
+def kernel_parts(state, num_rows: int, width: int) -> torch.Tensor | None:
+    """``[num_rows, width]``: which of its works reads each KV position of a planned row
+    (:func:`backends.fa3_schedule.column_parts`), read from the schedule the state's last plan
+    left (FlashInfer's fa3 and fa2 MLA kernels share the scheduler and its plan info); None where
+    the wrapper keeps no readable schedule (a stand-in)."""
+    wrapper = getattr(state, "wrapper", None)
+    if getattr(wrapper, "kernel", None) not in ("fa3", "fa2"):
+        return None
+    try:
+        schedule = fa3_schedule.read_schedule(getattr(wrapper, "_wrapper", wrapper))
+    except (fa3_schedule.ScheduleUnreadable, AttributeError, TypeError, ValueError):
+        return None
+    return fa3_schedule.column_parts(schedule, num_rows, width)
 
 
 def installed_flashinfer_version() -> str | None:
@@ -153,6 +169,7 @@ class PortLayer:
         outcome.executed_lengths = lengths
         outcome.executed_slots = spans_selection(state.kv_indptr[: n + 1].to("cpu", torch.int64), lengths,
                                                 state.kv_indices.to("cpu", torch.int64))
+        outcome.executed_parts = kernel_parts(state, n, outcome.executed_slots[0].shape[1])
         return outcome
 
 

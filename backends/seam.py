@@ -90,6 +90,9 @@ class StepOutcome:
     lse: torch.Tensor | None = None  # [planned rows, H], natural log
     executed_lengths: torch.Tensor | None = None  # int64 [planned rows]
     executed_slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, mask) [planned rows, n]
+    # int64 [planned rows, n]: which of the kernel's works (split parts, numbered in KV order from 0
+    # per row) reads each column of executed_slots; None where the backend cannot show it
+    executed_parts: torch.Tensor | None = None
     host_lengths: torch.Tensor | None = None  # int64, the host rule's lengths of every row
     host_exact: bool = True  # False: the host lengths are upper bounds
     planned_lengths: torch.Tensor | None = None  # int64 [planned rows], the plan in force

@@ -257,4 +257,5 @@ class VllmLayer:
             # kv_indices as forward_mqa's convert and pack left them for the run
             outcome.executed_slots = spans_selection(indptr, lengths,
                                                      self.state.kv_indices.detach().to("cpu", torch.int64))
+            outcome.executed_parts = fa3_schedule.column_parts(schedule, n, outcome.executed_slots[0].shape[1])
         return outcome

@@ -129,15 +129,38 @@ def problem_rows(problems: list[str], rows: int) -> list[int]:
     return [r for r in range(rows) if any(p.startswith(f"row {r} ") for p in problems)]
 
 
+def parts_in_selection_order(slots: torch.Tensor, mask: torch.Tensor, executed_slots: torch.Tensor,
+                             executed_mask: torch.Tensor, executed_parts: torch.Tensor) -> torch.Tensor:
+    """The kernel's part of each column of the selection ``(slots, mask)`` (host tensors), read
+    from the executed columns holding the same slot: ``executed_parts`` is aligned with
+    ``executed_slots``. A selected slot the kernel did not execute (a selection problem reported
+    on its own) is given part 0."""
+    parts = torch.zeros(slots.shape, dtype=torch.int64)
+    if executed_slots.shape[1] == 0 or slots.shape[1] == 0:
+        return parts
+    past = int(max(int(slots.max()), int(executed_slots.max()))) + 1
+    keys, order = torch.where(executed_mask, executed_slots.long(), past).sort(dim=1)
+    sorted_parts = executed_parts.gather(1, order)
+    wanted = torch.where(mask, slots.long(), past).contiguous()
+    at = torch.searchsorted(keys.contiguous(), wanted).clamp(max=keys.shape[1] - 1)
+    found = mask & (keys.gather(1, at) == wanted)
+    return torch.where(found, sorted_parts.gather(1, at), parts)
+
+
 def references(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs):
-    """(truth, lowp) ``(out, lse)`` pairs over (a) for the planned rows."""
+    """(truth, lowp) ``(out, lse)`` pairs over (a) for the planned rows; the lowp reads each row
+    in the parts the kernel split it into where the backend shows them (``executed_parts``)."""
     n = outcome.planned_rows
     spec = scenario.spec
     device = inputs.q_nope.device
     slots, mask = intended_selection(scenario.intended_slots(), n)
+    parts = None
+    if outcome.executed_parts is not None and outcome.executed_slots is not None:
+        parts = parts_in_selection_order(slots, mask, *outcome.executed_slots, outcome.executed_parts).to(device)
     args = (inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots.to(device))
     kw = dict(mask=mask.to(device), sm_scale=spec.sm_scale, k_scale=spec.k_scale)
-    return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", **kw)
+    return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", parts=parts,
+                                                                                    **kw)
 
 
 def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs,

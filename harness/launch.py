@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from backends.port import PLAN_REFUSAL as PAGE_COUNT_REFUSAL
-from backends.port import AttentionConfig
+from backends.port import AttentionConfig, kernel_parts
 from mla_constants import KV_LORA_RANK
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
@@ -147,24 +147,30 @@ def state_matches_step(state, step: Step) -> list[str]:
 
 
 def references(
-    step: Step, inputs: AttentionInputs
+    step: Step, inputs: AttentionInputs, state=None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """(truth, lowp) over (b) for the planned rows: each ``(out, lse)``."""
+    """(truth, lowp) over (b) for the planned rows: each ``(out, lse)``; the lowp with the parts
+    the kernel split each row into where ``state`` shows them (:func:`backends.port.kernel_parts`)."""
     n = step.num_planned
     slots, mask = as_planned(step)
+    parts = kernel_parts(state, n, slots.shape[1]) if state is not None else None
     slots, mask = slots.to(DEVICE), mask.to(DEVICE)
     spec = step.scenario.spec
     args = (inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots)
     kw = dict(mask=mask, sm_scale=spec.sm_scale, k_scale=spec.k_scale)
-    return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", **kw)
+    return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(
+        *args, mode="lowp", parts=None if parts is None else parts.to(DEVICE), **kw)
 
 
 def compare_with_references(
-    step: Step, inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
+    step: Step, inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, state=None
 ) -> list[Comparison]:
+    """The kernel's ``out`` and ``lse`` of the planned rows against the references over (b).
+    ``state``: the attention state that ran the step, whose schedule says where the kernel split
+    each row (the yardstick rounds the split rows' partial outputs as the kernel does)."""
     note_step(step, inputs, out, lse)
     n = step.num_planned
-    truth, lowp = references(step, inputs)
+    truth, lowp = references(step, inputs, state)
     return compare_attention(out[:n], lse[:n], truth, lowp, step.scenario.spec.kv_dtype)
 
 

@@ -233,7 +233,7 @@ def _state_step(impl, features, sequence, state, static, graph, i, scenario, ste
     launch.sync()
     problems = [f"{p}; {where}" for p in launch.state_matches_step(state, step)]
     if not problems and step.num_planned:
-        comparisons = launch.compare_with_references(step, inputs, static.out, static.lse)
+        comparisons = launch.compare_with_references(step, inputs, static.out, static.lse, state)
         problems = [f"{c.summary(step.scenario.row_regime)}; {where}" for c in comparisons if not c.ok]
     return StepResult(i, problems), graph
 

@@ -82,6 +82,7 @@ def sparse_mla_reference(
     k_scale: float = 1.0,
     mode: ComputeMode = "float64",
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    parts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of each row over its selected slots; returns ``(out, lse)``.
 
@@ -92,7 +93,15 @@ def sparse_mla_reference(
     entries may hold anything (-1 included). Returns ``out [T,H,512]`` (float64, float32 or
     bf16 by mode) and natural-log ``lse [T,H]`` (float64 or float32). Rows are computed in
     chunks so that the extra memory stays under ``memory_budget_bytes`` whatever their number.
+
+    ``parts [T,K]`` (``"lowp"`` only; integer, ignored on unselected columns): the work item of
+    the kernel that reads each column, numbered from 0 per row. A row read in several parts is
+    computed as a split kernel computes it: one partial output per part, rounded to bf16, merged
+    by their LSEs (FlashInfer's fa3 and fa2 store split partial outputs in the output dtype).
     """
+    if parts is not None and (mode != "lowp" or parts.shape != slots.shape):
+        raise ValueError(f"parts: for mode 'lowp', shaped as slots {tuple(slots.shape)}; got mode {mode!r}, "
+                         f"shape {tuple(parts.shape)}")
     if mode not in COMPUTE_MODES:
         raise ValueError(f"mode: expected one of {COMPUTE_MODES}, got {mode!r}")
     ckv = flatten_slots_view(ckv, "ckv")
@@ -109,7 +118,8 @@ def sparse_mla_reference(
         return out.zero_(), lse.fill_(float("-inf"))
     if mode != "float64":
         return sparse_mla_working_precision(q_nope, q_pe, ckv, kpe, slots, mask, facts, sm_scale=sm_scale,
-                                            k_scale=k_scale, mode=mode, memory_budget_bytes=memory_budget_bytes)
+                                            k_scale=k_scale, mode=mode, memory_budget_bytes=memory_budget_bytes,
+                                            parts=None if parts is None else torch.where(mask, parts.long(), -1))
     chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes)
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))

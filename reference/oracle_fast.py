@@ -81,23 +81,49 @@ def softmax_and_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return probs, lse
 
 
-def _attend_chunk_lowp(q, kv, mask, d_ckv, scale, k_scale):
-    """Where an FA3-style kernel rounds: unnormalised probabilities ``exp(s - max)`` go to
-    bf16 for the P.V product (float32 accumulation), the row sum stays float32 and divides
-    the float32 accumulator, and the output is rounded to bf16."""
+def _partial_lowp(scores, values, d_ckv, k_scale):
+    """One part of each row (``scores [C,H,K]`` scaled, -inf off the part): unnormalised
+    probabilities ``exp(s - max)`` to bf16 for the P.V product (float32 accumulation), the
+    float32 sum dividing the accumulator, the output rounded to bf16; and the part's LSE."""
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = scores.sub_(row_max).exp_()  # 0 on masked columns
+    row_sum = p.sum(dim=-1)
+    acc = torch.bmm(p.to(torch.bfloat16).float(), values)
+    safe_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    out = (acc / safe_sum.unsqueeze(-1)).mul_(k_scale).to(torch.bfloat16)
+    lse = torch.where(row_sum > 0, row_max.squeeze(-1) + torch.log(safe_sum), float("-inf"))
+    return out, lse
+
+
+def _attend_chunk_lowp(q, kv, mask, d_ckv, scale, k_scale, parts=None, num_parts=1):
+    """Where an FA3-style kernel rounds: per part of a row (``parts [C,K]``: the kernel's work
+    item reading each column, ``None``: one part), :func:`_partial_lowp`; a row read in several
+    parts is merged as the kernel merges its split partial outputs, which it stores in the output
+    dtype: the bf16 partial outputs weighted by ``exp(lse_part - lse)`` in float32, rounded to
+    bf16 once more."""
     kv = kv.float()  # [C, K, D+R]
     scores = torch.bmm(q.to(torch.bfloat16).float(), kv.transpose(1, 2))
     scores.mul_(scale)
     if mask is not None:
         scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = scores.sub_(row_max).exp_()  # 0 on masked columns
-    row_sum = p.sum(dim=-1)
-    acc = torch.bmm(p.to(torch.bfloat16).float(), kv[..., :d_ckv])
-    safe_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
-    out = (acc / safe_sum.unsqueeze(-1)).mul_(k_scale).to(torch.bfloat16)
-    return out, row_max.squeeze(-1) + torch.log(safe_sum)
+    values = kv[..., :d_ckv]
+    if parts is None or num_parts <= 1:
+        out, lse = _partial_lowp(scores, values, d_ckv, k_scale)
+        return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    outs, lses = [], []
+    for part in range(num_parts):
+        off_part = (parts != part).unsqueeze(1)  # [C, 1, K]
+        out_p, lse_p = _partial_lowp(scores.masked_fill(off_part, float("-inf")), values, d_ckv, k_scale)
+        outs.append(out_p.float())
+        lses.append(lse_p)
+    part_lse = torch.stack(lses, dim=-1)  # [C, H, P]
+    lse = torch.logsumexp(part_lse, dim=-1)
+    finite = torch.isfinite(lse)
+    weights = torch.exp(part_lse - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    weights = torch.where(torch.isfinite(part_lse), weights, torch.zeros_like(weights))
+    out = sum(w.unsqueeze(-1) * o for w, o in zip(weights.unbind(-1), outs, strict=True))
+    return out.to(torch.bfloat16), torch.where(finite, lse, torch.zeros_like(lse))
 
 
 # --- float32 -----------------------------------------------------------------------------------
@@ -249,10 +275,12 @@ def float32_uses_bf16_products(q_nope, q_pe, ckv, kpe) -> bool:
 
 
 def sparse_mla_working_precision(q_nope, q_pe, ckv, kpe, slots, mask, facts: SelectionFacts, *, sm_scale: float,
-                                 k_scale: float, mode: str, memory_budget_bytes: int):
+                                 k_scale: float, mode: str, memory_budget_bytes: int, parts=None):
     """``(out, lse)`` of :func:`reference.oracle.sparse_mla_reference` in ``"float32"`` or
     ``"lowp"`` mode, for checked inputs (``[N, D]`` cache parts, a mask, the selection's facts)
-    with at least one selected column: rows in chunks under ``memory_budget_bytes``."""
+    with at least one selected column: rows in chunks under ``memory_budget_bytes``. ``parts``
+    (lowp only): the kernel's part of each column, see :func:`_attend_chunk_lowp`."""
+    num_parts = int(parts.max()) + 1 if parts is not None and parts.numel() else 1
     t, h, d_ckv = q_nope.shape
     out_dtype = {"float32": torch.float32, "lowp": torch.bfloat16}[mode]
     out = torch.empty((t, h, d_ckv), dtype=out_dtype, device=q_nope.device)
@@ -270,7 +298,9 @@ def sparse_mla_working_precision(q_nope, q_pe, ckv, kpe, slots, mask, facts: Sel
         kv = cat_parts([part[idx[rows]] for part in cache_parts])  # [C, K, D+R], as stored
         row_mask = None if facts.all_selected else mask[rows]  # None: no column to mask
         if mode == "lowp":
-            out[rows], lse[rows] = _attend_chunk_lowp(q, kv, row_mask, d_ckv, scale, float(k_scale))
+            row_parts = parts[rows] if num_parts > 1 else None
+            out[rows], lse[rows] = _attend_chunk_lowp(q, kv, row_mask, d_ckv, scale, float(k_scale), row_parts,
+                                                      num_parts)
         else:
             _attend_chunk(q, kv, row_mask, d_ckv, scale, float(k_scale), operand, out[rows], lse[rows])
         del q, kv

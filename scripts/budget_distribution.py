@@ -1,7 +1,7 @@
 """The error-budget ratios of the project's fa3 path over many drawn cases of the production input
 space, per kernel variant: the numbers the budget's factors are set from (docs/error-budget.md).
 
-    python3 -m scripts.budget_distribution --variant bf16-rope64 --cases 500 --out ratios.jsonl
+    python3 -m scripts.budget_distribution --variant bf16-rope64 --cases 500 [--start 0] --out ratios.jsonl
     python3 -m scripts.budget_distribution --summarise ratios-*.jsonl
 
 Each case is a full feasible class assignment of the input space (``harness.input_space``) with
@@ -80,7 +80,7 @@ def works_per_row(state, rows: int) -> list[int]:
     return counts
 
 
-def measure(variant: str, cases: int, seed: int, out: Path) -> int:
+def measure(variant: str, cases: int, seed: int, out: Path, start: int = 0) -> int:
     import torch
 
     from fast.flashinfer_compat import detect_features
@@ -91,14 +91,15 @@ def measure(variant: str, cases: int, seed: int, out: Path) -> int:
     impl, features = default_impl(), detect_features()
     ran = 0
     with open(out, "a", encoding="utf-8") as sink:
-        for i in range(cases):
+        for i in range(start, start + cases):
             case = drawn_case(variant, seed, i)
             scenario = build_scenario(case.spec, seed=i)
             step = prepared(impl, scenario, case.layout)
             if step.num_planned == 0:
                 continue
             launched = launch_step(impl, features, step, log=_Log())
-            out_cmp, lse_cmp = compare_with_references(step, launched.inputs, launched.out, launched.lse)
+            out_cmp, lse_cmp = compare_with_references(step, launched.inputs, launched.out, launched.lse,
+                                                       launched.state)
             works = works_per_row(launched.state, step.num_planned)
             worst_row = out_cmp.worst[0][0] if out_cmp.worst else None
             record = {
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", choices=VARIANTS)
     parser.add_argument("--cases", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0, help="first case index (to share a draw among processes)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarise", nargs="+", type=Path, metavar="JSONL")
     args = parser.parse_args(argv)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.variant and args.out):
         parser.error("--variant and --out are needed to measure")
     started = time.monotonic()
-    ran = measure(args.variant, args.cases, args.seed, args.out)
+    ran = measure(args.variant, args.cases, args.seed, args.out, args.start)
     print(f"{args.variant}: {ran} cases ran in {time.monotonic() - started:.0f} s -> {args.out}")
     return 0
 

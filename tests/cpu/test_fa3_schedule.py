@@ -161,3 +161,26 @@ def test_works_naming_rows_that_are_not_planned_are_stray():
     assert stray_works(schedule, 2) == [-1, 2, 3]
     assert stray_works(schedule, 4) == [-1]
     assert [e.length for e in row_extents(schedule, 4)] == [5, 0, 1, 9]
+
+
+def test_column_parts_number_each_rows_works_in_kv_order():
+    """Row 0 read by works [0,3) [3,6) [6,7) (listed out of order), row 1 by one work, row 2 by
+    none, an empty work and a stray row ignored: the part of each KV column."""
+    from backends.fa3_schedule import Schedule, column_parts
+
+    schedule = Schedule(row=torch.tensor([0, 1, 0, 0, 0, 5]), kv_start=torch.tensor([6, 0, 0, 3, 7, 0]),
+                        kv_end=torch.tensor([7, 4, 3, 6, 7, 9]), capacity=8)
+    parts = column_parts(schedule, 3, 8)
+    assert parts.tolist() == [[0, 0, 0, 1, 1, 1, 2, 2], [0] * 8, [0] * 8]
+
+
+def test_parts_follow_the_slots_into_the_selections_order():
+    """The kernel's parts are aligned with its executed columns; the oracle over (a) takes them
+    slot by slot in (a)'s column order; a slot the kernel did not execute gets part 0."""
+    from harness.backend_step import parts_in_selection_order
+
+    slots, mask = torch.tensor([[5, 9, 2, 7, 4, -1]]), torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    executed = torch.tensor([[2, 5, 7, 9, 3, 0]])
+    executed_mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    parts = torch.tensor([[0, 0, 1, 1, 2, 2]])
+    assert parts_in_selection_order(slots, mask, executed, executed_mask, parts).tolist() == [[0, 1, 0, 1, 0, 0]]

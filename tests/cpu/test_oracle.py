@@ -684,3 +684,61 @@ def test_selection_facts_from_lens_and_from_the_same_mask(lens, facts):
     lens = torch.tensor(lens)
     assert check_selection(slots, lens, selection_mask(slots, lens), 8) == facts
     assert check_selection(slots, None, selection_mask(slots, lens), 8) == facts
+
+
+# --- lowp of a row read in several parts (a split kernel) ---------------------------------------
+
+
+@given(p=problems(), seed=st.integers(0, 2**31 - 1))
+def test_lowp_in_one_part_is_lowp(p, seed):
+    """Every column in part 0 (whatever unselected columns hold) is the unsplit lowp, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    garbage = torch.randint(-3, 9, p.slots.shape, generator=g)
+    parts = torch.where(p.mask, torch.zeros_like(garbage), garbage)
+    out, lse = run(p, "lowp")
+    out_p, lse_p = run(p, "lowp", parts=parts)
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+
+
+@given(p=problems(min_len=2), seed=st.integers(0, 2**31 - 1))
+def test_lowp_in_two_parts_merges_bf16_partial_outputs_by_their_lse(p, seed):
+    """Two parts (a split at a random column): each part's lowp output, rounded to bf16, merged
+    by the parts' LSEs in float32 and rounded again, as a split kernel stores and merges them;
+    the LSE is the parts' log-sum-exp."""
+    g = torch.Generator().manual_seed(seed)
+    at = torch.randint(1, p.slots.shape[1] + 1, (p.slots.shape[0], 1), generator=g)
+    second = torch.arange(p.slots.shape[1]).unsqueeze(0) >= at
+    out, lse = run(p, "lowp", parts=second.long())
+    out_a, lse_a = run(p, "lowp", use_mask=p.mask & ~second)
+    out_b, lse_b = run(p, "lowp", use_mask=p.mask & second)
+    empty = ~p.mask.any(dim=1)
+    lse_a, lse_b = (torch.where((p.mask & m).any(dim=1)[:, None], x, -INF) for x, m in ((lse_a, ~second),
+                                                                                        (lse_b, second)))
+    m_out, m_lse = merge(out_a.float(), lse_a, out_b.float(), lse_b)
+    m_out = m_out.to(torch.bfloat16).masked_fill(empty[:, None, None], 0.0)
+    m_lse = m_lse.masked_fill(empty[:, None], -INF)
+    torch.testing.assert_close(lse, m_lse, rtol=4 * F32_UNIT, atol=4 * F32_UNIT, msg=lambda m: f"{p.describe()}\n{m}")
+    one_rounding = 2 * BF16_UNIT * float(p.ckv.double().abs().max())  # the merged sum's last rounding
+    torch.testing.assert_close(out.float(), m_out.float(), rtol=0, atol=one_rounding,
+                               msg=lambda m: f"{p.describe()}\n{m}")
+
+
+def test_a_split_row_rounds_once_more_than_a_whole_row():
+    """The merge of two bf16 partial outputs is not the bf16 output of the whole row: the split
+    lowp differs from the unsplit one on a row read in two parts, and both stay within bf16
+    rounding of the truth."""
+    p = random_problem(seed=11, t=2, h=8, k=64, num_slots=200, lens=[64, 64])
+    parts = (torch.arange(64) >= 32).long().expand(2, 64)
+    truth = run(p)[0]
+    whole, split = run(p, "lowp")[0], run(p, "lowp", parts=parts)[0]
+    assert not torch.equal(whole, split)
+    bound = 4 * BF16_UNIT * float(p.ckv.double().abs().max())
+    assert float((split.double() - truth).abs().max()) < bound and float((whole.double() - truth).abs().max()) < bound
+
+
+def test_parts_are_for_lowp_and_shaped_as_slots():
+    p = random_problem(seed=1, t=2, h=2, k=8, num_slots=20, lens=[8, 8])
+    with pytest.raises(ValueError, match="parts: for mode 'lowp'"):
+        run(p, "float64", parts=torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"parts: for mode 'lowp', shaped as slots \(2, 8\)"):
+        run(p, "lowp", parts=torch.zeros(2, 7, dtype=torch.long))

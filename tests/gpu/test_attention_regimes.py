@@ -74,7 +74,7 @@ def run_case(gpu, case, layout, config, seed: int, *, scenario=None, label="") -
     assert torch.equal(out[:n], out2[:n]) and torch.equal(lse[:n], lse2[:n]), (
         f"rerun not bitwise equal; {launched.context()}")
 
-    comparisons = compare_with_references(step, launched.inputs, out, lse)
+    comparisons = compare_with_references(step, launched.inputs, out, lse, launched.state)
     record_errors(gpu.request.node, step, comparisons, label)
     note_baseline(gpu.request, launched, comparisons)
     regime_log.blame(step.regimes(sorted({r for c in comparisons if not c.ok for r, _, _ in c.worst if r < n})))

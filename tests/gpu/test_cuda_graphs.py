@@ -111,7 +111,7 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
         eager_out, eager_lse = static.out[:n].clone(), static.lse[:n].clone()
         if n == 0:
             continue
-        eager = compare_with_references(step, inputs[index], eager_out, eager_lse)
+        eager = compare_with_references(step, inputs[index], eager_out, eager_lse, state)
         assert_within_budget(step, eager, features.version, what=f"eager run {position} vs (b)")
         cluster = fa3_mla_cluster_size(n, heads, static.max_rows)
         if not (torch.equal(replayed_out, eager_out) and torch.equal(replayed_lse, eager_lse)):
@@ -121,7 +121,7 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
                 f"replay {position}: {n} rows, cluster {cluster} vs captured {captured_cluster}, max |diff| {diff}"
             )
             continue
-        comparisons = compare_with_references(step, inputs[index], replayed_out, replayed_lse)
+        comparisons = compare_with_references(step, inputs[index], replayed_out, replayed_lse, state)
         record_errors(request.node, step, comparisons, label=f"graph-replay-{position}")
         assert_within_budget(step, comparisons, features.version, what=f"graph replay {position} vs (b)")
     if stale:

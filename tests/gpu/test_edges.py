@@ -405,7 +405,7 @@ def test_previous_steps_slots_change_nothing(gpu, layout, kind, config):
         fresh = launch_step(impl, features, step, log=regime_log, inputs=inputs)
         fresh_out, fresh_lse = fresh.out, fresh.lse
         note_step(step, inputs, fresh_out, fresh_lse)
-        comparisons = compare_with_references(step, inputs, fresh_out, fresh_lse)
+        comparisons = compare_with_references(step, inputs, fresh_out, fresh_lse, fresh.state)
         record_errors(request.node, step, comparisons, label=f"stale-slots step {index}")
         assert_within_budget(step, comparisons, features.version, what=f"fresh state, step {index}, vs (b)")
         assert untouched_rows(out, n), f"the kernel wrote rows past the {n} planned rows; {ctx}"

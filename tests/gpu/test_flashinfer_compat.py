@@ -151,7 +151,7 @@ def test_fp8_cache_in_uint8_storage_is_planned_as_e4m3(impl, features, request, 
     sync()
     n = step.num_planned
     assert torch.equal(out[:n], out2[:n]), failure_context(step, features.version)
-    comparisons = compare_with_references(step, inputs, out, lse)
+    comparisons = compare_with_references(step, inputs, out, lse, state)
     record_errors(request.node, step, comparisons, "fp8-uint8-storage")
     with pytest.raises((ValueError, TypeError)):
         state2.wrapper._wrapper.plan(

@@ -70,7 +70,7 @@ def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None,
     log.kernel_ran()
     problems = state_matches_step(state, step)
     assert not problems, f"{step.context()}: " + "; ".join(problems)
-    comparisons = compare_with_references(step, inputs, out, lse)
+    comparisons = compare_with_references(step, inputs, out, lse, state)
     if node is not None:
         record_errors(node, step, comparisons, label="input space")
     assert_within_budget(step, comparisons, features.version)

@@ -107,7 +107,7 @@ def test_kept_plan_equals_a_fresh_plan(impl, features, request, regime_log, mode
         assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse), (
             f"a kept plan gives other results than a fresh plan; {ctx}"
         )
-        comparisons = compare_with_references(step, inputs[index], out, lse)
+        comparisons = compare_with_references(step, inputs[index], out, lse, kept)
         record_errors(request.node, step, comparisons, label=f"plan-reuse-{mode}-{index}")
         assert_within_budget(step, comparisons, features.version, what=f"kept plan, step {index}, vs (b)")
     assert kept.reused_plans == sum(KEPT)
