@@ -28,29 +28,6 @@ WORK_CAPACITY_FINDING = (
 SCORE_PRECISION_FINDING = "raw score offsets of 2**15 exceed the budget: " + FINDINGS_DOC + "#score-precision-at-2-15"
 
 
-#: FA3's (and fa2's) bf16 NoPE output on some inputs, a little past the budget's 2x.
-NOPE_ROUNDING_FINDING = "bf16 NoPE output past 2x the working-precision error: " + FINDINGS_DOC + "#bf16-nope-rounding"
-#: Beyond this many times the working-precision reference's max error the NoPE rows fail as any
-#: other: the worst measured is 2.56 (docs/findings.md#bf16-nope-rounding).
-NOPE_ROUNDING_CEILING = 3.0
-
-
-class NopeRoundingBeyond2x(AssertionError):
-    """Only the output's max error of a bf16 NoPE case is beyond the budget, within
-    ``NOPE_ROUNDING_CEILING`` times the working-precision error; the mean and the LSE hold."""
-
-
-def nope_rounding_only(spec, comparisons) -> bool:
-    """Whether the failed comparisons of a bf16 NoPE case are the NoPE rounding finding alone."""
-    if spec.kv_dtype != "bfloat16" or spec.rope_dim != 0:
-        return False
-    bad = [c for c in comparisons if not c.ok]
-    return bool(bad) and all(
-        c.name.startswith("out") and c.max_ratio <= NOPE_ROUNDING_CEILING and len(c.problems) == 1
-        and c.problems[0].startswith("max err") for c in bad
-    )
-
-
 class ScorePrecisionAt2To15(AssertionError):
     """Only rows at raw score offsets of +-2**15 are beyond the budget, and within a few times it."""
 

@@ -17,7 +17,7 @@ import pytest
 from backends.port import KERNELS
 from backends.registry import open_backend
 from harness.launch import DEVICE
-from tests.vllm_cases import expect_kernel_findings, run_case, step_params
+from tests.vllm_cases import run_case, step_params
 
 pytestmark = pytest.mark.gpu
 
@@ -29,5 +29,4 @@ def port_backend(request):
 
 @pytest.mark.parametrize("case, config", step_params())
 def test_step_on_each_flashinfer_kernel(port_backend, case, config, request):
-    expect_kernel_findings(case, config, request)
     run_case(port_backend, case, config, DEVICE, request)
