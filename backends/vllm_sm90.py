@@ -38,6 +38,9 @@ from .vllm_shims import load_sm90_module, stand_ins_in_use
 from .vllm_source import VllmSource, design_of, flashinfer_pin
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
+#: kv_indices entries FlashInfer's fa3 MLA kernel loads per KV tile (``CTA_TILE_KV`` of its
+#: ``mla_hopper.cuh``).
+FA3_KV_TILE = 64
 #: vLLM's kv_cache_dtype string and the torch dtype of its cache tensor (fp8 is uint8 storage).
 CACHE_DTYPES = {"bfloat16": ("auto", torch.bfloat16), "float8_e4m3fn": ("fp8", torch.uint8)}
 
@@ -149,6 +152,29 @@ class VllmSM90Backend:
         return VllmLayer(self, config, torch.device(device))
 
 
+def loaded_past_length(schedule: fa3_schedule.Schedule, executed: list[int],
+                       planned: list[int]) -> dict[int, tuple[int, int]]:
+    """Per row, the entries ``[from, to)`` of its kv_indices past its executed length that
+    FlashInfer's fa3 MLA kernel loads all the same. It reads a work item ``[kv_start, kv_end)`` in
+    tiles of :data:`FA3_KV_TILE` entries from ``kv_start`` (``ceil(kv_end / tile) - kv_start //
+    tile`` of them), bounds the loads by the row's planned length (its ``packed_kv_bound``) and
+    masks only the scores past ``kv_end``: a row whose executed length ends inside a tile, short
+    of its planned length, loads the entries up to the tile's end (or the planned length) with
+    weight 0."""
+    loaded: dict[int, tuple[int, int]] = {}
+    tile = FA3_KV_TILE
+    for row, start, end in zip(schedule.row.tolist(), schedule.kv_start.tolist(), schedule.kv_end.tolist(),
+                               strict=True):
+        tiles = -(-end // tile) - start // tile
+        if tiles <= 0 or row >= len(planned):
+            continue
+        first, last = max(end, executed[row]), min(start + tiles * tile, planned[row])
+        if first < last:
+            before = loaded.get(row, (first, last))
+            loaded[row] = (min(before[0], first), max(before[1], last))
+    return loaded
+
+
 def _vllm_config(config: LayerConfig, layer) -> SimpleNamespace:
     hf = SimpleNamespace(index_topk=config.topk, index_kpool=config.kpool, kv_lora_rank=KV_LORA_RANK,
                          qk_rope_head_dim=config.rope_dim)
@@ -225,6 +251,22 @@ class VllmLayer:
 
     def schedule(self) -> fa3_schedule.Schedule:
         return fa3_schedule.read_schedule(self.state.wrapper)
+
+    @property
+    def on_flashinfer(self) -> bool:
+        """Whether the layer plans and runs on FlashInfer's own wrapper (not a stand-in)."""
+        return type(self.state.wrapper).__module__.split(".")[0] == "flashinfer"
+
+    def slots_loaded_past_length(self, outcome: StepOutcome) -> dict[int, list[int]]:
+        """Per row, the slot ids that FlashInfer's fa3 kernel loads past the row's executed
+        length (:func:`loaded_past_length`), read from kv_indices as the last ``forward``
+        packed them."""
+        n = outcome.planned_rows
+        spans = loaded_past_length(self.schedule(), outcome.executed_lengths.tolist(),
+                                   outcome.planned_lengths.tolist())
+        indptr = self.state.wrapper._kv_indptr_buf[: n + 1].detach().to("cpu", torch.int64).tolist()
+        indices = self.state.kv_indices.detach().to("cpu", torch.int64)
+        return {row: indices[indptr[row] + a : indptr[row] + b].tolist() for row, (a, b) in spans.items()}
 
     def planned_lengths(self, num_rows: int) -> torch.Tensor:
         """The host lengths of the plan in force (before any clamp)."""

@@ -197,8 +197,8 @@ def _read_member(archive: zipfile.ZipFile, name: str) -> bytes:
         return archive.read(name)
     except zipfile.BadZipFile as exc:
         why = "fails its CRC-32 check" if "CRC" in str(exc) else f"cannot be read ({exc})"
-    except zlib.error as exc:
-        why = f"cannot be decompressed ({exc})"
+    except zlib.error:
+        why = "cannot be decompressed"
     except (EOFError, OSError, NotImplementedError) as exc:
         why = f"cannot be read ({exc})"
     raise VllmSourceError(f"{name} {why}: the wheel is corrupt (download it again)")

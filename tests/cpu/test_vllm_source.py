@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,19 @@ def tree(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
 
 
-CORRUPT = f"{BACKEND_MODULE} fails its CRC-32 check: the wheel is corrupt (download it again)"
+def corrupt_line(wheel: Path) -> str:
+    """What a wheel with a flipped byte in the backend module's compressed data is refused with:
+    the byte breaks either the deflate stream or, where it still decompresses, the CRC-32."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.read(BACKEND_MODULE)
+    except zlib.error:
+        why = "cannot be decompressed"
+    except zipfile.BadZipFile:
+        why = "fails its CRC-32 check"
+    else:
+        raise AssertionError(f"{wheel}: the flipped byte left {BACKEND_MODULE} readable")
+    return f"{BACKEND_MODULE} {why}: the wheel is corrupt (download it again)"
 
 
 # --- a wheel, unpacked, sliced --------------------------------------------------------------------
@@ -166,9 +179,9 @@ def test_a_corrupt_wheel_is_one_line_naming_the_file_with_a_cold_cache(wheel, tm
     flip_byte(corrupt, BACKEND_MODULE)
     with pytest.raises(VllmSourceError) as excinfo:
         resolve(str(corrupt))
-    assert str(excinfo.value) == f"--vllm={corrupt}: {CORRUPT}"
+    assert str(excinfo.value) == f"--vllm={corrupt}: {corrupt_line(corrupt)}"
     result, out = usage_run(pytester, f"--vllm={corrupt}")
-    assert_one_usage_error(result, out, f"--vllm={corrupt}: {CORRUPT}")
+    assert_one_usage_error(result, out, f"--vllm={corrupt}: {corrupt_line(corrupt)}")
     assert not cache.exists() or tree(cache) == [], "nothing of the corrupt wheel is cached"
 
 
@@ -181,7 +194,7 @@ def test_a_corrupt_wheel_is_refused_with_a_warm_cache_too(wheel, tmp_path, cache
     flip_byte(good, BACKEND_MODULE)
     assert good.stat().st_size == size
     result, out = usage_run(pytester, f"--vllm={good}")
-    assert_one_usage_error(result, out, f"--vllm={good}: {CORRUPT}")
+    assert_one_usage_error(result, out, f"--vllm={good}: {corrupt_line(good)}")
     assert [p.name for p in cache.iterdir()] == [cached.root.name], "the good slice is all the cache holds"
 
 
@@ -212,7 +225,7 @@ def test_a_slice_of_a_corrupt_wheel_is_one_line_and_leaves_nothing(wheel, tmp_pa
     out = tmp_path / "slices" / "vllm"
     run = slice_cli(str(corrupt), "-o", str(out))
     assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
-    assert run.stderr.splitlines() == [f"error: {corrupt}: {CORRUPT}"], run.stderr
+    assert run.stderr.splitlines() == [f"error: {corrupt}: {corrupt_line(corrupt)}"], run.stderr
     assert not (tmp_path / "slices").exists() or tree(tmp_path / "slices") == [], tree(tmp_path / "slices")
 
 
