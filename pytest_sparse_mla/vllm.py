@@ -1,9 +1,11 @@
 """``--vllm=PATH``: a vLLM release's own SM90 sparse backend under test (``backends.vllm_sm90``).
 
 PATH is a vLLM wheel, a folder holding the ``vllm`` package (an unpacked wheel, a checkout, a
-slice written by ``python3 -m backends.vllm_source slice``), or ``installed``. It is resolved
-once when the run starts (a usage error of one line when it names nothing loadable) and the
-header names the release. Tests marked ``vllm`` take the ``vllm_backend`` fixture; without
+slice written by ``python3 -m backends.vllm_source slice``), or ``installed``. Each process
+resolves it when it starts (a wheel's files checked against its RECORD every time); the
+controlling one first, so that anything it cannot use (missing, empty, not a vLLM wheel, a
+corrupt one, a folder without the package) is a usage error of one line before any test or
+worker starts. The header names the release. Tests marked ``vllm`` take the ``vllm_backend`` fixture; without
 ``--vllm`` they are skipped with that reason, and the header says no vLLM is under test.
 
 The summary counts the rows whose executed KV length was read back from FlashInfer's schedule
