@@ -4,6 +4,8 @@ outcome, failure text included, is the child's."""
 
 from __future__ import annotations
 
+import pytest
+
 import fast.convert
 from pytest_sparse_mla.interpreter import child_environment, child_verdict, interpreter_problem, runs_in_a_child
 
@@ -44,7 +46,10 @@ def test_a_child_passes_only_with_status_0_and_a_pass():
 
 
 def test_marked_tests_of_a_run_with_compiled_kernels_take_the_childs_outcome(pytester, monkeypatch):
+    import pytest_sparse_mla.interpreter as plugin
+
     monkeypatch.setattr(fast.convert, "INTERPRETED", False)
+    monkeypatch.setattr(plugin, "interpreter_problem", lambda root: None)  # what the probe says on CI
     monkeypatch.setenv("TRITON_INTERPRET", "child")
     pytester.makepyfile(test_marked=MARKED)
     result = pytester.runpytest_inprocess("-p", "pytest_sparse_mla.interpreter", "-p", "no:cacheprovider",
@@ -60,6 +65,9 @@ def test_the_probe_finds_the_interpreter_working_here():
     the kernel, the marked tests skip with the probe's reason instead of failing on the machine."""
     from pathlib import Path
 
+    if not fast.convert.INTERPRETED:
+        pytest.skip("this run's kernels are compiled: whether this machine's Triton interpreter runs the "
+                    "convert kernel is the probe's to find, not this test's to assume")
     root = str(Path(__file__).resolve().parents[2])
     assert interpreter_problem(root) is None
 
