@@ -18,6 +18,12 @@ contexts, and per recorded version the FlashInfer / torch / CUDA / driver versio
 Every fixture carries a content digest (``digest``: SHA-256 of each tensor's dtype, shape and
 bytes, and of the rest of the metadata), checked on load: a file changed after it was written
 is a :class:`FixtureError` naming the tensor or the metadata, never a kernel verdict.
+
+A fixture may leave tensors out that it rebuilds bit for bit at load (metadata ``derived``,
+:mod:`recording.derived`): q and the KV slots from its scenario's spec and seed, a recorded
+output from another version's identical one. Each keeps its entry in the content digest and is
+checked against it once rebuilt. ``save_fixture(..., compact=True)`` writes such a file (the
+checked-in fixtures); every other writer stores every tensor.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from harness.bits import bitwise_equal as bitwise_equal  # re-exported: the fixt
 from harness.bits import same_bits as same_bits
 
 SCHEMA_VERSION = 2  # 2: the content digest
+DERIVED_SCHEMA_VERSION = 3  # 3: tensors rebuilt at load (metadata ``derived``)
+READ_SCHEMA_VERSIONS = (SCHEMA_VERSION, DERIVED_SCHEMA_VERSION)
 METADATA_KEY = "sparse_mla_fixture"
 REQUIRED_TENSORS = ("q_nope", "q_pe", "ckv", "kpe", "slot_ids", "kv_indptr", "kv_indices", "kv_len", "intended")
 
@@ -93,8 +101,8 @@ def content_digest(meta: dict, tensors: dict[str, torch.Tensor]) -> dict:
             "tensors": {name: tensor_digest(t) for name, t in sorted(tensors.items())}}
 
 
-def check_digest(path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """The file holds what was written: each tensor and the metadata match the digest."""
+def check_metadata_digest(path, meta: dict) -> dict:
+    """The metadata matches its digest; returns the digest's tensor entries."""
     digest = meta.get("digest")
     if (
         not isinstance(digest, dict)
@@ -108,7 +116,12 @@ def check_digest(path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         raise FixtureError(
             f"{path}: the metadata does not match its content digest: the file was changed after it was written"
         )
-    listed = digest["tensors"]
+    return digest["tensors"]
+
+
+def check_digest(path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The file holds what was written: each tensor and the metadata match the digest."""
+    listed = check_metadata_digest(path, meta)
     for name in sorted(set(listed) - set(tensors)):
         raise FixtureError(f"{path}: tensor '{name}' is in the content digest but not in the file")
     for name in sorted(set(tensors) - set(listed)):
@@ -129,20 +142,34 @@ def fixture_tensors(fixture: Fixture) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_fixture(path: str | Path, fixture: Fixture) -> Path:
+def save_fixture(path: str | Path, fixture: Fixture, compact: bool = False) -> Path:
+    """Write ``fixture`` to ``path``. With ``compact`` the tensors the file can rebuild bit for
+    bit at load are left out (:func:`recording.derived.derivable`: q and the KV slots its
+    scenario rebuilds, outputs equal to another version's); each is rebuilt once here and
+    checked before anything is written."""
     from safetensors.torch import save_file
+
+    from .derived import derivable, rebuild_derived
 
     path = Path(path)
     missing = [k for k in REQUIRED_TENSORS if k not in fixture.tensors]
     if missing:
         raise FixtureError(f"{path}: cannot save, missing tensors {missing}")
     tensors = fixture_tensors(fixture)
-    meta = {k: v for k, v in fixture.meta.items() if k != "digest"}
-    meta["schema_version"] = SCHEMA_VERSION
+    meta = {k: v for k, v in fixture.meta.items() if k not in ("digest", "derived")}
+    derived = derivable(meta, tensors) if compact else {}
+    stored = {k: v for k, v in tensors.items() if k not in derived}
+    if derived:
+        meta["derived"] = derived
+        rebuilt = rebuild_derived(meta, stored)
+        wrong = [k for k in derived if not bitwise_equal(rebuilt[k], tensors[k])]
+        if wrong:
+            raise FixtureError(f"{path}: cannot save, {wrong} do not rebuild bit for bit")
+    meta["schema_version"] = DERIVED_SCHEMA_VERSION if derived else SCHEMA_VERSION
     meta["digest"] = content_digest(meta, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    save_file(stored, str(tmp), metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
     tmp.replace(path)
     return path
 
@@ -157,7 +184,7 @@ OPTIONAL_META = {
     "name": str, "seed": int, "kv_dtype": str, "max_rows": int, "regimes": list, "row_ctx": list, "focus": list,
     "refused": dict, "environment": dict, "expect_finding": str, "lse_recorded": bool, "graph_replay": bool,
     "source": str, "impl": str, "nodeid": str, "spec": dict, "capture": dict, "digest": dict, "shrunk": dict,
-    "rows": list, "heads": list, "why": str, "scale_case": str, "vllm": str, "drawn": str,
+    "rows": list, "heads": list, "why": str, "scale_case": str, "vllm": str, "drawn": str, "derived": dict,
 }
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8)
@@ -282,9 +309,12 @@ def load_fixture(path: str | Path) -> Fixture:
     if isinstance(meta, dict) and version == 1:
         raise FixtureError(f"{path}: schema version 1, written without a content digest; re-record it or, if you trust "
                            f"the file, migrate it: python3 -m scripts.record_fixtures --migrate {path}")
-    if isinstance(meta, dict) and version != SCHEMA_VERSION:
-        raise FixtureError(f"{path}: unknown schema version {version!r} (this tool reads {SCHEMA_VERSION})")
+    if isinstance(meta, dict) and version not in READ_SCHEMA_VERSIONS:
+        raise FixtureError(f"{path}: unknown schema version {version!r} (this tool reads "
+                           f"{' and '.join(map(str, READ_SCHEMA_VERSIONS))})")
     check_meta(path, meta)
+    if meta.get("derived"):
+        tensors.update(load_derived(path, meta, tensors))
     missing = [k for k in REQUIRED_TENSORS if k not in tensors]
     if missing:
         raise FixtureError(f"{path}: missing tensors {missing}")
@@ -316,6 +346,42 @@ def load_fixture(path: str | Path) -> Fixture:
         raise FixtureError(f"{path}: tensor '{stray[0]}' recorded without its 'out/' tensor")
     check_digest(path, meta, written)
     return Fixture(meta=meta, tensors=tensors, path=path, outputs=outputs)
+
+
+def load_derived(path, meta: dict, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors the metadata field ``derived`` names, rebuilt and checked against the content
+    digest; the metadata and the stored tensors are checked against it first, so the rebuild
+    reads only what was written."""
+    from .derived import derived_problem, rebuild_derived
+
+    problem = derived_problem(meta, set(stored))
+    if problem:
+        raise FixtureError(f"{path}: {problem}")
+    if meta.get("schema_version") != DERIVED_SCHEMA_VERSION:
+        raise FixtureError(f"{path}: metadata field 'derived' in a file of schema version "
+                           f"{meta.get('schema_version')!r} (tensors are derived from version "
+                           f"{DERIVED_SCHEMA_VERSION})")
+    listed = check_metadata_digest(path, meta)
+    for name, t in sorted(stored.items()):
+        if name in listed and listed[name] != tensor_digest(t):
+            raise FixtureError(
+                f"{path}: tensor '{name}' does not match its content digest: the file was changed after it was written"
+            )
+    try:
+        rebuilt = rebuild_derived(meta, stored)
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as exc:
+        raise FixtureError(f"{path}: metadata field 'derived': the tensors cannot be rebuilt: {exc}") from exc
+    for name, t in sorted(rebuilt.items()):
+        source = meta["derived"][name]
+        if name not in listed:
+            raise FixtureError(f"{path}: tensor '{name}' (derived from {source}) is not in the content digest")
+        if listed[name] != tensor_digest(t):
+            why = ("the scenario builder no longer rebuilds what the file was written with"
+                   if source.startswith("scenario:") else f"'{source.removeprefix('tensor:')}' differs from it")
+            raise FixtureError(
+                f"{path}: tensor '{name}' (derived from {source}) does not match its content digest: {why}"
+            )
+    return rebuilt
 
 
 def fixture_paths(paths) -> list[Path]:
@@ -455,6 +521,7 @@ def subset_fixture(fx: Fixture, rows: list[int], heads: list[int] | None = None)
     )
     outputs = {v: (out[r][:, h], lse[r][:, h]) for v, (out, lse) in fx.outputs.items()}
     old_rows = meta.get("rows")
+    meta = {k: v for k, v in meta.items() if k != "derived"}  # the subset stores every tensor
     new_meta = dict(meta, num_rows=len(rows), num_heads=len(heads), max_rows=max(len(rows), 1),
                     rows=[old_rows[i] for i in rows] if old_rows is not None else list(rows),
                     heads=[meta["heads"][i] for i in heads] if meta.get("heads") is not None else list(heads))

@@ -9,7 +9,9 @@ user attaches to an upstream issue.
     python3 -m recording.repro fixtures/c-packed-finding-bf16.safetensors -o DIR
     python3 DIR/c-packed-finding-bf16.repro.py
 
-``--dump-failures`` writes one beside every fixture it writes.
+``--dump-failures`` writes one beside every fixture it writes. A fixture that rebuilds some
+tensors at load (``derived``: the checked-in ones) is written into ``-o DIR`` with every tensor
+stored, so that the script reads it with safetensors alone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from reference.budget import ABS_FLOOR, FACTORS, LSE_ULPS, element_errors
 
 from .commands import replay_command
-from .fixture import Fixture, FixtureError, load_fixture
+from .fixture import Fixture, FixtureError, load_fixture, save_fixture
 from .replay import as_planned_selection, reference_outputs
 
 TEMPLATE = Path(__file__).with_name("repro_script.tmpl")
@@ -92,6 +94,19 @@ def write_repro(fx: Fixture, fixture_path: Path) -> Path:
     return path
 
 
+def standalone_problem(src: Path) -> str | None:
+    """Why ``src`` has no standalone reproducer (None: it is a fixture file)."""
+    from .recipe import is_recipe
+    from .sequence import is_sequence
+
+    if is_recipe(src) or is_sequence(src):
+        kind = "a recipe" if is_recipe(src) else "a sequence"
+        return (f"{src} is {kind}: recipes and sequences have no standalone reproducer (they rebuild their case "
+                f"through this project); replay it: pytest --replay={src}, or give a fixture "
+                "(*.safetensors) of the case")
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description="write a standalone reproducer (torch + flashinfer + safetensors) for a fixture"
@@ -101,18 +116,27 @@ def main(argv=None) -> int:
         "-o", "--out", help="folder for the script and a copy of the fixture (default: beside the fixture)"
     )
     args = parser.parse_args(argv)
+    src = Path(args.fixture)
+    problem = standalone_problem(src)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
-        fx = load_fixture(args.fixture)
+        fx = load_fixture(src)
     except FixtureError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    src = Path(args.fixture)
-    target = src
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        target = out / src.name
-        if target.resolve() != src.resolve():
+    derived = sorted(fx.meta.get("derived") or {})
+    target = Path(args.out) / src.name if args.out else src
+    if derived and target.resolve() == src.resolve():
+        print(f"error: {src} rebuilds {', '.join(derived)} at load and the reproducer reads every tensor from its "
+              "file: give -o DIR for a copy that stores them, beside the script", file=sys.stderr)
+        return 2
+    if target.resolve() != src.resolve():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if derived:
+            save_fixture(target, fx)  # every tensor stored: the script reads them with safetensors alone
+        else:
             shutil.copyfile(src, target)
     path = write_repro(fx, target)
     print(f"wrote {path}\nrun: python3 {path}")

@@ -12,6 +12,14 @@ file's metadata under ``refused``.
 
 rewrites fixtures of schema 1 (written before fixtures carried a content digest) with their
 digest, and points a declared finding at docs/findings.md.
+
+    python3 -m scripts.record_fixtures --compact FILE...
+
+rewrites fixtures so that they store only what they cannot rebuild: q and the KV slots their
+scenario rebuilds bit for bit, and outputs bitwise equal to another version's, are left out and
+rebuilt at load (recording/derived.py). Each file is loaded back and must give every tensor, output
+and metadata field it gave before, bit for bit, or it is left as it was. Recording writes compact
+files too.
 """
 
 from __future__ import annotations
@@ -214,7 +222,7 @@ def record(case: FixtureCase, directory: Path, impl) -> str:
     fresh.meta.setdefault("environment", {})[version] = runtime_environment()
     if refused:
         fresh.meta.setdefault("refused", {})[version] = refused
-    save_fixture(path, fresh)
+    save_fixture(path, fresh, compact=True)
     return f"{case.name}: rows {step.num_planned}, " + (f"refused on {version}" if refused else f"recorded {version}")
 
 
@@ -231,6 +239,46 @@ def migrate(paths) -> int:
     return 0
 
 
+def same_fixture(a, b) -> str | None:
+    """What differs between two loaded fixtures (None: every tensor, output and metadata field
+    but how the file stores them)."""
+    if sorted(a.tensors) != sorted(b.tensors) or sorted(a.outputs) != sorted(b.outputs):
+        return (f"tensors {sorted(a.tensors)} / outputs {sorted(a.outputs)} against "
+                f"{sorted(b.tensors)} / {sorted(b.outputs)}")
+    for key in a.tensors:
+        if not bitwise_equal(a[key], b[key]):
+            return f"tensor {key!r}"
+    for version, (out, lse) in a.outputs.items():
+        if not (bitwise_equal(out, b.outputs[version][0]) and bitwise_equal(lse, b.outputs[version][1])):
+            return f"output {version!r}"
+    storage = ("digest", "derived", "schema_version")
+    if {k: v for k, v in a.meta.items() if k not in storage} != {k: v for k, v in b.meta.items() if k not in storage}:
+        return "metadata"
+    return None
+
+
+def compact(paths) -> int:
+    """Rewrite each fixture compact; a file that would not load back the same is left as it was."""
+    for path in map(Path, paths):
+        try:
+            before = load_fixture(path)
+            size = path.stat().st_size
+            tmp = save_fixture(path.with_name(path.name + ".compact"), before, compact=True)
+            difference = same_fixture(before, load_fixture(tmp))
+        except (FixtureError, OSError) as exc:
+            print(f"{path}: not rewritten: {exc}")
+            return 1
+        if difference:
+            tmp.unlink()
+            print(f"{path}: not rewritten: the compact file gives another {difference}")
+            return 1
+        tmp.replace(path)
+        derived = load_fixture(path).meta.get("derived") or {}
+        print(f"{path}: {size / 1e6:.2f} MB -> {path.stat().st_size / 1e6:.2f} MB"
+              + (f", rebuilt at load: {', '.join(sorted(derived))}" if derived else ""))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="fixtures")
@@ -238,9 +286,15 @@ def main() -> int:
     parser.add_argument(
         "--migrate", nargs="+", metavar="FILE", help="rewrite schema-1 fixtures with their content digest"
     )
+    parser.add_argument(
+        "--compact", nargs="+", metavar="FILE",
+        help="rewrite fixtures leaving out the tensors they rebuild bit for bit at load",
+    )
     args = parser.parse_args()
     if args.migrate:
         return migrate(args.migrate)
+    if args.compact:
+        return compact(args.compact)
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     impl = FastImpl()

@@ -132,9 +132,8 @@ MALFORMED = {
 
 @pytest.fixture
 def good_copy(tmp_path) -> Path:
-    path = tmp_path / "good.safetensors"
-    path.write_bytes(GOOD.read_bytes())
-    return path
+    """GOOD written with every tensor stored (the checked-in file rebuilds its inputs at load)."""
+    return save_fixture(tmp_path / "good.safetensors", load_fixture(GOOD))
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))

@@ -187,3 +187,73 @@ def test_dump_failures_writes_a_replayable_fixture(pytester, tmp_path):
     assert len(files) == 1, "\n".join(result.outlines[-30:])
     report = replay(load_fixture(files[0]))
     assert report.plan_mismatch_rows == [0] and report.regimes[0] == "C"
+
+
+# --- tensors rebuilt at load (the checked-in fixtures) --------------------------------------
+
+FIXTURES = ROOT / "fixtures"
+COMPACT = FIXTURES / "a-identity-fill-bf16.safetensors"  # 4 rows x 16 heads, bf16, two releases recorded
+
+
+def test_the_checked_in_fixtures_fit_in_4_mb_and_store_no_input_their_scenario_rebuilds():
+    paths = sorted(FIXTURES.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in paths)
+    assert len(paths) == 14 and total <= 4_000_000, f"{len(paths)} fixtures, {total} bytes"
+    for path in paths:
+        derived = load_fixture(path).meta["derived"]
+        assert all(derived.get(k, "").startswith("scenario:") for k in ("q_nope", "q_pe", "ckv", "kpe")), path
+
+
+def test_a_compact_file_loads_what_its_full_copy_holds_and_writes_back_byte_for_byte(tmp_path):
+    compact = load_fixture(COMPACT)
+    assert set(compact.meta["derived"]) == {"q_nope", "q_pe", "ckv", "kpe", "out/0.7.4", "lse/0.7.4"}
+    full_path = save_fixture(tmp_path / "full.safetensors", compact)
+    full = load_fixture(full_path)
+    assert "derived" not in full.meta and full_path.stat().st_size > 8 * COMPACT.stat().st_size
+    for key, value in full.tensors.items():
+        assert bitwise_equal(compact[key], value), key
+    for version, (out, lse) in full.outputs.items():
+        assert bitwise_equal(compact.outputs[version][0], out) and bitwise_equal(compact.outputs[version][1], lse)
+    again = save_fixture(tmp_path / "again.safetensors", full, compact=True)
+    assert again.read_bytes() == COMPACT.read_bytes()
+
+
+@pytest.mark.parametrize(("tensor", "source"), [("ckv", "scenario:kv-sequential"), ("q_nope", "scenario:q")])
+def test_a_tensor_the_builder_no_longer_rebuilds_is_a_fixture_error_naming_it(monkeypatch, tmp_path, tensor, source):
+    import harness.scenario
+    from recording import derived
+
+    path = tmp_path / COMPACT.name
+    path.write_bytes(COMPACT.read_bytes())
+    monkeypatch.setattr(derived, "_SEQUENTIAL_KV", {})
+    if source == "scenario:kv-sequential":  # another stream of values
+        monkeypatch.setattr(harness.scenario, "component_seed", lambda seed, component: 12345)
+    else:  # q drawn otherwise
+        build = harness.scenario.build_attention_inputs
+
+        def other_q(scenario):
+            inputs = build(scenario)
+            inputs.q_nope.mul_(2)
+            return inputs
+
+        monkeypatch.setattr(harness.scenario, "build_attention_inputs", other_q)
+    with pytest.raises(FixtureError) as info:
+        load_fixture(path)
+    assert str(info.value) == (
+        f"{path}: tensor '{tensor}' (derived from {source}) does not match its content digest: the scenario builder "
+        "no longer rebuilds what the file was written with"
+    )
+
+
+def test_a_compact_fixture_has_a_reproducer_only_as_a_standalone_copy(tmp_path, capsys):
+    from recording.repro import main as repro_main
+
+    assert repro_main([str(COMPACT)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {COMPACT} rebuilds ckv, kpe, lse/0.7.4, out/0.7.4, q_nope, q_pe at load and the reproducer reads "
+        "every tensor from its file: give -o DIR for a copy that stores them, beside the script"
+    )
+    assert not list(FIXTURES.glob("*.repro.py"))
+    assert repro_main([str(COMPACT), "-o", str(tmp_path)]) == 0
+    copy = load_fixture(tmp_path / COMPACT.name)
+    assert "derived" not in copy.meta and bitwise_equal(copy["ckv"], load_fixture(COMPACT)["ckv"])
