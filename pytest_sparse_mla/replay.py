@@ -74,14 +74,44 @@ def run_options(config) -> dict:
 class ReplayCollector:
     """Controller-side collector of the replay diagnostics the reports carry."""
 
-    def __init__(self, config):
+    def __init__(self, config, summary_lines: FullSummaryLines | None = None):
         self.config = config
         self.dumps: list[dict] = []
+        self.summary_lines = summary_lines
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
             self.config.stash.setdefault(REPLAYS, []).extend(v for k, v in report.user_properties if k == REPLAY_KEY)
             self.dumps.extend({"nodeid": report.nodeid, **v} for k, v in report.user_properties if k == DUMP_KEY)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter):
+        """Where a replay test failed, pytest's short summary (printed right after this hook)
+        gives each FAILED line its reason whole, as it does on CI: the first line of a replay's
+        failure is why it failed (a bad file's one FixtureError line, or the verdict), and the
+        test id of a fixture's path leaves no room for it on an 80-column line otherwise."""
+        failed = terminalreporter.stats.get("failed", [])
+        if self.summary_lines is not None and any(f"{REPLAY_TEST_FILE}::" in getattr(r, "nodeid", "") for r in failed):
+            self.summary_lines.verbose_before = self.config.option.verbose
+            self.config.option.verbose = max(self.config.option.verbose, 2)
+
+
+class FullSummaryLines:
+    """Puts ``--verbose`` back once the short summary is printed (see
+    :meth:`ReplayCollector.pytest_terminal_summary`)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.verbose_before: int | None = None
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_terminal_summary(self):
+        try:
+            return (yield)
+        finally:
+            if self.verbose_before is not None:
+                self.config.option.verbose = self.verbose_before
+                self.verbose_before = None
 
 
 #: Why a failing test leaves nothing to write, where it noted no case.
@@ -162,7 +192,9 @@ def pytest_configure(config):
         if problem:
             raise pytest.UsageError(problem)
     if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(ReplayCollector(config))
+        summary_lines = FullSummaryLines(config)
+        config.pluginmanager.register(summary_lines)
+        config.pluginmanager.register(ReplayCollector(config, summary_lines))
 
 
 REPLAY_TEST_FILE = "test_replay.py"

@@ -14,6 +14,9 @@ A fixture holds what one kernel launch consumed and what it returned:
 
 Metadata: schema version, scenario spec and seed, layout, plan arguments, per-row regimes and
 contexts, and per recorded version the FlashInfer / torch / CUDA / driver versions and GPU.
+Every field and every tensor is checked on load, with the bounds of :mod:`recording.checks`,
+before anything is built (:data:`REQUIRED_META`, :data:`OPTIONAL_META`; no other field is
+accepted): a bad one is one :class:`FixtureError` line naming the file and the field.
 
 Every fixture carries a content digest (``digest``: SHA-256 of each tensor's dtype, shape and
 bytes, and of the rest of the metadata), checked on load: a file changed after it was written
@@ -38,6 +41,8 @@ import torch
 
 from harness.bits import bitwise_equal as bitwise_equal  # re-exported: the fixture API compares bits
 from harness.bits import same_bits as same_bits
+
+from . import checks
 
 SCHEMA_VERSION = 2  # 2: the content digest
 DERIVED_SCHEMA_VERSION = 3  # 3: tensors rebuilt at load (metadata ``derived``)
@@ -174,18 +179,33 @@ def save_fixture(path: str | Path, fixture: Fixture, compact: bool = False) -> P
     return path
 
 
-#: Metadata fields every fixture has, with their JSON types (bool is never an int here).
+#: Metadata fields every fixture has, with their checks (recording.checks).
 REQUIRED_META = {
-    "num_rows": int, "num_heads": int, "head_dim_ckv": int, "head_dim_kpe": int, "width": int,
-    "sm_scale": (int, float), "k_scale": (int, float), "layout": str,
+    "num_rows": checks.int_in(0, checks.MAX_ROWS), "num_heads": checks.int_in(1, checks.MAX_HEADS),
+    "head_dim_ckv": checks.one_of(checks.HEAD_DIM_CKV), "head_dim_kpe": checks.one_of(*checks.HEAD_DIMS_KPE),
+    "width": checks.int_in(0, checks.MAX_SEQ_LEN), "sm_scale": checks.positive_up_to(checks.MAX_SM_SCALE),
+    "k_scale": checks.positive_up_to(checks.MAX_K_SCALE), "layout": checks.one_of(*checks.LAYOUTS, "captured"),
 }
-#: Optional metadata fields, checked when present.
+_REGIME = checks.one_of(*checks.REGIMES)
+#: Optional metadata fields, checked when present and not null.
 OPTIONAL_META = {
-    "name": str, "seed": int, "kv_dtype": str, "max_rows": int, "regimes": list, "row_ctx": list, "focus": list,
-    "refused": dict, "environment": dict, "expect_finding": str, "lse_recorded": bool, "graph_replay": bool,
-    "source": str, "impl": str, "nodeid": str, "spec": dict, "capture": dict, "digest": dict, "shrunk": dict,
-    "rows": list, "heads": list, "why": str, "scale_case": str, "vllm": str, "drawn": str, "derived": dict,
+    "name": checks.text, "seed": checks.int_in(0, checks.MAX_SEED), "kv_dtype": checks.one_of(*checks.KV_DTYPE_NAMES),
+    "max_rows": checks.int_in(1, checks.MAX_ROWS), "regimes": checks.list_of(_REGIME, "regimes (A to H)"),
+    "row_ctx": checks.list_of(checks.int_in(0, checks.MAX_SEQ_LEN), f"ints from 0 to {checks.MAX_SEQ_LEN}"),
+    "focus": checks.list_of(_REGIME, "regimes (A to H)"), "refused": checks.texts_by_text,
+    "environment": checks.a_dict, "expect_finding": checks.text, "lse_recorded": checks.a_bool,
+    "graph_replay": checks.a_bool, "source": checks.text, "impl": checks.impl_spec, "nodeid": checks.text,
+    "spec": checks.a_dict, "capture": checks.a_dict, "digest": checks.a_dict, "shrunk": checks.a_dict,
+    "rows": checks.list_of(checks.int_in(0, checks.MAX_ROWS - 1), "rows of the batch", distinct=True),
+    "heads": checks.list_of(checks.int_in(0, checks.MAX_HEADS - 1), "heads", distinct=True, most=checks.MAX_HEADS),
+    "why": checks.text, "scale_case": checks.text, "vllm": checks.text, "drawn": checks.text,
+    "derived": checks.a_dict, "page_size": checks.one_of(1), "causal": checks.false,
+    "num_slots_original": checks.int_at_least(0), "run_index": checks.int_at_least(0), "built_from": checks.a_dict,
+    "schema_version": checks.any_value,
 }
+#: Fields of a fixture's ``spec`` that fixtures written before them lack (absent: the default).
+OPTIONAL_FIXTURE_SPEC_FIELDS = ("score_offsets", "split_score_signs", "with_host_bound", "with_positions",
+                                "full_graph")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -195,45 +215,110 @@ TENSOR_DTYPES = {
     "kv_indptr": INDEX_DTYPES, "kv_indices": INDEX_DTYPES, "kv_len": INDEX_DTYPES, "intended": INDEX_DTYPES,
     "out": FLOAT_DTYPES, "lse": (torch.float32, torch.float64), "capture": INDEX_DTYPES,
 }
+#: The plan arrays a ``capture_mla`` fixture keeps as handed to FlashInfer.
+CAPTURE_TENSORS = ("capture/qo_indptr", "capture/kv_indptr", "capture/kv_len_arr")
+#: The storage dtypes of each ``kv_dtype`` (fp8 may be kept as raw bytes).
+KV_STORAGE = {"bfloat16": (torch.bfloat16,), "float8_e4m3fn": (torch.float8_e4m3fn, torch.uint8)}
 
 
-def _type_name(value) -> str:
-    return type(value).__name__
+def meta_problem(meta) -> str | None:
+    """The first thing wrong with a fixture's metadata (None: every field known and valid)."""
+    if not isinstance(meta, dict):
+        return f"metadata is a JSON {type(meta).__name__}, expected an object"
+    for key in REQUIRED_META:
+        if key not in meta:
+            return f"metadata field '{key}' is missing"
+    for key in meta:
+        if key not in REQUIRED_META and key not in OPTIONAL_META:
+            return f"metadata field '{key}' is not a fixture metadata field"
+    for key, check in {**REQUIRED_META, **OPTIONAL_META}.items():
+        if key in meta and (key in REQUIRED_META or meta[key] is not None):
+            problem = checks.field_problem(key, meta[key], check, "metadata")
+            if problem:
+                return problem
+    rows, heads = meta["num_rows"], meta["num_heads"]
+    for key, count, per in (("regimes", rows, "row (num_rows"), ("row_ctx", rows, "row (num_rows"),
+                            ("rows", rows, "row (num_rows"), ("heads", heads, "head (num_heads")):
+        if isinstance(meta.get(key), list) and len(meta[key]) != count:
+            return f"metadata field '{key}' lists {len(meta[key])} entries, expected one per {per} {count})"
+    if meta.get("max_rows") is not None and meta["max_rows"] < rows:
+        return f"metadata field 'max_rows' is {meta['max_rows']}, expected at least the {rows} rows (num_rows)"
+    return spec_meta_problem(meta) if meta.get("spec") is not None else None
+
+
+def spec_meta_problem(meta: dict) -> str | None:
+    """A fixture's ``spec``: valid as a batch spec within the bounds, with its ``seed``, and
+    agreeing with the fields the replay reads beside it."""
+    spec = meta["spec"]
+    optional = {k: v for k, v in {**checks.SPEC_FIELDS, **checks.OPTIONAL_SPEC_FIELDS}.items()
+                if k in OPTIONAL_FIXTURE_SPEC_FIELDS}
+    required = {k: v for k, v in checks.SPEC_FIELDS.items() if k not in optional}
+    problem = (checks.fields_problem(spec, required, optional, "metadata", "spec.", unknown="a field of a batch spec")
+               or checks.spec_problem(dict({"score_offsets": [], "split_score_signs": False, "with_host_bound": True,
+                                            "with_positions": True}, **spec), "metadata"))
+    if problem:
+        return problem
+    if meta.get("seed") is None:
+        return "metadata field 'seed' is missing: a fixture with a spec names the seed that builds its scenario"
+    resolved = spec["width"] if spec["width"] is not None else -(-(spec["topk"] + spec["kpool"] - 1) // 128) * 128
+    agree = (("sm_scale", meta["sm_scale"], spec["sm_scale"]), ("k_scale", meta["k_scale"], spec["k_scale"]),
+             ("kv_dtype", meta.get("kv_dtype", spec["kv_dtype"]), spec["kv_dtype"]),
+             ("head_dim_kpe", meta["head_dim_kpe"], checks.rope_dim(spec)), ("width", meta["width"], resolved))
+    for key, value, want in agree:
+        if value != want:
+            return (f"metadata field '{key}' is {checks.shown(value)}, but its spec gives {json.dumps(want)}: the two "
+                    "must agree")
+    if meta["num_heads"] > spec["num_heads"]:
+        return (f"metadata field 'num_heads' is {meta['num_heads']}, more than the {spec['num_heads']} heads of its "
+                "spec")
+    if isinstance(meta.get("heads"), list) and any(h >= spec["num_heads"] for h in meta["heads"]):
+        return f"metadata field 'heads' names a head past the {spec['num_heads']} heads of its spec"
+    planned = checks.planned_rows_of(spec)
+    batch_rows = meta["rows"] if isinstance(meta.get("rows"), list) else range(meta["num_rows"])
+    if any(r >= planned for r in batch_rows):
+        field = "rows" if isinstance(meta.get("rows"), list) else "num_rows"
+        return f"metadata field '{field}' names rows past the {planned} rows its spec plans"
+    return None
 
 
 def check_meta(path, meta) -> None:
-    """Metadata is a JSON object whose known fields have their types."""
-    if not isinstance(meta, dict):
-        raise FixtureError(f"{path}: metadata is a JSON {_type_name(meta)}, expected an object")
-    for key in REQUIRED_META:
-        if key not in meta:
-            raise FixtureError(f"{path}: metadata lacks '{key}'")
-    for key, types in {**REQUIRED_META, **OPTIONAL_META}.items():
-        if key not in meta or (key not in REQUIRED_META and meta[key] is None):
-            continue
-        value = meta[key]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-            want = " or ".join(t.__name__ for t in _as_tuple(types))
-            raise FixtureError(f"{path}: metadata field '{key}' is {_type_name(value)} {value!r:.60}, expected {want}")
-    for key in ("num_rows", "num_heads", "head_dim_ckv", "head_dim_kpe", "width"):
-        if meta[key] < 0:
-            raise FixtureError(f"{path}: metadata field '{key}' is negative ({meta[key]})")
-    regimes = meta.get("regimes")
-    if regimes is not None and (len(regimes) != meta["num_rows"] or not all(isinstance(g, str) for g in regimes)):
-        raise FixtureError(f"{path}: metadata field 'regimes' must list one regime string per row ({meta['num_rows']})")
+    """The metadata is valid field by field (:func:`meta_problem`); else one FixtureError."""
+    problem = meta_problem(meta)
+    if problem:
+        raise FixtureError(f"{path}: {problem}")
 
 
-def _as_tuple(types) -> tuple:
-    return types if isinstance(types, tuple) else (types,)
+def check_tensor_names(path, tensors: dict[str, torch.Tensor]) -> None:
+    """Only the tensors a fixture has: the inputs and plan, ``out/<version>`` and
+    ``lse/<version>`` of at most :data:`recording.checks.MAX_VERSIONS` releases, a capture's plan
+    arrays."""
+    known = set(REQUIRED_TENSORS) | set(CAPTURE_TENSORS)
+    for name in sorted(tensors):
+        kind, _, version = name.partition("/")
+        if name not in known and not (kind in ("out", "lse") and version):
+            raise FixtureError(f"{path}: tensor '{name}' is not a fixture tensor (expected "
+                               f"{', '.join(REQUIRED_TENSORS)}, out/<version>, lse/<version> or "
+                               f"{', '.join(CAPTURE_TENSORS)})")
+    versions = sum(1 for name in tensors if name.startswith("out/"))
+    if versions > checks.MAX_VERSIONS:
+        raise FixtureError(f"{path}: {versions} recorded outputs, expected at most {checks.MAX_VERSIONS}")
 
 
-def check_dtypes(path, tensors: dict[str, torch.Tensor]) -> None:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_dtypes(path, tensors: dict[str, torch.Tensor], kv_dtype: str | None = None) -> None:
+    """Each tensor of an allowed dtype; ``ckv`` and ``kpe`` stored as ``kv_dtype`` says."""
     for name, t in tensors.items():
         allowed = TENSOR_DTYPES.get(name.split("/", 1)[0])
+        if kv_dtype is not None and name in ("ckv", "kpe"):
+            allowed = KV_STORAGE[kv_dtype]
         if allowed is not None and t.dtype not in allowed:
-            want = ", ".join(str(d).replace("torch.", "") for d in allowed)
+            want = ", ".join(_dtype_name(d) for d in allowed)
+            because = f" (metadata field 'kv_dtype' is {kv_dtype})" if name in ("ckv", "kpe") and kv_dtype else ""
             raise FixtureError(
-                f"{path}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, expected one of {want}"
+                f"{path}: tensor '{name}' has dtype {_dtype_name(t.dtype)}, expected one of {want}{because}"
             )
 
 
@@ -272,6 +357,14 @@ def check_plan_tensors(path, t: dict[str, torch.Tensor]) -> None:
                 f"{path}: tensor 'kv_indices' has {t['kv_indices'].numel()} entries but kv_indptr/kv_len read up to "
                 f"entry {int(ends[row])} (row {row})"
             )
+    ids = t["slot_ids"].to(torch.int64)
+    if ids.numel() and (int(ids[0]) < 0 or bool((ids[1:] <= ids[:-1]).any())):
+        at = 0 if int(ids[0]) < 0 else int((ids[1:] <= ids[:-1]).nonzero()[0]) + 1
+        raise FixtureError(f"{path}: tensor 'slot_ids' holds {int(ids[at])} at {at}: expected distinct slot ids "
+                           ">= 0 in increasing order")
+    for name in CAPTURE_TENSORS:
+        if name in t and t[name].dim() != 1:
+            raise FixtureError(f"{path}: tensor '{name}' has shape {tuple(t[name].shape)}, expected one dimension")
     for name in ("kv_indices", "intended"):
         x = t[name]
         bad = (x < -1) | (x >= m)
@@ -318,7 +411,8 @@ def load_fixture(path: str | Path) -> Fixture:
     missing = [k for k in REQUIRED_TENSORS if k not in tensors]
     if missing:
         raise FixtureError(f"{path}: missing tensors {missing}")
-    check_dtypes(path, tensors)
+    check_tensor_names(path, tensors)
+    check_dtypes(path, tensors, meta.get("kv_dtype"))
     for name, shape in _expected_shapes(meta, tensors).items():
         if tuple(tensors[name].shape) != shape:
             raise FixtureError(f"{path}: tensor '{name}' has shape {tuple(tensors[name].shape)}, expected {shape}")

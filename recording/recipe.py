@@ -19,13 +19,29 @@ from pathlib import Path
 
 import torch
 
+from .checks import (
+    LAYOUTS,
+    MAX_ROWS,
+    MAX_SEED,
+    a_dict,
+    any_value,
+    fields_problem,
+    impl_spec,
+    int_at_least,
+    int_in,
+    is_int,
+    one_of,
+    planned_rows_of,
+    sha256_hex,
+    shown,
+    spec_problem,
+    text,
+)
 from .fixture import FixtureError, tensor_digest
 
 RECIPE_SUFFIX = ".recipe.json"
 RECIPE_KEY = "sparse_mla_recipe"
 RECIPE_VERSION = 1
-LAYOUTS = ("strided", "packed", "compacted")
-HEX64 = frozenset("0123456789abcdef")
 
 
 def is_recipe(path) -> bool:
@@ -115,155 +131,27 @@ def load_recipe(path) -> dict:
 
 # --- what a recipe may hold ----------------------------------------------------------------------
 
-
-def _shown(value) -> str:
-    return f"{type(value).__name__} {json.dumps(value)[:60]}"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and value == value and abs(value) != float("inf")
-
-
-def int_at_least(low: int):
-    def check(value) -> str | None:
-        return None if _is_int(value) and value >= low else f"expected an int >= {low}"
-    return check
-
-
-def positive_number(value) -> str | None:
-    return None if _is_number(value) and value > 0 else "expected a finite number > 0"
-
-
-def a_bool(value) -> str | None:
-    return None if isinstance(value, bool) else "expected true or false"
-
-
-def text(value) -> str | None:
-    return None if isinstance(value, str) else "expected a string"
-
-
-def one_of(*allowed):
-    def check(value) -> str | None:
-        return None if value in allowed and isinstance(value, str) else f"expected one of {', '.join(allowed)}"
-    return check
-
-
-def sha256_hex(value) -> str | None:
-    ok = isinstance(value, str) and len(value) == 64 and set(value) <= HEX64
-    return None if ok else "expected 64 hexadecimal digits (a SHA-256)"
-
-
-def impl_spec(value) -> str | None:
-    ok = isinstance(value, str) and value.count(":") == 1 and all(value.split(":"))
-    return None if ok else "expected MODULE:FACTORY"
-
-
-def a_dict(value) -> str | None:
-    return None if isinstance(value, dict) else "expected an object"
-
-
-def requests(value) -> str | None:
-    if not isinstance(value, list):
-        return "expected a list of {seq_len, q_len} objects"
-    for r in value:
-        if not (isinstance(r, dict) and set(r) == {"seq_len", "q_len"} and all(_is_int(v) and v >= 0
-                                                                               for v in r.values())):
-            return f"expected a list of {{seq_len, q_len}} objects of ints >= 0, got an entry {_shown(r)}"
-    return None
-
-
-def width(value) -> str | None:
-    return None if value is None or (_is_int(value) and value >= 1) else "expected null or an int >= 1"
-
-
-def score_offsets(value) -> str | None:
-    ok = isinstance(value, list) and all(_is_number(v) for v in value)
-    return None if ok else "expected a list of finite numbers"
-
-
-#: Each field of a recipe's ``spec`` (a :class:`harness.spec.BatchSpec` as JSON) with its check.
-SPEC_FIELDS = {
-    "requests": requests, "topk": int_at_least(1), "kpool": int_at_least(1), "width": width,
-    "block_size": int_at_least(1), "rope": a_bool, "kv_dtype": one_of("bfloat16", "float8_e4m3fn"),
-    "k_scale": positive_number, "num_heads": int_at_least(1), "sm_scale": positive_number,
-    "async_scheduling": a_bool, "host_bound_slack": int_at_least(0), "decode_threshold": int_at_least(1),
-    "padded_rows": int_at_least(0), "table_slack": int_at_least(0), "spare_blocks": int_at_least(0),
-    "min_block_id": int_at_least(1), "score_offsets": score_offsets, "split_score_signs": a_bool,
-    "with_host_bound": a_bool, "with_positions": a_bool,
-}
-#: Fields of a recipe's ``spec`` that recipes written before them lack (absent: the default).
-OPTIONAL_SPEC_FIELDS = {"full_graph": a_bool}
 #: Each field every recipe has, with its check (``spec``'s fields: :data:`SPEC_FIELDS`).
 REQUIRED_FIELDS = {
-    RECIPE_KEY: int_at_least(RECIPE_VERSION), "spec": a_dict, "seed": int_at_least(0), "layout": one_of(*LAYOUTS),
-    "max_rows": int_at_least(1), "scenario_digest": sha256_hex, "name": text, "digest": sha256_hex,
+    RECIPE_KEY: int_in(RECIPE_VERSION, RECIPE_VERSION), "spec": a_dict, "seed": int_in(0, MAX_SEED),
+    "layout": one_of(*LAYOUTS), "max_rows": int_in(1, MAX_ROWS), "scenario_digest": sha256_hex, "name": text,
+    "digest": sha256_hex,
 }
 #: Each field a recipe may have, with its check (``failing_rows``: :func:`failing_rows_problem`).
 OPTIONAL_FIELDS = {
-    "impl": impl_spec, "vllm": text, "nodeid": text, "why": text, "scale_case": text, "rows": int_at_least(0),
-    "failing_rows": lambda value: None, "shrunk": a_dict, "too_large_to_build": int_at_least(0),
+    "impl": impl_spec, "vllm": text, "nodeid": text, "why": text, "scale_case": text, "rows": int_in(0, MAX_ROWS),
+    "failing_rows": any_value, "shrunk": a_dict, "too_large_to_build": int_at_least(0),
     "crashed_at": text, "crash": text, "drawn": text,
 }
-
-
-def field_problem(name: str, value, check, kind: str = "recipe") -> str | None:
-    """``recipe field 'NAME' is TYPE VALUE, expected ...`` where ``check`` refuses ``value``."""
-    wrong = check(value)
-    return None if wrong is None else f"{kind} field '{name}' is {_shown(value)}, {wrong}"
-
-
-def fields_problem(data: dict, required: dict, optional: dict, kind: str = "recipe", prefix: str = "",
-                   unknown: str | None = None) -> str | None:
-    """The first field of ``data`` missing, unknown, or refused by its check (``required`` and
-    ``optional``: field -> check), named ``prefix + name`` (an unknown one "is not ``unknown``",
-    by default a ``kind`` field)."""
-    for name in required:
-        if name not in data:
-            return f"{kind} field '{prefix}{name}' is missing"
-    for name in data:
-        if name not in required and name not in optional:
-            return f"{kind} field '{prefix}{name}' is not {unknown or f'a {kind} field'}"
-    for name, check in {**required, **optional}.items():
-        problem = field_problem(prefix + name, data[name], check, kind) if name in data else None
-        if problem:
-            return problem
-    return None
-
-
-def spec_problem(spec: dict) -> str | None:
-    """What is wrong with a recipe's ``spec``: a missing, unknown or ill-typed field, or values
-    the batch spec refuses together (its own message)."""
-    problem = fields_problem(spec, SPEC_FIELDS, OPTIONAL_SPEC_FIELDS, prefix="spec.", unknown="a field of a batch spec")
-    if problem:
-        return problem
-    from harness.spec import spec_from_dict
-
-    try:
-        spec_from_dict(spec)
-    except (TypeError, ValueError) as exc:
-        return f"recipe field 'spec' is not a batch spec: {exc}"
-    return None
-
-
-def planned_rows_of(spec: dict) -> int:
-    """The rows the batch of a (valid) recipe spec plans, without building it."""
-    from harness.builder import plan_rows
-    from harness.spec import spec_from_dict
-
-    return plan_rows(spec_from_dict(spec)).planned_rows
 
 
 def failing_rows_problem(rows, planned: int) -> str | None:
     """``failing_rows`` lists rows of the batch its spec builds: distinct ints from 0 to the
     ``planned`` rows less one."""
-    ok = isinstance(rows, list) and all(_is_int(r) and 0 <= r < planned for r in rows) and len(set(rows)) == len(rows)
+    ok = isinstance(rows, list) and all(is_int(r) and 0 <= r < planned for r in rows) and len(set(rows)) == len(rows)
     if ok and rows:
         return None
-    return (f"recipe field 'failing_rows' is {_shown(rows)}, expected a non-empty list of distinct rows of the batch "
+    return (f"recipe field 'failing_rows' is {shown(rows)}, expected a non-empty list of distinct rows of the batch "
             f"(0 to {planned - 1}: its spec plans {planned} rows)")
 
 
@@ -301,7 +189,8 @@ def rebuild_fixture(path, recipe: dict, impl, device="cpu", whole: bool = True):
         raise FixtureError(f"{path}: recipe field 'spec' does not build a scenario: {exc}") from exc
     if scenario_digest(scenario) != recipe["scenario_digest"]:
         raise FixtureError(
-            f"{path}: the spec and seed no longer rebuild the recorded scenario (scenario digest differs)"
+            f"{path}: recipe field 'scenario_digest' is not the digest of the scenario its spec and seed build: the "
+            "spec or the seed was changed, or the scenario builder changed since the recipe was written"
         )
     step = prepare_step(impl, scenario, recipe["layout"], device, max_rows=recipe["max_rows"])
     meta = {k: recipe[k] for k in ("name", "impl", "vllm", "nodeid", "why", "scale_case", "drawn")

@@ -89,6 +89,7 @@ class ReplayReport:
     rerun_plan_mismatch_rows: list[int] = field(default_factory=list)
     drift: list[Drift] = field(default_factory=list)
     agreement: list[list[str]] = field(default_factory=list)  # groups of bitwise-identical outputs
+    judged_rows: dict[str, int] = field(default_factory=dict)  # version -> rows the kernel check judged
 
     @property
     def regimes(self) -> list[str]:
@@ -152,12 +153,30 @@ class ReplayReport:
         if not self.kernel_ok:
             bad = [v for v in self.judged_versions if not (self.kernel[v][0].ok and self.kernel[v][1].ok)]
             reasons.append(f"kernel != as-planned reference beyond the error budget ({', '.join(bad)})")
+        unjudged = self.unjudged_reason()
+        if unjudged:
+            reasons.append(unjudged)
         finding = self.fixture.meta.get("expect_finding")
         if finding and self.plan_ok:
             reasons.append(f"the recorded finding no longer shows ({finding}); update the fixture")
         elif not finding and not self.plan_ok:
             reasons.append("plan != intent")
         return reasons
+
+    def unjudged_reason(self) -> str | None:
+        """Why the kernel verdict rests on no row, where it does and neither bad inputs nor a plan
+        other than the intent explain it (None: some row was judged, or none needed to be)."""
+        n = self.fixture.num_rows
+        for version in self.judged_versions if n else ():
+            if self.judged_rows.get(version, n):
+                continue
+            rerun_planned = self.rerun is not None and version == self.rerun.label and self.rerun.plan is not None
+            wrong_plan = self.rerun_plan_mismatch_rows if rerun_planned else self.plan_mismatch_rows
+            if not set(range(n)) <= set(wrong_plan) | set(self.bad_inputs):
+                return (f"no row judged: the kernel check of [{version}] left out all {n} rows (poisoned: "
+                        f"{self.poisoned_rows[:12]}) though their plan is the intended selection; a replay that "
+                        "judges no row is not a pass")
+        return None
 
     def render(self, command: str | None = None) -> str:
         fx = self.fixture
@@ -375,7 +394,9 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
     outputs = dict(fx.outputs, **(extra_outputs or {}))
     if outputs:
         report.poisoned_rows = _poisoned(fx, bad, device)
-        report.kernel = kernel_checks(fx, outputs, bad | _row_mask(report.poisoned_rows, fx.num_rows), device)
+        excluded = bad | _row_mask(report.poisoned_rows, fx.num_rows)
+        report.kernel = kernel_checks(fx, outputs, excluded, device)
+        report.judged_rows = dict.fromkeys(outputs, int((~excluded).sum()))
     if rerun is not None and not rerun.refused and rerun.plan is not None:
         report.rerun_violations, report.rerun_plan_mismatch_rows = plan_checks(
             with_plan(fx, rerun.plan), report.regimes
@@ -386,6 +407,7 @@ def replay(fx: Fixture, extra_outputs: dict[str, tuple[torch.Tensor, torch.Tenso
         report.kernel.update(
             kernel_checks(planned, {rerun.label: (rerun.out.cpu(), rerun.lse.cpu())}, excluded, device)
         )
+        report.judged_rows[rerun.label] = int((~excluded).sum())
         report.drift = [d for version, (out, lse) in fx.outputs.items()
                         for d in (output_drift(rerun.out.cpu(), out, version),
                                   output_drift(rerun.lse.cpu().float(), lse, version, what="lse"))]

@@ -18,22 +18,24 @@ import dataclasses
 import time
 from pathlib import Path
 
-from .fixture import FixtureError
-from .recipe import (
+from .checks import (
     LAYOUTS,
+    MAX_ROWS,
+    MAX_SEED,
+    MAX_STEPS,
     a_bool,
+    a_dict,
     field_problem,
     fields_problem,
     impl_spec,
-    int_at_least,
-    load_checked,
+    int_in,
     one_of,
-    save_with_digest,
-    scenario_digest,
     sha256_hex,
     spec_problem,
     text,
 )
+from .fixture import FixtureError
+from .recipe import load_checked, save_with_digest, scenario_digest
 
 SEQUENCE_SUFFIX = ".sequence.json"
 SEQUENCE_KEY = "sparse_mla_sequence"
@@ -43,12 +45,12 @@ SHRINK_SECONDS = 60.0
 KINDS = ("reused-buffers", "attention-state")
 
 REQUIRED_FIELDS = {
-    SEQUENCE_KEY: int_at_least(SEQUENCE_VERSION), "kind": one_of(*KINDS), "layout": one_of(*LAYOUTS),
-    "max_rows": int_at_least(1), "graph": a_bool, "reuse_plan": a_bool, "steps": lambda v: None, "name": text,
-    "failing_step": int_at_least(0), "why": text, "digest": sha256_hex,
+    SEQUENCE_KEY: int_in(SEQUENCE_VERSION, SEQUENCE_VERSION), "kind": one_of(*KINDS), "layout": one_of(*LAYOUTS),
+    "max_rows": int_in(1, MAX_ROWS), "graph": a_bool, "reuse_plan": a_bool, "steps": lambda v: None, "name": text,
+    "failing_step": int_in(0, MAX_STEPS - 1), "why": text, "digest": sha256_hex,
 }
-OPTIONAL_FIELDS = {"impl": impl_spec, "vllm": text, "nodeid": text, "shrunk": lambda v: None}
-STEP_FIELDS = {"spec": lambda v: None, "seed": int_at_least(0), "scenario_digest": sha256_hex}
+OPTIONAL_FIELDS = {"impl": impl_spec, "vllm": text, "nodeid": text, "shrunk": a_dict}
+STEP_FIELDS = {"spec": lambda v: None, "seed": int_in(0, MAX_SEED), "scenario_digest": sha256_hex}
 
 
 def is_sequence(path) -> bool:
@@ -83,8 +85,9 @@ def sequence_problem(recipe: dict) -> str | None:
     if problem:
         return problem
     steps = recipe["steps"]
-    if not isinstance(steps, list) or not steps:
-        return "sequence field 'steps' is not a non-empty list of {spec, seed, scenario_digest} objects"
+    if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_STEPS:
+        return (f"sequence field 'steps' is not a list of 1 to {MAX_STEPS} {{spec, seed, scenario_digest}} objects"
+                + (f" (it holds {len(steps)})" if isinstance(steps, list) and steps else ""))
     for i, step in enumerate(steps):
         if not isinstance(step, dict) or set(step) != set(STEP_FIELDS):
             return f"sequence field 'steps[{i}]' is not a {{spec, seed, scenario_digest}} object"
@@ -92,9 +95,13 @@ def sequence_problem(recipe: dict) -> str | None:
             problem = field_problem(f"steps[{i}].{name}", step[name], check, "sequence")
             if problem:
                 return problem
-        problem = spec_problem(step["spec"]) if isinstance(step["spec"], dict) else "expected an object"
+        problem = spec_problem(step["spec"], "sequence", f"steps[{i}].spec.")
         if problem:
-            return f"sequence field 'steps[{i}]': {problem}"
+            return problem
+    rows = max(sum(r["q_len"] for r in step["spec"]["requests"]) + step["spec"]["padded_rows"] for step in steps)
+    if recipe["max_rows"] < rows:
+        return (f"sequence field 'max_rows' is {recipe['max_rows']}, expected at least the {rows} rows of its largest "
+                "step")
     if recipe["failing_step"] >= len(steps):
         return (f"sequence field 'failing_step' is {recipe['failing_step']}, expected a step of the sequence "
                 f"(0 to {len(steps) - 1})")
@@ -113,14 +120,12 @@ def load_sequence(path):
     for i, step in enumerate(recipe["steps"]):
         spec = spec_from_dict(step["spec"])
         if scenario_digest(build_scenario(spec, step["seed"])) != step["scenario_digest"]:
-            raise FixtureError(f"{path}: step {i} no longer rebuilds its scenario (scenario_digest differs): the "
-                               "scenario builder changed since the sequence was written")
+            raise FixtureError(f"{path}: sequence field 'steps[{i}].scenario_digest' is not the digest of the scenario "
+                               f"step {i}'s spec and seed build: the step's spec or seed was changed, or the scenario "
+                               "builder changed since the sequence was written")
         steps.append((spec, step["seed"]))
     sequence = Sequence(kind=recipe["kind"], layout=recipe["layout"], steps=tuple(steps),
                         max_rows=recipe["max_rows"], graph=recipe["graph"], reuse_plan=recipe["reuse_plan"])
-    if max(s.topk_indices.shape[0] for s in sequence.scenarios()) > sequence.max_rows:
-        raise FixtureError(f"{path}: sequence field 'max_rows' is {sequence.max_rows}, fewer than the rows of its "
-                           "largest step")
     return sequence, recipe
 
 

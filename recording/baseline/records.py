@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+
+from .. import checks
 
 SCHEMA = 2
 TIMING_DIR = "timing"  # inside a records folder: the timing pass's per-case times and logs
@@ -41,6 +44,44 @@ class CaseRecord:
 
 class BaselineError(ValueError):
     """A baseline folder that cannot be compared against; the message names the path."""
+
+
+#: The outcomes a record holds (pytest's, and xfailed / xpassed / error).
+OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+#: Timing medians and output tensors one record may hold.
+MAX_REPEATS = 1000
+MAX_OUTPUTS = 256
+
+
+def _optional_text(value) -> str | None:
+    return None if value is None or isinstance(value, str) else "expected null or a string"
+
+
+def _ratio(value) -> bool:
+    return (checks.is_int(value) or isinstance(value, float)) and not math.isnan(value) and value >= 0
+
+
+def _ratios(value) -> str | None:
+    ok = isinstance(value, dict) and all(isinstance(k, str) and _ratio(v) for k, v in value.items())
+    return None if ok else "expected an object of error-budget ratios, numbers >= 0 (inf where the yardstick has " \
+                           "no error)"
+
+
+def _medians(value) -> str | None:
+    ok = isinstance(value, list) and len(value) <= MAX_REPEATS and all(
+        checks.is_number(v) and v > 0 for v in value)
+    return None if ok else f"expected a list of at most {MAX_REPEATS} finite times > 0 (us)"
+
+
+#: Each field of a record with its check.
+RECORD_FIELDS = {
+    "case": lambda v: None if isinstance(v, str) and v else "expected a test id",
+    "outcome": checks.one_of(*OUTCOMES), "flashinfer": _optional_text, "error": _optional_text,
+    "warnings": checks.list_of(checks.text, "strings", most=10_000), "ratios": _ratios,
+    "kernel_us_repeats": _medians, "plan_us_repeats": _medians, "fixture": _optional_text,
+}
+#: Each field of a timing file (the timing pass's medians of one case) with its check.
+TIMING_FIELDS = {"case": RECORD_FIELDS["case"], "kernel_us_repeats": _medians, "plan_us_repeats": _medians}
 
 
 def safe_name(case: str) -> str:
@@ -83,6 +124,10 @@ def read_record(path: Path) -> CaseRecord:
     unknown = sorted(set(data) - {f.name for f in fields(CaseRecord)})
     if unknown or "case" not in data:
         raise BaselineError(f"{path}: fields {unknown or ['case' + ' missing']} do not fit schema {SCHEMA}; {RERECORD}")
+    for name, value in data.items():
+        problem = checks.field_problem(name, value, RECORD_FIELDS[name], "record")
+        if problem:
+            raise BaselineError(f"{path}: {problem}; {RERECORD}")
     return CaseRecord(**data)
 
 
@@ -98,10 +143,13 @@ def outputs_problem(path: Path) -> str:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            keys = list(f.keys())
+            for key in keys:
                 f.get_slice(key).get_shape()
     except Exception as e:  # safetensors raises its own error types, and OSError
         return f"{path}: not a readable safetensors file of outputs ({type(e).__name__}: {e})"
+    if len(keys) > MAX_OUTPUTS:
+        return f"{path}: {len(keys)} output tensors, expected at most {MAX_OUTPUTS}"
     return ""
 
 
@@ -145,11 +193,26 @@ def write_timing(directory: Path, case: str, kernel_us_repeats: list[float], pla
     (directory / f"{safe_name(case)}.json").write_text(json.dumps(payload, indent=1))
 
 
+def read_timing(path: Path) -> dict:
+    """One timing file, every field checked; BaselineError naming the file and the field."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BaselineError(f"{path}: not a readable JSON timing file ({e})") from None
+    if not isinstance(data, dict):
+        raise BaselineError(f"{path}: not a timing file (a JSON {type(data).__name__})")
+    problem = checks.fields_problem(data, {"case": TIMING_FIELDS["case"]},
+                                    {k: v for k, v in TIMING_FIELDS.items() if k != "case"}, "timing")
+    if problem:
+        raise BaselineError(f"{path}: {problem}")
+    return data
+
+
 def merge_timings(records_dir: Path, timing_dir: Path) -> int:
     """Write the timing pass's medians into the matching records; the number of records timed."""
     timed = 0
     for path in sorted(Path(timing_dir).glob("*.json")):
-        times = json.loads(path.read_text())
+        times = read_timing(path)
         record_path = Path(records_dir) / path.name
         if not record_path.exists():
             continue

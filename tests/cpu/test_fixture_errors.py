@@ -51,9 +51,10 @@ MALFORMED = {
     "sm-scale-as-list": (None, lambda m: dict(m, sm_scale=[0.1]), None, "field 'sm_scale' is list"),
     "layout-as-number": (None, lambda m: dict(m, layout=3), None, "field 'layout' is int"),
     "regimes-as-string": (None, lambda m: dict(m, regimes="AAAA"), None, "field 'regimes' is str"),
-    "regimes-too-short": (None, lambda m: dict(m, regimes=["A"]), None, "field 'regimes' must list one regime"),
+    "regimes-too-short": (None, lambda m: dict(m, regimes=["A"]), None, "field 'regimes' lists 1 entries"),
     "refused-as-list": (None, lambda m: dict(m, refused=["0.7.4"]), None, "field 'refused' is list"),
-    "missing-layout": (None, lambda m: {k: v for k, v in m.items() if k != "layout"}, None, "metadata lacks 'layout'"),
+    "missing-layout": (None, lambda m: {k: v for k, v in m.items() if k != "layout"}, None,
+                       "metadata field 'layout' is missing"),
     "q-nope-int32": (
         with_tensor("q_nope", lambda t: t["q_nope"].to(torch.int32)),
         None,
@@ -278,3 +279,330 @@ def test_a_replay_run_collects_only_the_replay_tests(pytester):
     result = run_pytest(pytester, str(ROOT / "tests"), f"--replay={GOOD}", "--replay-recorded-only", "--co", "-q")
     out = "\n".join(result.outlines)
     assert result.ret == 0 and "1 test collected" in out and "deselected" not in out, out[-2000:]
+
+
+# --- every field, its bounds, one line before anything is built --------------------------------
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Fails the test where the scenario builder is called: a bad file stops before it."""
+    import harness.builder
+    import harness.scenario
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the scenario builder ran on a file that should have been refused")
+
+    monkeypatch.setattr(harness.scenario, "build_scenario", refuse)
+    monkeypatch.setattr(harness.builder, "build_scenario", refuse)
+
+
+@pytest.fixture(scope="module")
+def good_fixture():
+    """GOOD as loaded (its inputs rebuilt once, before any test refuses the builder)."""
+    return load_fixture(GOOD)
+
+
+def meta_edited(tmp_path: Path, good, change, tensors=None) -> Path:
+    """``good`` with its metadata changed by ``change`` (and its tensors by ``tensors``), written
+    with every tensor stored and its content digest recomputed by the project's own writer: a
+    hand edit that also fixes the digest."""
+    import dataclasses
+
+    meta = change(json.loads(json.dumps(good.meta)))
+    fx = dataclasses.replace(good, meta=meta, tensors=tensors(dict(good.tensors)) if tensors else dict(good.tensors))
+    return save_fixture(tmp_path / "bad.safetensors", fx)
+
+
+def spec_with(**changes):
+    return lambda m: dict(m, spec=dict(m["spec"], **changes))
+
+
+def meta_without(key):
+    return lambda m: {k: v for k, v in m.items() if k != key}
+
+
+#: Each field of a fixture's metadata, a bad value of it and the line that refuses it ({path}: the file).
+META_FIELDS = {
+    "num_rows-negative": (lambda m: dict(m, num_rows=-1), "metadata field 'num_rows' is int -1, expected an int from 0 "
+                                                          "to 65536"),
+    "num_rows-past-its-bound": (lambda m: dict(m, num_rows=10**9), "metadata field 'num_rows' is int 1000000000, "
+                                                                  "expected an int from 0 to 65536"),
+    "num_heads-as-string": (lambda m: dict(m, num_heads="16"), "metadata field 'num_heads' is str \"16\", expected an "
+                                                              "int from 1 to 256"),
+    "num_heads-zero": (lambda m: dict(m, num_heads=0), "metadata field 'num_heads' is int 0, expected an int from 1 to "
+                                                      "256"),
+    "head_dim_ckv-256": (lambda m: dict(m, head_dim_ckv=256), "metadata field 'head_dim_ckv' is int 256, expected one "
+                                                             "of 512"),
+    "head_dim_kpe-32": (lambda m: dict(m, head_dim_kpe=32), "metadata field 'head_dim_kpe' is int 32, expected one of "
+                                                           "64, 0"),
+    "width-negative": (lambda m: dict(m, width=-1), "metadata field 'width' is int -1, expected an int from 0 to "
+                                                   "1048576"),
+    "sm_scale-nan": (lambda m: dict(m, sm_scale=float("nan")), "metadata field 'sm_scale' is float NaN, expected a "
+                                                               "finite number in (0, 16]"),
+    "sm_scale-zero": (lambda m: dict(m, sm_scale=0.0), "metadata field 'sm_scale' is float 0.0, expected a finite "
+                                                      "number in (0, 16]"),
+    "sm_scale-1e300": (lambda m: dict(m, sm_scale=1e300), "metadata field 'sm_scale' is float 1e+300, expected a "
+                                                         "finite number in (0, 16]"),
+    "k_scale-negative": (lambda m: dict(m, k_scale=-1.0), "metadata field 'k_scale' is float -1.0, expected a finite "
+                                                         "number in (0, 1024]"),
+    "k_scale-infinite": (lambda m: dict(m, k_scale=float("inf")), "metadata field 'k_scale' is float Infinity, "
+                                                                  "expected a finite number in (0, 1024]"),
+    "layout-diagonal": (lambda m: dict(m, layout="diagonal"), "metadata field 'layout' is str \"diagonal\", expected "
+                                                             "one of strided, packed, compacted, captured"),
+    "kv_dtype-int4": (lambda m: dict(m, kv_dtype="int4"), "metadata field 'kv_dtype' is str \"int4\", expected one of "
+                                                         "bfloat16, float8_e4m3fn"),
+    "name-as-number": (lambda m: dict(m, name=7), "metadata field 'name' is int 7, expected a string"),
+    "seed-negative": (lambda m: dict(m, seed=-3), "metadata field 'seed' is int -3, expected an int from 0 to "
+                                                 "9223372036854775807"),
+    "seed-past-63-bits": (lambda m: dict(m, seed=2**64), "metadata field 'seed' is int 18446744073709551616, expected "
+                                                        "an int from 0 to 9223372036854775807"),
+    "max_rows-zero": (lambda m: dict(m, max_rows=0), "metadata field 'max_rows' is int 0, expected an int from 1 to "
+                                                    "65536"),
+    "max_rows-below-the-rows": (lambda m: dict(m, max_rows=2), "metadata field 'max_rows' is 2, expected at least the "
+                                                              "4 rows (num_rows)"),
+    "regimes-unknown": (lambda m: dict(m, regimes=["A", "A", "A", "Z"]),
+                        "metadata field 'regimes' is list [\"A\", \"A\", \"A\", \"Z\"], expected a list of at most "
+                        "65536 regimes (A to H)"),
+    "regimes-one-for-four-rows": (lambda m: dict(m, regimes=["A"]), "metadata field 'regimes' lists 1 entries, "
+                                                                   "expected one per row (num_rows 4)"),
+    "row_ctx-negative": (lambda m: dict(m, row_ctx=[-1, 5, 255, 256]),
+                         "metadata field 'row_ctx' is list [-1, 5, 255, 256], expected a list of at most 65536 ints "
+                         "from 0 to 1048576"),
+    "row_ctx-two-for-four-rows": (lambda m: dict(m, row_ctx=[1, 5]), "metadata field 'row_ctx' lists 2 entries, "
+                                                                    "expected one per row (num_rows 4)"),
+    "focus-unknown": (lambda m: dict(m, focus=["Q"]), "metadata field 'focus' is list [\"Q\"], expected a list of at "
+                                                     "most 65536 regimes (A to H)"),
+    "refused-not-text": (lambda m: dict(m, refused={"0.7.4": 3}), "metadata field 'refused' is dict {\"0.7.4\": 3}, "
+                                                                  "expected an object of strings"),
+    "environment-as-list": (lambda m: dict(m, environment=[]), "metadata field 'environment' is list [], expected an "
+                                                              "object"),
+    "expect_finding-as-number": (lambda m: dict(m, expect_finding=3), "metadata field 'expect_finding' is int 3, "
+                                                                     "expected a string"),
+    "lse_recorded-as-string": (lambda m: dict(m, lse_recorded="yes"), "metadata field 'lse_recorded' is str \"yes\", "
+                                                                     "expected true or false"),
+    "graph_replay-as-int": (lambda m: dict(m, graph_replay=1), "metadata field 'graph_replay' is int 1, expected true "
+                                                              "or false"),
+    "source-as-number": (lambda m: dict(m, source=1), "metadata field 'source' is int 1, expected a string"),
+    "impl-without-factory": (lambda m: dict(m, impl="tests.bugs"), "metadata field 'impl' is str \"tests.bugs\", "
+                                                                   "expected MODULE:FACTORY"),
+    "nodeid-as-number": (lambda m: dict(m, nodeid=1), "metadata field 'nodeid' is int 1, expected a string"),
+    "capture-as-list": (lambda m: dict(m, capture=[]), "metadata field 'capture' is list [], expected an object"),
+    "shrunk-as-list": (lambda m: dict(m, shrunk=[]), "metadata field 'shrunk' is list [], expected an object"),
+    "rows-repeated": (lambda m: dict(m, rows=[0, 0, 1, 2]), "metadata field 'rows' is list [0, 0, 1, 2], expected a "
+                                                           "list of at most 65536 distinct rows of the batch"),
+    "rows-three-for-four-rows": (lambda m: dict(m, rows=[0, 1, 2]), "metadata field 'rows' lists 3 entries, expected "
+                                                                   "one per row (num_rows 4)"),
+    "rows-past-the-batch": (lambda m: dict(m, rows=[0, 1, 2, 7]), "metadata field 'rows' names rows past the 4 rows "
+                                                                 "its spec plans"),
+    "heads-one-for-sixteen": (lambda m: dict(m, heads=[0]), "metadata field 'heads' lists 1 entries, expected one per "
+                                                           "head (num_heads 16)"),
+    "heads-past-the-spec": (lambda m: dict(m, heads=list(range(1, 17))), "metadata field 'heads' names a head past "
+                                                                        "the 16 heads of its spec"),
+    "why-as-number": (lambda m: dict(m, why=1), "metadata field 'why' is int 1, expected a string"),
+    "scale_case-as-number": (lambda m: dict(m, scale_case=1), "metadata field 'scale_case' is int 1, expected a "
+                                                             "string"),
+    "vllm-as-number": (lambda m: dict(m, vllm=1), "metadata field 'vllm' is int 1, expected a string"),
+    "drawn-as-number": (lambda m: dict(m, drawn=1), "metadata field 'drawn' is int 1, expected a string"),
+    "page_size-2": (lambda m: dict(m, page_size=2), "metadata field 'page_size' is int 2, expected one of 1"),
+    "causal-true": (lambda m: dict(m, causal=True), "metadata field 'causal' is bool true, expected false"),
+    "num_slots_original-negative": (lambda m: dict(m, num_slots_original=-1),
+                                    "metadata field 'num_slots_original' is int -1, expected an int >= 0"),
+    "run_index-negative": (lambda m: dict(m, run_index=-1), "metadata field 'run_index' is int -1, expected an int "
+                                                           ">= 0"),
+    "built_from-as-number": (lambda m: dict(m, built_from=1), "metadata field 'built_from' is int 1, expected an "
+                                                             "object"),
+    "unknown-field": (lambda m: dict(m, colour="red"), "metadata field 'colour' is not a fixture metadata field"),
+    "missing-layout": (meta_without("layout"), "metadata field 'layout' is missing"),
+    "spec-as-list": (lambda m: dict(m, spec=[]), "metadata field 'spec' is list [], expected an object"),
+    "spec-block-size-0": (spec_with(block_size=0), "metadata field 'spec.block_size' is int 0, expected an int from 1 "
+                                                   "to 4096"),
+    "spec-topk-1e9": (spec_with(topk=10**9), "metadata field 'spec.topk' is int 1000000000, expected an int from 1 to "
+                                             "2048"),
+    "spec-unknown-field": (spec_with(page_size=1), "metadata field 'spec.page_size' is not a field of a batch spec"),
+    "spec-without-topk": (lambda m: dict(m, spec=meta_without("topk")(m["spec"])),
+                          "metadata field 'spec.topk' is missing"),
+    "spec-past-the-row-bound": (spec_with(padded_rows=65536),
+                                "metadata field 'spec' plans 65540 query rows (its requests' q_len and padded_rows), "
+                                "expected at most 65536"),
+    "spec-refused-together": (spec_with(kpool=3), "metadata field 'spec' is not a batch spec: topk=256 must be a "
+                                                  "positive multiple of kpool=3"),
+    "sm_scale-other-than-its-spec": (spec_with(sm_scale=0.2), "metadata field 'sm_scale' is float 0.1352, but its spec "
+                                                              "gives 0.2: the two must agree"),
+    "kv_dtype-other-than-its-spec": (spec_with(kv_dtype="float8_e4m3fn", k_scale=0.5),
+                                     "metadata field 'k_scale' is float 1.0, but its spec gives 0.5: the two must "
+                                     "agree"),
+    "seed-missing-beside-a-spec": (meta_without("seed"), "metadata field 'seed' is missing: a fixture with a spec "
+                                                         "names the seed that builds its scenario"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(META_FIELDS))
+def test_every_metadata_field_is_checked_with_its_bound_before_anything_is_built(tmp_path, good_fixture,
+                                                                                nothing_built, case):
+    change, line = META_FIELDS[case]
+    path = meta_edited(tmp_path, good_fixture, change)
+    with pytest.raises(FixtureError) as info:
+        load_fixture(path)
+    assert str(info.value) == f"{path}: {line}"
+
+
+def swapped_slot_ids(t):
+    ids = t["slot_ids"].clone()
+    ids[[0, 1]] = ids[[1, 0]]
+    return dict(t, slot_ids=ids)
+
+
+#: Each rule on a fixture's tensors not shown by MALFORMED, a tensor breaking it and the line.
+TENSOR_RULES = {
+    "unknown-tensor": (lambda t: dict(t, notes=torch.zeros(3)),
+                       "tensor 'notes' is not a fixture tensor (expected q_nope, q_pe, ckv, kpe, slot_ids, kv_indptr, "
+                       "kv_indices, kv_len, intended, out/<version>, lse/<version> or capture/qo_indptr, "
+                       "capture/kv_indptr, capture/kv_len_arr)"),
+    "ckv-other-than-kv-dtype": (lambda t: dict(t, ckv=t["ckv"].to(torch.float8_e4m3fn)),
+                                "tensor 'ckv' has dtype float8_e4m3fn, expected one of bfloat16 (metadata field "
+                                "'kv_dtype' is bfloat16)"),
+    "slot-ids-out-of-order": (swapped_slot_ids, "tensor 'slot_ids' holds 16 at 1: expected distinct slot ids >= 0 in "
+                                                "increasing order"),
+    "slot-ids-negative": (lambda t: dict(t, slot_ids=t["slot_ids"] - 100),
+                          "tensor 'slot_ids' holds -84 at 0: expected distinct slot ids >= 0 in increasing order"),
+    "capture-plan-of-two-dimensions": (lambda t: dict(t, **{"capture/qo_indptr": torch.zeros(2, 3, dtype=torch.int32)}),
+                                       "tensor 'capture/qo_indptr' has shape (2, 3), expected one dimension"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TENSOR_RULES))
+def test_every_tensor_rule_is_one_line_naming_the_tensor(tmp_path, good_fixture, nothing_built, case):
+    tensors, line = TENSOR_RULES[case]
+    path = meta_edited(tmp_path, good_fixture, lambda m: m, tensors)
+    with pytest.raises(FixtureError) as info:
+        load_fixture(path)
+    assert str(info.value) == f"{path}: {line}"
+
+
+def test_more_recorded_releases_than_the_bound_is_one_line(tmp_path, good_fixture, monkeypatch):
+    from recording import checks
+
+    monkeypatch.setattr(checks, "MAX_VERSIONS", 1)
+    path = meta_edited(tmp_path, good_fixture, lambda m: m)
+    with pytest.raises(FixtureError) as info:
+        load_fixture(path)
+    assert str(info.value) == f"{path}: 2 recorded outputs, expected at most 1"
+
+
+def compact_edited(tmp_path: Path, change) -> Path:
+    """The checked-in (compact) GOOD with its metadata changed and the metadata's digest
+    recomputed (the tensors' entries stay as written)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from recording.fixture import metadata_digest
+
+    with safe_open(str(GOOD), framework="pt") as f:
+        meta = json.loads(f.metadata()[METADATA_KEY])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta = change(meta)
+    meta["digest"]["metadata"] = metadata_digest(meta)
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(meta)})
+    return path
+
+
+def derived_with(**changes):
+    return lambda m: dict(m, derived=dict(m["derived"], **changes))
+
+
+#: Each way the field ``derived`` of a compact fixture can be wrong, and its line.
+DERIVED = {
+    "unknown-source": (derived_with(ckv="scenario:magic"),
+                       "metadata field 'derived' maps 'ckv' to 'scenario:magic', expected one of scenario:q, "
+                       "scenario:kv, scenario:kv-sequential, tensor:NAME"),
+    "source-of-other-tensors": (derived_with(ckv="scenario:q"),
+                                "metadata field 'derived' maps 'ckv' to 'scenario:q', which rebuilds only q_nope, "
+                                "q_pe"),
+    "a-tensor-the-file-lacks": (derived_with(**{"out/0.7.4": "tensor:out/9.9"}),
+                                "metadata field 'derived' maps 'out/0.7.4' to 'tensor:out/9.9', but the file stores no "
+                                "tensor 'out/9.9'"),
+    "a-tensor-the-file-stores": (derived_with(slot_ids="scenario:kv"),
+                                 "metadata field 'derived' maps 'slot_ids' to 'scenario:kv', but the file stores "
+                                 "'slot_ids' too"),
+    "source-not-a-string": (derived_with(ckv=3), "metadata field 'derived' maps 'ckv' to int 3, expected a string"),
+    "not-an-object": (lambda m: dict(m, derived=[]), "metadata field 'derived' is list [], expected an object"),
+    "in-a-file-of-schema-2": (lambda m: dict(m, schema_version=2),
+                              "metadata field 'derived' in a file of schema version 2 (tensors are derived from "
+                              "version 3)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DERIVED))
+def test_a_bad_derived_field_is_one_line_before_anything_is_rebuilt(tmp_path, nothing_built, case):
+    change, line = DERIVED[case]
+    path = compact_edited(tmp_path, change)
+    with pytest.raises(FixtureError) as info:
+        load_fixture(path)
+    assert str(info.value) == f"{path}: {line}"
+
+
+#: The bad files of issue 37 replayed with --replay: each is one line at load, never a verdict.
+REPLAYED = {
+    "sm_scale-nan": "a replay that judged no row passed",
+    "sm_scale-zero": "the kernel was blamed",
+    "sm_scale-1e300": "the kernel was blamed",
+    "k_scale-negative": "the kernel was blamed",
+    "layout-diagonal": "the host stages were blamed",
+    "spec-block-size-0": "the host stages were blamed",
+    "kv_dtype-int4": "a KeyError traceback",
+}
+
+
+@pytest.fixture(scope="module")
+def replayed(good_fixture, tmp_path_factory):
+    """One ``pytest --replay`` of a folder holding each bad file of :data:`REPLAYED`: its exit
+    status, output and the folder."""
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("replayed")
+    for case in REPLAYED:
+        meta_edited(tmp_path_factory.mktemp(case), good_fixture, META_FIELDS[case][0]).rename(
+            folder / f"{case}.safetensors")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir",
+                          str(ROOT), str(ROOT / "tests"), f"--replay={folder}"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    return run.returncode, run.stdout + run.stderr, folder
+
+
+def test_a_replay_of_bad_files_fails_each_at_load_and_judges_none(replayed):
+    code, out, _ = replayed
+    assert code == 1 and f"{len(REPLAYED)} failed in" in out, out[-3000:]
+    assert "fixture replay diagnostics" not in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("case", sorted(REPLAYED))
+def test_a_bad_file_is_one_line_printed_once_and_carried_by_its_failed_line(replayed, case):
+    """Once where the test fails and once on its FAILED line, nothing judged: not '1 passed'
+    (sm_scale NaN), not the kernel (sm_scale 0 or 1e300, k_scale -1), not the host stages (layout
+    diagonal, block size 0), not a traceback (kv_dtype int4)."""
+    _, out, folder = replayed
+    path = folder / f"{case}.safetensors"
+    line = f"{path}: {META_FIELDS[case][1]}"
+    assert f"FAILED tests/test_replay.py::test_replay_fixture[{path}] - Failed: {line}" in out.splitlines(), out[-3000:]
+    assert out.count(line) == 2, out[-3000:]
+    for blamed in ("error budget", "raised in the host stages", "KeyError", "max err"):
+        assert blamed not in out, (REPLAYED[case], out[-3000:])
+
+
+def test_a_replay_that_judges_no_row_fails_with_the_reason(good_fixture):
+    """A fixture read past the file checks (an in-memory fixture with a NaN softmax scale): every
+    row's reference is NaN, so every row is left out of the kernel check while its plan is the
+    intended selection. That is no pass."""
+    import dataclasses
+
+    fx = dataclasses.replace(good_fixture, meta=dict(good_fixture.meta, sm_scale=float("nan")))
+    report = replay(fx)
+    assert report.kernel_ok and report.plan_ok and report.poisoned_rows == [0, 1, 2, 3]
+    assert report.failures() == [
+        "no row judged: the kernel check of [0.6.18.post1] left out all 4 rows (poisoned: [0, 1, 2, 3]) though their "
+        "plan is the intended selection; a replay that judges no row is not a pass"
+    ]
+    assert not replay(good_fixture).failures()

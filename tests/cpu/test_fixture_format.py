@@ -257,3 +257,18 @@ def test_a_compact_fixture_has_a_reproducer_only_as_a_standalone_copy(tmp_path, 
     assert repro_main([str(COMPACT), "-o", str(tmp_path)]) == 0
     copy = load_fixture(tmp_path / COMPACT.name)
     assert "derived" not in copy.meta and bitwise_equal(copy["ckv"], load_fixture(COMPACT)["ckv"])
+
+
+@pytest.mark.parametrize("name", ["case.recipe.json", "case.sequence.json"])
+def test_the_reproducer_of_a_recipe_or_a_sequence_says_what_to_run_instead(tmp_path, capsys, name):
+    from recording.repro import main as repro_main
+
+    path = tmp_path / name
+    path.write_text("{}")
+    kind = "a recipe" if name.endswith(".recipe.json") else "a sequence"
+    assert repro_main([str(path), "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {path} is {kind}: recipes and sequences have no standalone reproducer (they rebuild their case "
+        f"through this project); replay it: pytest --replay={path}, or give a fixture (*.safetensors) of the case"
+    )
+    assert not (tmp_path / "out").exists()

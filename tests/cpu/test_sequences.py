@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -87,33 +86,109 @@ def _saved(tmp_path, **changes) -> Path:
     return save_sequence(tmp_path / "s.sequence.json", recipe)
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"max_rows": 0}, r"sequence field 'max_rows' is int 0, expected an int >= 1"),
-    ({"kind": "graph"}, r"sequence field 'kind' is str \"graph\", expected one of"),
-    ({"failing_step": 5}, r"sequence field 'failing_step' is 5, expected a step of the sequence \(0 to 1\)"),
-    ({"steps": []}, r"sequence field 'steps' is not a non-empty list"),
-    ({"surprise": 1}, r"sequence field 'surprise' is not a sequence field"),
-])
-def test_a_bad_field_is_a_fixture_error_naming_it(tmp_path, changes, message):
-    with pytest.raises(FixtureError, match=message):
-        load_sequence(_saved(tmp_path, **changes))
+def _step(i, **changes):
+    return lambda r: dict(r, steps=[dict(s, **changes) if j == i else s for j, s in enumerate(r["steps"])])
+
+
+def _step_spec(i, **changes):
+    return lambda r: dict(r, steps=[dict(s, spec=dict(s["spec"], **changes)) if j == i else s
+                                    for j, s in enumerate(r["steps"])])
+
+
+#: Each field of a sequence, a bad value and the line that refuses it.
+BAD_FIELDS = {
+    "max_rows-zero": (lambda r: dict(r, max_rows=0), "sequence field 'max_rows' is int 0, expected an int from 1 to "
+                                                     "65536"),
+    "max_rows-below-its-largest-step": (lambda r: dict(r, max_rows=2), "sequence field 'max_rows' is 2, expected at "
+                                                                      "least the 3 rows of its largest step"),
+    "kind": (lambda r: dict(r, kind="graph"), "sequence field 'kind' is str \"graph\", expected one of reused-buffers, "
+                                              "attention-state"),
+    "layout": (lambda r: dict(r, layout="diagonal"), "sequence field 'layout' is str \"diagonal\", expected one of "
+                                                     "strided, packed, compacted"),
+    "graph": (lambda r: dict(r, graph=1), "sequence field 'graph' is int 1, expected true or false"),
+    "reuse_plan": (lambda r: dict(r, reuse_plan="no"), "sequence field 'reuse_plan' is str \"no\", expected true or "
+                                                       "false"),
+    "name": (lambda r: dict(r, name=1), "sequence field 'name' is int 1, expected a string"),
+    "failing_step-past-the-steps": (lambda r: dict(r, failing_step=5), "sequence field 'failing_step' is 5, expected a "
+                                                                       "step of the sequence (0 to 1)"),
+    "failing_step-negative": (lambda r: dict(r, failing_step=-1), "sequence field 'failing_step' is int -1, expected "
+                                                                  "an int from 0 to 255"),
+    "why": (lambda r: dict(r, why=1), "sequence field 'why' is int 1, expected a string"),
+    "impl": (lambda r: dict(r, impl="x"), "sequence field 'impl' is str \"x\", expected MODULE:FACTORY"),
+    "vllm": (lambda r: dict(r, vllm=1), "sequence field 'vllm' is int 1, expected a string"),
+    "nodeid": (lambda r: dict(r, nodeid=1), "sequence field 'nodeid' is int 1, expected a string"),
+    "shrunk": (lambda r: dict(r, shrunk=[]), "sequence field 'shrunk' is list [], expected an object"),
+    "unknown": (lambda r: dict(r, surprise=1), "sequence field 'surprise' is not a sequence field"),
+    "steps-empty": (lambda r: dict(r, steps=[]), "sequence field 'steps' is not a list of 1 to 256 {spec, seed, "
+                                                 "scenario_digest} objects"),
+    "steps-past-their-bound": (lambda r: dict(r, steps=r["steps"] * 129),
+                               "sequence field 'steps' is not a list of 1 to 256 {spec, seed, scenario_digest} objects "
+                               "(it holds 258)"),
+    "a-step-not-an-object": (lambda r: dict(r, steps=[1, 2]), "sequence field 'steps[0]' is not a {spec, seed, "
+                                                             "scenario_digest} object"),
+    "a-step-seed": (_step(1, seed=-1), "sequence field 'steps[1].seed' is int -1, expected an int from 0 to "
+                                       "9223372036854775807"),
+    "a-step-digest": (_step(0, scenario_digest="x"), "sequence field 'steps[0].scenario_digest' is str \"x\", expected "
+                                                     "64 hexadecimal digits (a SHA-256)"),
+    "a-step-topk-1e9": (_step_spec(1, topk=10**9), "sequence field 'steps[1].spec.topk' is int 1000000000, expected an "
+                                                   "int from 1 to 2048"),
+    "a-step-block-size-0": (_step_spec(1, block_size=0), "sequence field 'steps[1].spec.block_size' is int 0, expected "
+                                                         "an int from 1 to 4096"),
+}
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Fails the test where the scenario builder is called: a bad sequence stops before it."""
+    import harness.builder
+    import harness.scenario
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the scenario builder ran on a sequence that should have been refused")
+
+    monkeypatch.setattr(harness.scenario, "build_scenario", refuse)
+    monkeypatch.setattr(harness.builder, "build_scenario", refuse)
+
+
+@pytest.fixture(scope="module")
+def good_sequence() -> dict:
+    """The JSON of a good two-step sequence (its scenarios built once, before any test refuses the builder)."""
+    return json.loads(json.dumps(sequence_recipe(decode_steps(2), name="s", failing_step=1, why="w")))
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FIELDS))
+def test_a_bad_field_is_one_fixture_error_line_naming_it_and_nothing_is_built(tmp_path, good_sequence, nothing_built,
+                                                                              case):
+    change, line = BAD_FIELDS[case]
+    path = save_sequence(tmp_path / "s.sequence.json", change(json.loads(json.dumps(good_sequence))))
+    with pytest.raises(FixtureError) as info:
+        load_sequence(path)
+    assert str(info.value) == f"{path}: {line}"
 
 
 def test_a_bad_step_and_an_edited_file_are_fixture_errors(tmp_path):
     recipe = json.loads(json.dumps(sequence_recipe(decode_steps(2), name="s", failing_step=1, why="w")))
     recipe["steps"][1]["spec"]["block_size"] = 0
     recipe["digest"] = "0" * 64
-    assert re.search(r"'steps\[1\]': recipe field 'spec.block_size' is int 0", sequence_problem(recipe))
+    assert sequence_problem(recipe) == ("sequence field 'steps[1].spec.block_size' is int 0, expected an int from 1 "
+                                        "to 4096")
     path = _saved(tmp_path)
     data = json.loads(path.read_text())
     data["steps"][0]["seed"] = 9
     path.write_text(json.dumps(data))
     with pytest.raises(FixtureError, match="content digest"):
         load_sequence(path)
+
+
+def test_a_step_whose_seed_was_edited_says_its_spec_or_seed_or_the_builder_changed(tmp_path):
     data = sequence_recipe(decode_steps(2), name="s", failing_step=1, why="w")
-    data["steps"][0]["seed"] = 9  # another scenario than its digest names
-    with pytest.raises(FixtureError, match="step 0 no longer rebuilds its scenario"):
-        load_sequence(save_sequence(tmp_path / "t.sequence.json", data))
+    data["steps"][0]["seed"] = 9  # another scenario than its digest names; the file's digest recomputed
+    path = save_sequence(tmp_path / "t.sequence.json", data)
+    with pytest.raises(FixtureError) as info:
+        load_sequence(path)
+    assert str(info.value) == (
+        f"{path}: sequence field 'steps[0].scenario_digest' is not the digest of the scenario step 0's spec and seed "
+        "build: the step's spec or seed was changed, or the scenario builder changed since the sequence was written")
 
 
 @pytest.mark.suite_self_test
