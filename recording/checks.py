@@ -131,6 +131,14 @@ def a_dict(value) -> str | None:
     return None if isinstance(value, dict) else "expected an object"
 
 
+def nullable(check):
+    """``check``, or null."""
+    def checks(value) -> str | None:
+        wrong = None if value is None else check(value)
+        return None if wrong is None else f"{wrong}, or null"
+    return checks
+
+
 def any_value(value) -> str | None:
     return None
 

@@ -203,6 +203,16 @@ OPTIONAL_META = {
     "num_slots_original": checks.int_at_least(0), "run_index": checks.int_at_least(0), "built_from": checks.a_dict,
     "schema_version": checks.any_value,
 }
+#: Each plan argument a ``capture_mla`` fixture records (metadata ``capture``) with its check.
+CAPTURE_FIELDS = {
+    "num_heads": checks.int_in(1, checks.MAX_HEADS), "head_dim_ckv": checks.one_of(checks.HEAD_DIM_CKV),
+    "head_dim_kpe": checks.one_of(*checks.HEAD_DIMS_KPE), "page_size": checks.nullable(checks.one_of(1)),
+    "causal": checks.nullable(checks.false), "sm_scale": checks.positive_up_to(checks.MAX_SM_SCALE),
+    "lse_mode": checks.nullable(checks.one_of("base2", "basee")),
+    "q_data_type": checks.nullable(checks.one_of("bfloat16", "float16")),
+    "kv_data_type": checks.nullable(checks.one_of(*checks.KV_DTYPE_NAMES, "uint8")),
+    "kv_indices_len": checks.nullable(checks.int_in(0, checks.MAX_SLOTS)),
+}
 #: Fields of a fixture's ``spec`` that fixtures written before them lack (absent: the default).
 OPTIONAL_FIXTURE_SPEC_FIELDS = ("score_offsets", "split_score_signs", "with_host_bound", "with_positions",
                                 "full_graph")
@@ -243,6 +253,15 @@ def meta_problem(meta) -> str | None:
             return f"metadata field '{key}' lists {len(meta[key])} entries, expected one per {per} {count})"
     if meta.get("max_rows") is not None and meta["max_rows"] < rows:
         return f"metadata field 'max_rows' is {meta['max_rows']}, expected at least the {rows} rows (num_rows)"
+    if meta.get("capture") is not None:
+        problem = checks.fields_problem(meta["capture"], CAPTURE_FIELDS, {}, "metadata", "capture.",
+                                        unknown="a plan argument a capture records")
+        if problem:
+            return problem
+        for key in ("num_heads", "head_dim_ckv", "head_dim_kpe", "sm_scale"):
+            if meta["capture"][key] != meta[key]:
+                return (f"metadata field 'capture.{key}' is {checks.shown(meta['capture'][key])}, but '{key}' is "
+                        f"{json.dumps(meta[key])}: the two must agree")
     return spec_meta_problem(meta) if meta.get("spec") is not None else None
 
 

@@ -322,6 +322,16 @@ def meta_without(key):
     return lambda m: {k: v for k, v in m.items() if k != key}
 
 
+#: The plan arguments a capture of GOOD's launch would record (metadata ``capture``).
+CAPTURE = {"num_heads": 16, "head_dim_ckv": 512, "head_dim_kpe": 64, "page_size": 1, "causal": False,
+           "sm_scale": 0.1352, "lse_mode": None, "q_data_type": "bfloat16", "kv_data_type": "bfloat16",
+           "kv_indices_len": 517}
+
+
+def captured(**changes):
+    return lambda m: dict(m, capture=dict(CAPTURE, **changes))
+
+
 #: Each field of a fixture's metadata, a bad value of it and the line that refuses it ({path}: the file).
 META_FIELDS = {
     "num_rows-negative": (lambda m: dict(m, num_rows=-1), "metadata field 'num_rows' is int -1, expected an int from 0 "
@@ -389,6 +399,32 @@ META_FIELDS = {
     "nodeid-as-number": (lambda m: dict(m, nodeid=1), "metadata field 'nodeid' is int 1, expected a string"),
     "capture-as-list": (lambda m: dict(m, capture=[]), "metadata field 'capture' is list [], expected an object"),
     "shrunk-as-list": (lambda m: dict(m, shrunk=[]), "metadata field 'shrunk' is list [], expected an object"),
+    "capture-num_heads": (captured(num_heads=0), "metadata field 'capture.num_heads' is int 0, expected an int from 1 "
+                                                 "to 256"),
+    "capture-head_dim_ckv": (captured(head_dim_ckv=128), "metadata field 'capture.head_dim_ckv' is int 128, expected "
+                                                         "one of 512"),
+    "capture-head_dim_kpe": (captured(head_dim_kpe=32), "metadata field 'capture.head_dim_kpe' is int 32, expected "
+                                                        "one of 64, 0"),
+    "capture-page_size": (captured(page_size=16), "metadata field 'capture.page_size' is int 16, expected one of 1, "
+                                                  "or null"),
+    "capture-causal": (captured(causal=True), "metadata field 'capture.causal' is bool true, expected false, or null"),
+    "capture-sm_scale": (captured(sm_scale=float("nan")), "metadata field 'capture.sm_scale' is float NaN, expected a "
+                                                          "finite number in (0, 16]"),
+    "capture-lse_mode": (captured(lse_mode="base10"), "metadata field 'capture.lse_mode' is str \"base10\", expected "
+                                                      "one of base2, basee, or null"),
+    "capture-q_data_type": (captured(q_data_type="int8"), "metadata field 'capture.q_data_type' is str \"int8\", "
+                                                          "expected one of bfloat16, float16, or null"),
+    "capture-kv_data_type": (captured(kv_data_type="int4"), "metadata field 'capture.kv_data_type' is str \"int4\", "
+                                                            "expected one of bfloat16, float8_e4m3fn, uint8, or null"),
+    "capture-kv_indices_len": (captured(kv_indices_len=10**12), "metadata field 'capture.kv_indices_len' is int "
+                                                                "1000000000000, expected an int from 0 to 33554432, or "
+                                                                "null"),
+    "capture-unknown-argument": (captured(backend="fa2"), "metadata field 'capture.backend' is not a plan argument a "
+                                                          "capture records"),
+    "capture-missing-argument": (lambda m: dict(m, capture=meta_without("sm_scale")(CAPTURE)),
+                                 "metadata field 'capture.sm_scale' is missing"),
+    "capture-heads-other-than-q": (captured(num_heads=32), "metadata field 'capture.num_heads' is int 32, but "
+                                                           "'num_heads' is 16: the two must agree"),
     "rows-repeated": (lambda m: dict(m, rows=[0, 0, 1, 2]), "metadata field 'rows' is list [0, 0, 1, 2], expected a "
                                                            "list of at most 65536 distinct rows of the batch"),
     "rows-three-for-four-rows": (lambda m: dict(m, rows=[0, 1, 2]), "metadata field 'rows' lists 3 entries, expected "
