@@ -10,7 +10,13 @@ Two ways in:
 
 - as a pytest plugin of a process of its own (``-p tests.simulated_sm90``, with
   ``SPARSE_MLA_DEVICE=cpu TRITON_INTERPRET=1``): the patches are made at configure time and
-  stay for the process;
+  stay for the process. With a vLLM under test (``--vllm``) the machine also has the stand-ins
+  its backends need (:func:`install_vllm_stand_ins`): FlashInfer's ``flashinfer.mla`` for
+  vLLM's SM90 backend is the fa3 stand-in of ``tests/fa3_stand_in.py`` (it keeps fa3's schedule,
+  so executed lengths are read back as on FlashInfer), and FlashMLA's kernels are those of
+  ``tests/flashmla_stand_in.py`` on a platform that says SM90; and the GPU tier's modules that
+  name their device ``"cuda"`` run on the machine's device (``harness.launch.DEVICE``). So the
+  vLLM, FlashMLA and port GPU tests run there with the GPU runner's flags;
 - in a running process whose convert kernel runs in Triton's interpreter (a nested in-process
   session, ``tests/cpu/test_suite_catches_bugs.py``): :func:`simulate_in_process` makes the
   same patches through pytest's ``monkeypatch``, so they are undone after the test, and points
@@ -21,11 +27,13 @@ Two ways in:
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import os
 import sys
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import fast.convert
@@ -70,9 +78,88 @@ def patches() -> list[tuple[object, str, object]]:
     ]
 
 
+#: The process's patches of the vLLM stand-ins (kept until the process's session is unconfigured).
+PROCESS_PATCHES = pytest.MonkeyPatch()
+#: The local version tag of the stand-in FlashInfer's ``__version__``.
+STAND_IN_TAG = "+fa3.stand.in"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest_sparse_mla.vllm has resolved --vllm
 def pytest_configure(config):
+    # imported here: a module imported before the suite's plugin is registered escapes pytest's
+    # assertion rewriting
+    from pytest_sparse_mla.vllm import VLLM_SOURCE
+
     for module, name, value in patches():
         setattr(module, name, value)
+    source = config.stash.get(VLLM_SOURCE, None)
+    if source is not None:
+        install_vllm_stand_ins(source, PROCESS_PATCHES)
+
+
+def pytest_unconfigure(config):
+    PROCESS_PATCHES.undo()
+
+
+def stand_in_flashinfer_version(source, wrapper) -> str:
+    """The FlashInfer release the stand-in answers as: the one the vLLM release pins where its
+    series is the one whose schedule the stand-in keeps (``wrapper.release``), else that
+    series' first release; tagged as the stand-in."""
+    from backends.vllm_source import flashinfer_pin
+
+    pin = flashinfer_pin(source)
+    version = pin if pin and compat.parse_version(pin)[:2] == compat.parse_version(wrapper.release)[:2] \
+        else f"{wrapper.release}.0"
+    return version + STAND_IN_TAG
+
+
+def install_vllm_stand_ins(source, monkeypatch) -> None:
+    """What the release ``source``'s backends need on the simulated machine, until
+    ``monkeypatch`` is undone:
+
+    - ``flashinfer.mla`` (imported by vLLM's SM90 backend) is the fa3 stand-in of the release
+      series its design runs on (bounded: 0.7.x, ``_planned_backend``; exact: 0.6.x), in a
+      ``flashinfer`` package whose ``__version__`` names that series (what the GPU tier's
+      pairing check reads);
+    - where the release carries FlashMLA: the stand-in kernels registered under its op schemas
+      and in place of its extensions, vLLM's platform an SM90 CUDA one, Triton's interpreter
+      taking vLLM's 0/1 integer masks, FLASHMLA_SPARSE loaded (once per process) and FlashMLA's
+      interface calling the stand-in kernels."""
+    from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
+    from backends.vllm_source import design_of, missing_flashmla_files
+    from tests import fa3_stand_in, flashmla_stand_in
+
+    wrapper = fa3_stand_in.StandInWrapper if design_of(source) == "bounded" else fa3_stand_in.StandIn06Wrapper
+    fa3_stand_in.install(monkeypatch, wrapper)
+    package = sys.modules["flashinfer"]
+    monkeypatch.setattr(package, "__version__", stand_in_flashinfer_version(source, wrapper), raising=False)
+    # importlib.util.find_spec("flashinfer") reads the spec of a module in sys.modules
+    monkeypatch.setattr(package, "__spec__", importlib.machinery.ModuleSpec("flashinfer", None, is_package=True))
+    if missing_flashmla_files(source):
+        return  # test_flashmla.py skips with the reason (tests.flashmla_cases.flashmla_source)
+    flashmla_stand_in.register(source)
+    flashmla_stand_in.hopper(monkeypatch)
+    flashmla_stand_in.interpreter_bool_masks(monkeypatch)
+    try:
+        FlashMLABackend(source)  # loads FLASHMLA_SPARSE and FlashMLA's interface
+    except FlashMLAUnavailable:
+        return  # test_flashmla_kernels_load_here fails with the reason
+    flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
+
+
+#: The GPU tier's device as its modules that do not read ``harness.launch.DEVICE`` name it.
+GPU_TIER_DEVICE = "cuda"
+
+
+def pytest_collection_modifyitems(items):
+    """The GPU tier's modules that name their device (``DEVICE = "cuda"``) run on this
+    machine's (``harness.launch.DEVICE``, the CPU with ``SPARSE_MLA_DEVICE=cpu``); their tests
+    and fixtures read the module's ``DEVICE`` when they run."""
+    import harness.launch
+
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        if module.__name__.startswith("tests.gpu.") and getattr(module, "DEVICE", None) == GPU_TIER_DEVICE:
+            module.DEVICE = harness.launch.DEVICE
 
 
 def can_simulate_in_process() -> bool:
