@@ -14,9 +14,9 @@ Two ways in:
   its backends need (:func:`install_vllm_stand_ins`): FlashInfer's ``flashinfer.mla`` for
   vLLM's SM90 backend is the fa3 stand-in of ``tests/fa3_stand_in.py`` (it keeps fa3's schedule,
   so executed lengths are read back as on FlashInfer), and FlashMLA's kernels are those of
-  ``tests/flashmla_stand_in.py`` on a platform that says SM90; and the GPU tier's modules that
-  name their device ``"cuda"`` run on the machine's device (``harness.launch.DEVICE``). So the
-  vLLM, FlashMLA and port GPU tests run there with the GPU runner's flags;
+  ``tests/flashmla_stand_in.py`` on a platform that says SM90; the GPU tier's tests run on the
+  machine's device (``harness.launch.DEVICE``). So the vLLM, FlashMLA and port GPU tests run
+  there with the GPU runner's flags;
 - in a running process whose convert kernel runs in Triton's interpreter (a nested in-process
   session, ``tests/cpu/test_suite_catches_bugs.py``): :func:`simulate_in_process` makes the
   same patches through pytest's ``monkeypatch``, so they are undone after the test, and points
@@ -145,21 +145,6 @@ def install_vllm_stand_ins(source, monkeypatch) -> None:
     except FlashMLAUnavailable:
         return  # test_flashmla_kernels_load_here fails with the reason
     flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
-
-
-#: The GPU tier's device as its modules that do not read ``harness.launch.DEVICE`` name it.
-GPU_TIER_DEVICE = "cuda"
-
-
-def pytest_collection_modifyitems(items):
-    """The GPU tier's modules that name their device (``DEVICE = "cuda"``) run on this
-    machine's (``harness.launch.DEVICE``, the CPU with ``SPARSE_MLA_DEVICE=cpu``); their tests
-    and fixtures read the module's ``DEVICE`` when they run."""
-    import harness.launch
-
-    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
-        if module.__name__.startswith("tests.gpu.") and getattr(module, "DEVICE", None) == GPU_TIER_DEVICE:
-            module.DEVICE = harness.launch.DEVICE
 
 
 def can_simulate_in_process() -> bool:

@@ -24,6 +24,7 @@ from harness.backend_step import layer_config, output_comparisons, run_step
 from harness.builder import build_scenario
 from harness.cases import KernelConfig, large_batch_cases
 from harness.input_space import classify
+from harness.launch import DEVICE
 from pytest_sparse_mla.coverage import record_input
 from tests import flashmla_cases
 from tests.flashmla_cases import (
@@ -41,7 +42,6 @@ from tests.flashmla_cases import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-DEVICE = "cuda"
 flashmla_source = flashmla_cases.flashmla_source
 GPU_PARAMS = gpu_regime_params() + gpu_shaped_params()
 

@@ -24,6 +24,7 @@ from harness.backend_step import layer_config, run_step
 from harness.builder import build_scenario
 from harness.cases import KernelConfig
 from harness.device_inputs import build_attention_inputs
+from harness.launch import DEVICE
 from tests.vllm_cases import (
     check_step,
     expect_findings,
@@ -37,7 +38,6 @@ from tests.vllm_cases import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-DEVICE = "cuda"
 
 
 def _installed_flashinfer() -> tuple[int, int, int]:
