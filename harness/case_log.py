@@ -27,6 +27,8 @@ class CaseLog:
     fixture: object | None = None  # a recording.fixture.Fixture judged by replay()
     crash: dict | None = None  # a step whose stages killed a child process: scenario, layout, stage, detail
     sequence: dict | None = None  # a multi-step test's sequence so far: harness.sequence.Sequence fields, steps
+    # a case run through a backend behind the seam (harness.judge.run_sequence): its backend, layer and steps so far
+    backend_case: dict | None = None
 
     def note_step(self, step, inputs=None, outputs: dict | None = None) -> None:
         if step is not self.step:
@@ -53,7 +55,8 @@ class CaseLog:
 
     @property
     def empty(self) -> bool:
-        return self.step is None and self.fixture is None and self.crash is None and self.sequence is None
+        return (self.step is None and self.fixture is None and self.crash is None and self.sequence is None
+                and self.backend_case is None)
 
 
 _ACTIVE: list[CaseLog] = []
@@ -101,3 +104,10 @@ def note_crash(scenario, layout: str, stage: str | None, detail: str) -> None:
     """Note a step whose stages killed the child process they ran in (harness.pipeline.run_step_in_child)."""
     if _ACTIVE:
         _ACTIVE[-1].note_crash(scenario, layout, stage, detail)
+
+
+def note_backend_case(case: dict) -> None:
+    """Note the case a backend is running (``harness.judge.run_sequence``'s record: the backend,
+    the layer, the steps so far as specs and seeds)."""
+    if _ACTIVE:
+        _ACTIVE[-1].backend_case = case

@@ -229,3 +229,23 @@ def input_space_cases(strength: int = 1, seed: int = 0) -> list[tuple[Case, str]
     it is drawn for: strength 1 reaches every value class of every dimension, strength 2 every
     feasible pair (``harness.input_space.covering_assignments``)."""
     return [(Case(f"input-space-{c.id}", c.spec), c.layout) for c in covering_cases(strength, seed)]
+
+
+def sequence_specs(kpool: int) -> list[BatchSpec]:
+    """One layer, steps in order: decode rows around topk advancing one token a step (the
+    bounded design keeps its plan), a jump past the slack (a replan), spec-decode rows that
+    straddle topk, fewer rows (a replan of fewer rows over buffers that hold the larger step's
+    slots), the first batch again, an empty step."""
+    base = [TOPK - 3, 17, TOPK + 5, 3 * TOPK + 1]
+    steps = [batch(*[(s + t, 1) for s in base], kpool=kpool) for t in range(4)]
+    steps.append(batch(*[(s + 40, 1) for s in base], kpool=kpool))
+    steps.append(batch((TOPK + 3, 4), (TOPK - 2, 4), kpool=kpool, decode_threshold=4))
+    steps.append(batch((TOPK + 1, 1), kpool=kpool))
+    steps.append(batch(*[(s, 1) for s in base], kpool=kpool))
+    steps.append(batch(kpool=kpool))
+    return steps
+
+
+def sequence_steps(kpool: int, config: KernelConfig) -> list[tuple[BatchSpec, int]]:
+    """:func:`sequence_specs` in ``config``, each step with its seed (its index)."""
+    return [(config.apply(spec), seed) for seed, spec in enumerate(sequence_specs(kpool))]

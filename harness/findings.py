@@ -78,3 +78,40 @@ class PaddedGraphRowsUnplanned(AssertionError):
 def padded_graph_step(spec) -> bool:
     """A FULL CUDA graph step with padded token rows (``harness.spec.graph_padded``)."""
     return bool(spec.full_graph) and spec.padded_rows > 0
+
+
+def is_vllm_backend(backend) -> bool:
+    """A vLLM release's own SM90 backend (``backends.vllm_sm90``): it has a design."""
+    return getattr(backend, "design", None) is not None
+
+
+#: vLLM dequantises the kpe part of an fp8 cache with 1.0, not the layer's k_scale.
+KPE_SCALE_FINDING = "vLLM's fp8 kpe read without k_scale: " + FINDINGS_DOC + "#vllm-fp8-kpe-scale"
+#: vLLM plans an fp8 cache with its storage dtype (its cache spec's uint8), which FlashInfer refuses.
+FP8_AS_UINT8_FINDING = "vLLM plans an fp8 cache as uint8: " + FINDINGS_DOC + "#vllm-fp8-planned-as-uint8"
+#: What FlashInfer's plan() raises on a kv_data_type of uint8.
+UINT8_REFUSAL = "kv_data_type torch.uint8 is not supported"
+#: vLLM 0.31.0 packs a -1 inside a row's planned length as slot 0, which FlashInfer's fa3 kernel
+#: loads past the row's executed length with weight 0: a non-finite slot 0 makes the row NaN.
+SLOT_ZERO_FINDING = ("vLLM's -1 packed as slot 0, loaded past a row's length: " + FINDINGS_DOC
+                     + "#vllm-slot-0-loaded-past-a-rows-length")
+
+
+class Fp8PlannedAsUint8(AssertionError):
+    """FlashInfer refused vLLM's plan of an fp8 cache with kv_data_type uint8."""
+
+
+class KpeScaleIgnored(AssertionError):
+    """vLLM's output is beyond the budget on an fp8 cache with rope and k_scale != 1, and only
+    there (its forward_mqa passes kpe_scale=1.0)."""
+
+
+class SlotZeroLoaded(AssertionError):
+    """The output rows that are not finite are exactly those whose kernel tiles load a non-finite
+    slot 0 past their executed length."""
+
+
+def kpe_scale_ignored(config) -> bool:
+    """A configuration (a ``KernelConfig`` or a ``BatchSpec``) where vLLM's fp8 kpe finding decides
+    the output: an fp8 cache with rope and k_scale != 1."""
+    return config.kv_dtype == "float8_e4m3fn" and bool(config.rope) and config.k_scale != 1.0

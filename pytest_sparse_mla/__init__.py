@@ -18,6 +18,9 @@ no ``-p`` is needed.
   a file);
 - ``vllm``: ``--vllm=PATH`` (a vLLM release's own SM90 backend under test, the ``vllm_backend``
   fixture, the ``vllm`` marker), the release in the header, the rows read back in the summary;
+- ``judge``: the ``judge`` fixture, the one place a step through a backend is judged and its
+  verdict reported (regime table, twin counts, upgrade-check records), and the replay of a
+  backend's written case;
 - ``interpreter``: the ``interpreter`` marker (a CPU-tier test that hands Triton kernels CPU
   tensors runs in a child pytest under Triton's interpreter where the run's kernels are compiled);
 - ``worker_load``: the tests dealt to the xdist workers heaviest first (``durations.json``), and
@@ -39,4 +42,5 @@ pytest_plugins = [
     "pytest_sparse_mla.gpus",
     "pytest_sparse_mla.vllm",
     "pytest_sparse_mla.interpreter",
+    "pytest_sparse_mla.judge",
 ]

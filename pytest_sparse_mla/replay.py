@@ -151,7 +151,7 @@ def replay_path_problem(path: str) -> str:
         return f"--replay={path}: no such file or folder"
     if not fixture_paths([path]):
         return (
-            f"--replay={path}: no fixture (*.safetensors, *.recipe.json, *.sequence.json) under it; "
+            f"--replay={path}: no fixture (*.safetensors, *.recipe.json, *.sequence.json, *.case.json) under it; "
             "an empty replay would pass and check nothing"
         )
     return ""
@@ -289,6 +289,8 @@ class FailureDump:
         raise NothingToWrite(reasons[0] if reasons else NO_CASE_IN_EXAMPLE)
 
     def _dump_case(self) -> str | None:
+        if self._build is None and self.log is not None and self.log.backend_case is not None:
+            return self._dump_backend_case(self.log.backend_case)
         sequence = self.log.sequence if self._build is None and self.log is not None else None
         # A sequence that failed at its first step is written as a sequence too where that step
         # noted no case of its own (a host-stage sequence checks its steps itself).
@@ -349,6 +351,14 @@ class FailureDump:
         impl = load_impl(impl_spec or DEFAULT_IMPL_SPEC)  # loaded and checked at start-up already
         return str(write_failure(self.directory, safe, fixture, impl, step, device=run_device(self.node.config)))
 
+
+    def _dump_backend_case(self, case: dict) -> str:
+        """The case a backend ran (``harness.judge.run_sequence``): its steps so far, as specs and
+        seeds, with the backend's release and module digest (recording.backend_case)."""
+        from recording.backend_case import OPTIONAL_FIELDS, write_backend_case
+
+        meta = {k: v for k, v in self._recipe_meta().items() if k in OPTIONAL_FIELDS and isinstance(v, str)}
+        return str(write_backend_case(self.directory, self._safe_name(), case, **meta))
 
     def _dump_sequence(self, note: dict) -> str | None:
         """The noted sequence, shrunk over its steps and written (recording.sequence); None where

@@ -90,6 +90,19 @@ def vllm_backend(pytestconfig):
     return VllmSM90Backend(source)
 
 
+@pytest.fixture(scope="session")
+def flashmla_source(pytestconfig):
+    """The vLLM release ``--vllm`` names, for FlashMLA's backend (skipped without it, and where
+    its files lack FlashMLA's modules or kernels: the reason is in the run's header)."""
+    source = pytestconfig.stash.get(VLLM_SOURCE, None)
+    if source is None:
+        pytest.skip(NO_VLLM)
+    absent = flashmla_absence(source)
+    if absent:
+        pytest.skip(absent)
+    return source
+
+
 def rows_read_back(reports) -> dict[str, tuple[int, int]]:
     """Per backend: (tests, rows) whose executed length was read back from the kernel's schedule,
     over the test reports (the ``backends`` entry ``regime_log.step`` records)."""

@@ -498,12 +498,13 @@ def load_derived(path, meta: dict, stored: dict[str, torch.Tensor]) -> dict[str,
 
 
 def fixture_paths(paths) -> list[Path]:
-    """Expand files and folders (recursively, ``*.safetensors``, ``*.recipe.json`` and
-    ``*.sequence.json``) into a sorted list of files."""
+    """Expand files and folders (recursively, ``*.safetensors``, ``*.recipe.json``,
+    ``*.sequence.json`` and ``*.case.json``) into a sorted list of files."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found.extend(sorted([*p.rglob("*.safetensors"), *p.rglob("*.recipe.json"), *p.rglob("*.sequence.json")]))
+            found.extend(sorted([*p.rglob("*.safetensors"), *p.rglob("*.recipe.json"), *p.rglob("*.sequence.json"),
+                                 *p.rglob("*.case.json")]))
         else:
             found.append(p)
     return found

@@ -25,6 +25,7 @@ import pytest
 from pytest_sparse_mla.baselines import note_fixture_replay, upgrade_check_fixtures
 from pytest_sparse_mla.keys import REPLAY_KEY
 from pytest_sparse_mla.replay import rerun_unavailable_reason, run_options
+from recording.backend_case import is_backend_case
 from recording.commands import replay_command
 from recording.fixture import FixtureError, fixture_paths, load_fixture
 from recording.heatmap import write_heatmaps
@@ -161,11 +162,35 @@ def replay_sequence(path, request, regime_log) -> None:
              f"  recorded: failed at step {recipe['failing_step']} ({recipe['why']})"]
     if recipe.get("impl"):
         lines.append(f"  recorded through --impl {recipe['impl']} ({recipe.get('nodeid', 'no test id')})")
+    lines += [f"  step {r.index} shows a known finding, not failed: {f}" for r in results for f in r.findings]
     lines.append(f"  replay: {replay_command(path, **run_options(request.config))}")
     request.node.user_properties.append((REPLAY_KEY, "\n".join(lines)))
     if failing is not None:
         pytest.fail(f"step {failing.index} of the sequence fails:\n" + "\n".join(failing.problems[:8]) + "\n"
                     + "\n".join(lines), pytrace=False)
+
+
+def replay_case_through_backend(path, request) -> None:
+    """A backend's case (recording.backend_case) run again through the backend this run names;
+    a case written on a CPU run with a stand-in FlashInfer runs on the same stand-in where no
+    GPU tier runs here."""
+    from pytest_sparse_mla.judge import replay_backend_case
+    from recording.backend_case import load_backend_case
+
+    try:
+        record = load_backend_case(path)
+    except FixtureError as exc:
+        problem = str(exc)
+    else:
+        problem = None
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    stand_in = record.get("flashinfer", "").partition(":")
+    if stand_in[0] == "tests.fa3_stand_in" and rerun_unavailable_reason(request.config) is not None:
+        from tests import fa3_stand_in
+
+        fa3_stand_in.install(request.getfixturevalue("monkeypatch"), getattr(fa3_stand_in, stand_in[2]))
+    replay_backend_case(path, request, record)
 
 
 class StageClock:
@@ -191,6 +216,9 @@ def test_replay_fixture(fixture_path, request, regime_log):
         pytest.fail(fixture_path, pytrace=False)
     if is_sequence(fixture_path):
         replay_sequence(fixture_path, request, regime_log)
+        return
+    if is_backend_case(fixture_path):
+        replay_case_through_backend(fixture_path, request)
         return
     clock = StageClock()
     try:

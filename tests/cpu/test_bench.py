@@ -23,9 +23,7 @@ from bench.scenarios import Sets
 from fast.impl import default_impl
 from harness.timing import Timer
 from reference.flashmla_layout import TOKEN_BYTES
-from tests import flashmla_cases, flashmla_stand_in
-
-flashmla_source = flashmla_cases.flashmla_source
+from tests import flashmla_stand_in
 
 
 def tagged_sets(num_caches: int, num_qs: int) -> Sets:

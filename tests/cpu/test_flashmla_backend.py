@@ -43,19 +43,21 @@ from harness.backend_step import (
     run_step,
     selection_problems,
 )
-from harness.cases import LONG_CTX, Case, KernelConfig, context_case, situation_cases
+from harness.cases import LONG_CTX, Case, KernelConfig, context_case, sequence_steps, situation_cases
+from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify, covering_cases
+from harness.judge import run_case, run_sequence
 from harness.scenario import build_scenario
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK
 from pytest_sparse_mla.coverage import record_input
 from reference import flashmla_layout
 from tests import flashmla_cases, flashmla_stand_in
-from tests.flashmla_cases import run_case, run_sequence, scenario_and_inputs, step_params
+from tests.flashmla_cases import step_params
 
 pytestmark = pytest.mark.vllm
 
-flashmla_source = flashmla_cases.flashmla_source
+
 BF16 = KernelConfig("bfloat16", True, 16)
 FP8_MIXED = KernelConfig("float8_e4m3fn", True, 16, 0.5)
 FP8_APART = KernelConfig("float8_e4m3fn", True, 64, 0.5)
@@ -103,10 +105,10 @@ def kernel_calls(monkeypatch):
 # --- every case ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case, config", step_params())
-def test_kernel_is_handed_each_rows_selection(stand_in, case, config, device, request):
+def test_kernel_is_handed_each_rows_selection(stand_in, case, config, device, judge):
     """Every row served by the sparse kernel is handed exactly its intended selection (a), its
     valid count as its length, and its output and LSE are within budget of the oracle."""
-    run_case(stand_in, case, config, device, request)
+    run_case(judge, stand_in, config.apply(case.spec), device)
 
 
 #: Decode rows and prefills that fit in topk (routed to dense MHA where the layer has that path).
@@ -116,42 +118,41 @@ TO_MHA_CASE = next(c for c in situation_cases(4) if c.name.startswith("decode+pr
 @pytest.mark.parametrize(("config", "dense"), [(BF16, True), (KernelConfig("float8_e4m3fn", False, 16), False)],
                          ids=["bf16-rope64", "fp8-nope"])
 def test_prefills_reach_the_sparse_kernel_only_where_the_layer_has_no_dense_path(stand_in, config, dense, device,
-                                                                                 request):
+                                                                                 judge):
     """vLLM's FLASHMLA_SPARSE has no dense-MHA prefill for a NoPE model on an fp8 cache (the
     576-byte rows do not fit the dense workspace): there every row of a step whose prefills fit
     in topk is served by the sparse kernel and checked; elsewhere the decode rows alone."""
-    scenario, _ = scenario_and_inputs(TO_MHA_CASE, config, device)
-    flashmla_cases.skip_unsupported(stand_in, scenario.spec, scenario.topk_indices.shape[0])
-    outcome = _run(stand_in, TO_MHA_CASE, config, device, request)
+    scenario = build_scenario(config.apply(TO_MHA_CASE.spec), 0)
+    outcome = _run(stand_in, TO_MHA_CASE, config, device, judge)
     assert scenario.prefills_to_mha and outcome.dense_prefill is dense
     assert outcome.planned_rows == (scenario.meta.num_decode_tokens if dense else scenario.num_rows)
 
 
 @pytest.mark.parametrize("case", covering_cases(1), ids=lambda c: c.id)
-def test_the_input_spaces_covering_design_through_flashmla(stand_in, case, device, request):
+def test_the_input_spaces_covering_design_through_flashmla(stand_in, case, device, judge):
     """Every value class of every dimension of the production input space (block sizes, batch
     composition, CUDA-graph padding, context sources, kpool and topk, kernel variants, heads)
     through FLASHMLA_SPARSE's build() and forward_mqa(): each served row is handed its intended
     slots with its valid count as its length, and its output and LSE are within budget. A
     configuration FlashMLA does not serve is skipped with its reason."""
     record_input(classify(case.spec, case.layout))
-    flashmla_cases.run_scenario(stand_in, build_scenario(case.spec, seed=0), device, request)
+    run_case(judge, stand_in, case.spec, device)
 
 
 @pytest.mark.parametrize("case, config", flashmla_cases.magnitude_params())
-def test_magnitude_edge_through_flashmla(stand_in, case, config, device, request):
+def test_magnitude_edge_through_flashmla(stand_in, case, config, device, judge):
     """Raw scores far from zero, mixed within rows and across the batch: each row's selection,
     length and output through vLLM's FLASHMLA_SPARSE code (the stand-in attends exactly; how
     FlashMLA's kernels round at these offsets is not yet measured on a GPU: docs/flashmla.md)."""
-    run_case(stand_in, case, config, device, request)
+    run_case(judge, stand_in, config.apply(case.spec), device)
 
 
 @pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)
-def test_sequence_through_one_layer(stand_in, config, device, request):
+def test_sequence_through_one_layer(stand_in, config, device, judge):
     """Steps through one layer and one cache: each step's rows as above; the fp8 decode kernel
     builds a fresh tile schedule every step that runs it (vLLM's builder hands a new
     FlashMLASchedMeta each build)."""
-    layer, outcomes = run_sequence(stand_in, 4, config, device, request)
+    layer, outcomes = run_sequence(judge, stand_in, sequence_steps(4, config), device)
     decode_steps = sum(1 for o in outcomes if o.planned_rows)
     expected = decode_steps if config.kv_dtype == "float8_e4m3fn" else 0
     assert layer.plans == expected, f"{layer.plans} tile schedules for {decode_steps} steps that ran"
@@ -159,37 +160,40 @@ def test_sequence_through_one_layer(stand_in, config, device, request):
 
 # --- which kernel vLLM chooses, and how many heads it hands it -------------------------------
 
-def _run(backend, case, config, device, request):
-    scenario, inputs = scenario_and_inputs(case, config, device)
-    layer = backend.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
-    return flashmla_cases.check_step(backend, layer, scenario, inputs, request)[0]
+def _run(backend, case, config, device, judge):
+    return run_case(judge, backend, config.apply(case.spec), device)
 
 
-def test_bf16_cache_runs_the_prefill_kernel_on_every_row(stand_in, kernel_calls, device, request):
-    outcome = _run(stand_in, MIXED_CASE, BF16, device, request)
+def scenario_and_inputs(case, config, device):
+    scenario = build_scenario(config.apply(case.spec), 0)
+    return scenario, build_attention_inputs(scenario, device)
+
+
+def test_bf16_cache_runs_the_prefill_kernel_on_every_row(stand_in, kernel_calls, device, judge):
+    outcome = _run(stand_in, MIXED_CASE, BF16, device, judge)
     assert {op for op, _, _ in kernel_calls} == {"sparse_prefill_fwd"}
     assert sum(rows for _, _, rows in kernel_calls) == outcome.planned_rows
 
 
-def test_fp8_cache_below_32_heads_runs_one_mixed_batch_on_the_decode_kernel(stand_in, kernel_calls, device, request):
-    outcome = _run(stand_in, MIXED_CASE, FP8_MIXED, device, request)
+def test_fp8_cache_below_32_heads_runs_one_mixed_batch_on_the_decode_kernel(stand_in, kernel_calls, device, judge):
+    outcome = _run(stand_in, MIXED_CASE, FP8_MIXED, device, judge)
     assert kernel_calls == [("sparse_decode_fwd", 64, outcome.planned_rows)], kernel_calls
 
 
 @pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)
 def test_a_full_graph_step_runs_its_padded_rows_and_serves_its_query_rows(stand_in, kernel_calls, config, device,
-                                                                          request):
+                                                                          judge):
     """vLLM hands FlashMLA's kernels every token of a FULL graph's metadata (``num_actual_tokens``,
     padded rows included); the 6 query rows among the 10 are served and checked."""
-    outcome = _run(stand_in, FULL_GRAPH_CASE, config, device, request)
+    outcome = _run(stand_in, FULL_GRAPH_CASE, config, device, judge)
     assert outcome.planned_rows == 6 and outcome.out.shape[0] == 6
     assert sum(rows for _, _, rows in kernel_calls) == 10, kernel_calls
 
 
-def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(stand_in, kernel_calls, device, request):
+def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(stand_in, kernel_calls, device, judge):
     """Decode rows on the decode kernel, prefill rows on the prefill kernel over the upconverted
     workspace (whose indices the recorder maps back to cache slots for the selection check)."""
-    outcome = _run(stand_in, MIXED_CASE, FP8_APART, device, request)
+    outcome = _run(stand_in, MIXED_CASE, FP8_APART, device, judge)
     decodes = MIXED_CASE.spec.requests[0].q_len + MIXED_CASE.spec.requests[1].q_len
     assert kernel_calls[0] == ("sparse_decode_fwd", 64, decodes), kernel_calls
     assert {op for op, _, _ in kernel_calls[1:]} == {"sparse_prefill_fwd"}
@@ -198,11 +202,11 @@ def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(stand_in,
 
 @pytest.mark.parametrize("heads", [16, 32, 64, 128])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_kernels_see_the_head_count_vllm_pads_to(stand_in, kernel_calls, heads, kv_dtype, device, request):
+def test_kernels_see_the_head_count_vllm_pads_to(stand_in, kernel_calls, heads, kv_dtype, device, judge):
     """Each kernel call runs a head count FlashMLA's SM90 kernels take, no fewer than the layer's,
     and the one ``backends.flashmla.kernel_heads`` says (the rule ``unsupported`` judges by)."""
     config = KernelConfig(kv_dtype, True, heads, 0.5 if kv_dtype == "float8_e4m3fn" else 1.0)
-    _run(stand_in, MIXED_CASE, config, device, request)
+    _run(stand_in, MIXED_CASE, config, device, judge)
     seen = {h for _, h, _ in kernel_calls}
     expected = set(flashmla_backend_module.kernel_heads(stand_in.module, layer_config(config.apply(
         MIXED_CASE.spec), 1)))

@@ -1,14 +1,14 @@
 """The GPU tier's FlashMLA-against-FA3 table: the rows the differential test writes
-(``tests.flashmla_cases``) and the markdown ``scripts/flashmla_table.py`` makes of one run."""
+(``pytest_sparse_mla.flashmla_table``) and the markdown ``scripts/flashmla_table.py`` makes of one run."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from harness.cases import KernelConfig
+from pytest_sparse_mla.flashmla_table import TABLE_ENV, table_path, table_row, write_table_row
 from reference.budget import Comparison
 from scripts import flashmla_table
-from tests.flashmla_cases import TABLE_ENV, table_path, table_row, write_table_row
 
 
 def comparison(name: str, max_ratio: float, ok: bool = True) -> Comparison:

@@ -6,7 +6,7 @@ import each other (reference and fast in particular), and nothing outside tests/
 
 harness/ and recording/ reach a vendor only through the backend seam: they import no vendor
 package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and from backends/ only
-the seam and the port's public face (:data:`SEAM_MODULES`).
+the seam, the registry and the port's public face (:data:`SEAM_MODULES`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAYERS = {
     "conftest": 6,  # the root conftest.py loads the plugin for the tests
 }
 #: What harness/ and recording/ may import from backends/.
-SEAM_MODULES = ("backends.seam", "backends.port")
+SEAM_MODULES = ("backends.seam", "backends.registry", "backends.port")
 #: Vendor packages and the project's modules that wrap them.
 VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "fast.flashinfer_compat", "fast.sm90")
 BEHIND_THE_SEAM = ("harness", "recording")

@@ -24,22 +24,17 @@ from hypothesis import strategies as st
 from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap, stand_ins_in_use
 from harness.backend_step import executed_length_problems, layer_config, run_step
 from harness.builder import build_scenario
-from harness.cases import KernelConfig, situation_cases
+from harness.cases import KernelConfig, sequence_steps, situation_cases
 from harness.device_inputs import build_attention_inputs
+from harness.findings import Fp8PlannedAsUint8
 from harness.input_space import classify, covering_cases
+from harness.judge import run_case, run_sequence
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from tests import fa3_stand_in
-from tests.vllm_cases import (
-    Fp8PlannedAsUint8,
-    check_step,
-    magnitude_params,
-    run_case,
-    run_sequence,
-    step_params,
-)
+from tests.vllm_cases import magnitude_params, step_params
 
 pytestmark = pytest.mark.vllm
 
@@ -76,19 +71,16 @@ def drawn_phases() -> tuple:
           phases=drawn_phases())
 @given(case=input_cases(), seed=st.integers(0, 2**31 - 1))
 @with_covering_examples
-def test_drawn_production_inputs_through_vllm(vllm_backend, device, case, seed, request):
+def test_drawn_production_inputs_through_vllm(vllm_backend, device, case, seed, judge):
     """Any case of the production input space (block sizes, batch composition, context sources,
     kpool and topk, kernel variants, heads) through vLLM's build() and forward_mqa(): every row
     executes its valid count and its intended slots. The case's kv_indices layout is the
     project's axis; vLLM lays out its own."""
     record_input(classify(case.spec, case.layout))
-    scenario = build_scenario(case.spec, seed)
     with pytest.MonkeyPatch.context() as mp:
         fa3_stand_in.install(mp, stand_in_for(vllm_backend))
-        layer = vllm_backend.open_layer(layer_config(case.spec, max(scenario.topk_indices.shape[0], 1)), device)
-        inputs = build_attention_inputs(scenario, device)
         try:
-            check_step(vllm_backend, layer, scenario, inputs, request, compare=False)
+            run_case(judge.raising_findings(), vllm_backend, case.spec, device, seed=seed, compare=False)
         except Fp8PlannedAsUint8:
             assert vllm_backend.plans_fp8_as_storage_dtype, "an fp8 plan refused by a release that maps it to e4m3"
 
@@ -197,24 +189,24 @@ def test_an_import_no_stand_in_covers_fails_by_name(vllm_backend):
 
 
 @pytest.mark.parametrize("case, config", step_params())
-def test_step_executes_each_rows_valid_count(vllm_backend, stand_in, case, config, device, request):
-    run_case(vllm_backend, case, config, device, request)
+def test_step_executes_each_rows_valid_count(vllm_backend, stand_in, case, config, device, judge):
+    run_case(judge, vllm_backend, config.apply(case.spec), device)
 
 
 @pytest.mark.edge("magnitude")
 @pytest.mark.parametrize("case, config", magnitude_params())
-def test_magnitude_edge(vllm_backend, stand_in, case, config, device, request):
+def test_magnitude_edge(vllm_backend, stand_in, case, config, device, judge):
     """Raw scores far from zero: vLLM's executed lengths and slots, and its output over them."""
-    run_case(vllm_backend, case, config, device, request, seed=41)
+    run_case(judge, vllm_backend, config.apply(case.spec), device, seed=41)
 
 
 @pytest.mark.parametrize("kpool", [1, 4])
-def test_sequence_keeps_clamps_and_replans(vllm_backend, stand_in, kpool, device, request):
+def test_sequence_keeps_clamps_and_replans(vllm_backend, stand_in, kpool, device, judge):
     """Steps through one layer: every step's executed lengths are its own valid counts, whether
     the plan was made fresh, kept or made again. The bounded design keeps its plan while the
     bounds stay within its slack, so it plans fewer times than there are steps; the exact
     design plans every step."""
-    layer, outcomes = run_sequence(vllm_backend, kpool, BF16, device, request)
+    layer, outcomes = run_sequence(judge, vllm_backend, sequence_steps(kpool, BF16), device)
     plans = layer.plans
     if vllm_backend.design == "bounded":
         assert plans < len(outcomes), f"vLLM {vllm_backend.version} planned {plans} times for {len(outcomes)} steps"
@@ -223,22 +215,19 @@ def test_sequence_keeps_clamps_and_replans(vllm_backend, stand_in, kpool, device
 
 
 @pytest.mark.parametrize("source", ["host bound", "positions", "seq_lens"])
-def test_every_context_source(vllm_backend, stand_in, source, device, request):
+def test_every_context_source(vllm_backend, stand_in, source, device, judge):
     """The spec-decode and async situations with the host bound, without it (the builder reads
     the positions or the seq_lens), and the bound's exactness as the design says."""
     changes = {"host bound": {}, "positions": dict(with_host_bound=False),
                "seq_lens": dict(with_host_bound=False, with_positions=False)}[source]
     for case in [c for c in situation_cases(4) if "spec-decode" in c.name]:
-        spec = BF16.apply(case.spec).replace(**changes)
-        scenario = build_scenario(spec, 3)
-        layer = vllm_backend.open_layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
-        outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
+        outcome = run_case(judge, vllm_backend, BF16.apply(case.spec).replace(**changes), device, seed=3)
         bounded = vllm_backend.design == "bounded" and source == "host bound"
         assert outcome.host_exact is not bounded, f"{case.name}: host lengths exact={outcome.host_exact}"
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_full_graph_step_plans_its_query_rows(vllm_backend, stand_in, async_scheduling, device, request):
+def test_a_full_graph_step_plans_its_query_rows(vllm_backend, stand_in, async_scheduling, device, judge):
     """Spec-decode rows around topk in the FULL CUDA graph of 15 tokens, the metadata as vLLM's
     runner pads it (the token count and decode split count the padded rows, padded requests
     trail): vLLM's build plans the 6 query rows alone, and each executes its valid count."""
@@ -247,18 +236,15 @@ def test_a_full_graph_step_plans_its_query_rows(vllm_backend, stand_in, async_sc
                                          host_bound_slack=2 if async_scheduling else 0)), 15)
     scenario = build_scenario(spec, 7)
     assert (scenario.meta.num_actual_tokens, scenario.num_rows, scenario.meta.num_reqs) == (15, 6, 5)
-    layer = vllm_backend.open_layer(layer_config(spec, scenario.topk_indices.shape[0]), device)
-    outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
+    outcome = run_case(judge, vllm_backend, spec, device, seed=7)
     assert outcome.planned_rows == 6 and outcome.executed_lengths.numel() == 6
 
 
-def test_adaptive_verification_bounds_every_row_by_the_longest(vllm_backend, stand_in, device, request):
+def test_adaptive_verification_bounds_every_row_by_the_longest(vllm_backend, stand_in, device, judge):
     case = next(c for c in situation_cases(4) if c.name.startswith("spec-decode"))
     spec = BF16.apply(case.spec)
     scenario = build_scenario(spec, 5)
-    layer = vllm_backend.open_layer(
-        layer_config(spec, scenario.topk_indices.shape[0], adaptive_verification=True), device)
-    outcome = check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
+    outcome = run_case(judge, vllm_backend, spec, device, seed=5, adaptive_verification=True)
     if vllm_backend.design == "bounded":
         longest = min(max(r.seq_len for r in spec.requests), spec.topk + spec.kpool - 1)
         assert outcome.host_lengths.tolist() == [longest] * scenario.num_rows

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from harness.backend_step import layer_config
 from harness.builder import build_scenario
 from harness.cases import KernelConfig
-from harness.device_inputs import build_attention_inputs
 from harness.findings import PaddedGraphRowsUnplanned, padded_graph_step
+from harness.judge import run_case
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK
+from pytest_sparse_mla.judge import flashinfer_checks_query_shape
 from tests import fa3_stand_in
-from tests.vllm_cases import check_step, flashinfer_checks_query_shape
 
 pytestmark = pytest.mark.vllm
 
@@ -36,23 +35,20 @@ def test_the_step_is_a_padded_full_graph_step():
 
 
 @pytest.mark.parametrize("checks", [False, True], ids=["0.7.2-style", "0.7.4-style"])
-def test_the_stand_in_declares_whether_it_checks_the_query_shape(checks, monkeypatch, request):
+def test_the_stand_in_declares_whether_it_checks_the_query_shape(checks, monkeypatch):
     wrapper = fa3_stand_in.StandInQueryShapeWrapper if checks else fa3_stand_in.StandInWrapper
     fa3_stand_in.install(monkeypatch, wrapper)
-    assert flashinfer_checks_query_shape(request) is checks
+    assert flashinfer_checks_query_shape() is checks
 
 
 def test_padded_full_graph_step_on_a_flashinfer_that_checks_the_query_shape(vllm_backend, device, monkeypatch,
-                                                                           request):
+                                                                           judge):
     if vllm_backend.design != "bounded":
         pytest.skip(f"vLLM {vllm_backend.version} ({vllm_backend.design} design) plans the strided layout, which "
                     "every FlashInfer that checks the query shape (0.7.4) refuses at plan: the pairing cannot run")
     fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInQueryShapeWrapper)
-    spec = padded_decode_step()
-    scenario = build_scenario(spec, 3)
-    layer = vllm_backend.open_layer(layer_config(spec, scenario.meta.num_actual_tokens), device)
     try:
-        check_step(vllm_backend, layer, scenario, build_attention_inputs(scenario, device), request)
+        run_case(judge, vllm_backend, padded_decode_step(), device, seed=3)
     except PaddedGraphRowsUnplanned as exc:
         assert "planned the 3 query rows" in str(exc) and "ran 4 rows" in str(exc), str(exc)
         raise

@@ -16,8 +16,9 @@ import pytest
 
 from backends.port import KERNELS
 from backends.registry import open_backend
+from harness.judge import run_case
 from harness.launch import DEVICE
-from tests.vllm_cases import run_case, step_params
+from tests.vllm_cases import step_params
 
 pytestmark = pytest.mark.gpu
 
@@ -28,5 +29,5 @@ def port_backend(request):
 
 
 @pytest.mark.parametrize("case, config", step_params())
-def test_step_on_each_flashinfer_kernel(port_backend, case, config, request):
-    run_case(port_backend, case, config, DEVICE, request)
+def test_step_on_each_flashinfer_kernel(port_backend, judge, case, config):
+    run_case(judge, port_backend, config.apply(case.spec), DEVICE)

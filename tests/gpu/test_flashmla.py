@@ -9,8 +9,9 @@ Each step runs vLLM's ``build()`` and ``forward_mqa()`` (its convert kernel, hea
 are handed is read at their door, and every routed row's executed length must equal its valid
 count, its slots its intended selection (a), and its output and LSE the oracle over (a) within
 the error budget of ``reference.budget`` (measured for FA3: a failure reports FlashMLA's ratios,
-from which its own budget is to be set). The differential test writes each case's errors of both
-kernels as a JSON line (``tests.flashmla_cases.table_path``; ``scripts/flashmla_table.py`` makes
+from which its own budget is to be set); every step is judged by ``harness.judge`` (the
+``judge`` fixture). The differential test writes each case's errors of both
+kernels as a JSON line (``pytest_sparse_mla.flashmla_table.table_path``; ``scripts/flashmla_table.py`` makes
 the docs table of a run).
 """
 
@@ -20,29 +21,20 @@ import pytest
 
 from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
 from backends.registry import open_backend
-from harness.backend_step import layer_config, output_comparisons, run_step
+from harness.backend_step import layer_config
 from harness.builder import build_scenario
-from harness.cases import KernelConfig, large_batch_cases
+from harness.cases import KernelConfig, large_batch_cases, sequence_steps
+from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify
+from harness.judge import measured, run_case, run_sequence
 from harness.launch import DEVICE
 from pytest_sparse_mla.coverage import record_input
+from pytest_sparse_mla.flashmla_table import max_difference, table_row, write_table_row
 from tests import flashmla_cases
-from tests.flashmla_cases import (
-    gpu_regime_params,
-    gpu_shaped_params,
-    max_difference,
-    measured,
-    run_case,
-    run_sequence,
-    scenario_and_inputs,
-    skip_unsupported,
-    table_row,
-    write_table_row,
-)
+from tests.flashmla_cases import gpu_regime_params, gpu_shaped_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-flashmla_source = flashmla_cases.flashmla_source
 GPU_PARAMS = gpu_regime_params() + gpu_shaped_params()
 
 
@@ -63,84 +55,69 @@ def flashmla_on_gpu(flashmla_load):
     return backend
 
 
-@pytest.fixture(scope="module")
-def fa3_twin():
-    """The project's own path on FlashInfer's fa3 (``port-fa3``) on the same scenario and inputs."""
-    port = open_backend("port-fa3")
-
-    def twin(scenario, inputs):
-        layer = port.open_layer(layer_config(scenario.spec, max(scenario.topk_indices.shape[0], 1)), DEVICE)
-        return port, run_step(layer, scenario, inputs)
-
-    return twin
-
-
 def test_flashmla_kernels_load_here(flashmla_load):
     assert flashmla_load[1] is None, flashmla_load[1]
 
 
 @pytest.mark.parametrize("case, config", GPU_PARAMS)
-def test_step_on_flashmla(flashmla_on_gpu, case, config, request):
-    run_case(flashmla_on_gpu, case, config, DEVICE, request)
+def test_step_on_flashmla(flashmla_on_gpu, judge, case, config):
+    run_case(judge, flashmla_on_gpu, config.apply(case.spec), DEVICE)
 
 
 @pytest.mark.parametrize("case, config", GPU_PARAMS)
-def test_flashmla_and_fa3_against_the_oracle(flashmla_on_gpu, fa3_twin, case, config, request):
+def test_flashmla_and_fa3_against_the_oracle(flashmla_on_gpu, judge, case, config, request):
     """FlashMLA (through vLLM's FLASHMLA_SPARSE) and FA3 (through the project's path) on one
     scenario and one set of inputs, each against the float64 oracle over (a): where they differ
     beyond the budget, the oracle names the kernel that is off. The case's errors of both go to
     the table (``scripts/flashmla_table.py``)."""
-    scenario, inputs = scenario_and_inputs(case, config, DEVICE)
-    max_tokens = max(scenario.topk_indices.shape[0], 1)
-    skip_unsupported(flashmla_on_gpu, scenario.spec, max_tokens)
-    layer = flashmla_on_gpu.open_layer(layer_config(scenario.spec, max_tokens), DEVICE)
-    ours = run_step(layer, scenario, inputs)
-    port, theirs = fa3_twin(scenario, inputs)
+    scenario = build_scenario(config.apply(case.spec), 0)
+    inputs = build_attention_inputs(scenario, DEVICE)
+    config_of_layer = layer_config(scenario.spec, max(scenario.topk_indices.shape[0], 1))
+    judge.admit(flashmla_on_gpu, config_of_layer)
+    port = open_backend("port-fa3")
+    verdicts = {name: judge.verdict(backend, backend.open_layer(config_of_layer, DEVICE), scenario, inputs)
+                for name, backend in (("flashmla", flashmla_on_gpu), ("fa3", port))}
+    ours, theirs = verdicts["flashmla"].outcome, verdicts["fa3"].outcome
     n = ours.planned_rows
     assert theirs.planned_rows == n, f"FlashMLA serves {n} rows, FA3 {theirs.planned_rows}; {scenario.describe()}"
     if n == 0:
         return
-    by_kernel = {"flashmla": output_comparisons(ours, scenario, inputs, kernel=flashmla_on_gpu.kernel),
-                 "fa3": output_comparisons(theirs, scenario, inputs, kernel=port.kernel)}
-    regime_log = request.getfixturevalue("regime_log")
-    regimes = scenario.row_regime[:n]
-    regime_log.step(ours, regimes, comparisons=by_kernel["flashmla"], spec=scenario.spec)
-    regime_log.step(theirs, regimes, comparisons=by_kernel["fa3"], spec=scenario.spec)
+    by_kernel = {name: v.comparisons for name, v in verdicts.items()}
     differences = {"out_max_diff": max_difference(ours.out[:n], theirs.out[:n]),
                    "lse_max_diff": max_difference(ours.lse[:n], theirs.lse[:n])}
     write_table_row(request, table_row(request, scenario, config, n, by_kernel, differences))
-    off = [name for name, comparisons in by_kernel.items() if not all(c.ok for c in comparisons)]
+    off = [name for name, v in verdicts.items() if not v.passed]
     assert not off, (
-        f"{' and '.join(off)} beyond the error budget of the oracle over (a); the two differ by out "
+        f"{' and '.join(off)} off against the oracle over (a); the two differ by out "
         f"{differences['out_max_diff']:.3g}, lse {differences['lse_max_diff']:.3g}. FlashMLA: "
-        f"{measured(by_kernel['flashmla'])}; FA3: {measured(by_kernel['fa3'])}; {scenario.describe()}\n"
-        + "\n".join(c.summary(scenario.row_regime) for name in off for c in by_kernel[name] if not c.ok))
+        f"{measured(by_kernel['flashmla'])}; FA3: {measured(by_kernel['fa3'])}\n"
+        + "\n".join(str(verdicts[name].failure) for name in off))
 
 
 @pytest.mark.parametrize("config", [KernelConfig("bfloat16", True, 64), KernelConfig("float8_e4m3fn", True, 16, 0.5),
                                     KernelConfig("float8_e4m3fn", True, 128, 1.0)], ids=lambda c: c.id)
 @pytest.mark.parametrize("kpool", [1, 4])
-def test_sequence_on_flashmla(flashmla_on_gpu, kpool, config, request):
+def test_sequence_on_flashmla(flashmla_on_gpu, judge, kpool, config):
     """Steps through one layer and one cache; the fp8 decode kernel builds a tile schedule for
     every step that runs it (vLLM's builder hands a fresh FlashMLASchedMeta each build)."""
-    layer, outcomes = run_sequence(flashmla_on_gpu, kpool, config, DEVICE, request)
+    layer, outcomes = run_sequence(judge, flashmla_on_gpu, sequence_steps(kpool, config), DEVICE)
     ran = sum(1 for o in outcomes if o.planned_rows)
     assert layer.plans == (ran if config.kv_dtype == "float8_e4m3fn" else 0), f"{layer.plans} schedules, {ran} steps"
 
 
 @pytest.mark.parametrize(("case", "layout"), flashmla_cases.gpu_input_space_params())
-def test_the_input_spaces_covering_design_on_flashmla(flashmla_on_gpu, case, layout, request):
+def test_the_input_spaces_covering_design_on_flashmla(flashmla_on_gpu, judge, case, layout):
     """Every value class of the production input space but the kernel variant (block sizes,
     batch composition, CUDA-graph padding, context sources, kpool and topk, heads, slot ids past
     2**23) on FlashMLA's kernels, in DeepSeek-V3.2's configurations."""
     record_input(classify(case.spec, layout))
-    flashmla_cases.run_scenario(flashmla_on_gpu, build_scenario(case.spec, seed=0), DEVICE, request)
+    run_case(judge, flashmla_on_gpu, case.spec, DEVICE)
 
 
 @pytest.mark.gpu_large
 @pytest.mark.parametrize("config", [KernelConfig("bfloat16", True, 128), KernelConfig("float8_e4m3fn", True, 64, 0.5)],
                          ids=lambda c: c.id)
 @pytest.mark.parametrize("case", large_batch_cases(), ids=lambda c: c.id)
-def test_large_batch_on_flashmla(flashmla_on_gpu, case, config, request):
+def test_large_batch_on_flashmla(flashmla_on_gpu, judge, case, config):
     """About 66 and 132 rows, contexts up to 128k, slot ids past 2**23."""
-    run_case(flashmla_on_gpu, case, config, DEVICE, request)
+    run_case(judge, flashmla_on_gpu, config.apply(case.spec), DEVICE)

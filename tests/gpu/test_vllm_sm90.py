@@ -7,9 +7,11 @@ run); FlashInfer's schedule is read back after the plan and the clamp, and every
 executed KV length must equal its valid count, its executed slots its intended selection (a),
 and its output the float64 oracle over (a) within the error budget (an output beyond it passes
 only where it is bit for bit FlashInfer's output through the project's own path on the same
-inputs: the kernel's rounding, counted in the summary). Under the upgrade check each case records
-its output and its rows' executed KV lengths, so a comparison shows drift in what vLLM writes
-into FlashInfer's schedule as well as in what the kernel returns. A vLLM release whose design
+inputs: the kernel's rounding, counted in the summary). Every step is judged by ``harness.judge``
+through the ``judge`` fixture: under the upgrade check each step records its output and its
+rows' executed, planned and host lengths, so a comparison shows drift in what vLLM writes into
+FlashInfer's schedule as well as in what the kernel returns; under ``--dump-failures`` a failing
+case is written with the release and module it ran (``pytest --replay`` runs it again). A vLLM release whose design
 cannot run on the installed FlashInfer fails one test with the reason
 (:func:`backends.vllm_source.incompatibility`); its other tests are skipped with it.
 """
@@ -18,26 +20,13 @@ from __future__ import annotations
 
 import pytest
 
-from backends.registry import open_backend
 from backends.vllm_source import incompatibility
-from harness.backend_step import layer_config, run_step
-from harness.builder import build_scenario
-from harness.cases import KernelConfig
-from harness.device_inputs import build_attention_inputs
+from harness.cases import KernelConfig, sequence_steps
+from harness.judge import port_twin, run_case, run_sequence
 from harness.launch import DEVICE
-from tests.vllm_cases import (
-    check_step,
-    expect_findings,
-    input_space_params,
-    large_params,
-    magnitude_params,
-    run_case,
-    run_sequence,
-    step_params,
-)
+from tests.vllm_cases import input_space_params, large_params, magnitude_params, step_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-
 
 
 def _installed_flashinfer() -> tuple[int, int, int]:
@@ -64,13 +53,7 @@ def vllm_on_gpu(vllm_backend, pairing):
 def fa3_twin():
     """FlashInfer's output through the project's own path (``port-fa3``: an exact plan, the
     compacted layout) on the same scenario and inputs."""
-    port = open_backend("port-fa3")
-
-    def twin(scenario, inputs):
-        layer = port.open_layer(layer_config(scenario.spec, max(scenario.topk_indices.shape[0], 1)), DEVICE)
-        return run_step(layer, scenario, inputs).out
-
-    return twin
+    return port_twin(DEVICE)
 
 
 def test_vllm_release_runs_on_this_flashinfer(vllm_backend, pairing):
@@ -78,21 +61,21 @@ def test_vllm_release_runs_on_this_flashinfer(vllm_backend, pairing):
 
 
 @pytest.mark.parametrize("case, config", step_params())
-def test_step_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, case, config, request):
-    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin, baseline=baseline)
+def test_step_on_flashinfer(vllm_on_gpu, fa3_twin, judge, case, config):
+    run_case(judge, vllm_on_gpu, config.apply(case.spec), DEVICE, twin=fa3_twin)
 
 
 @pytest.mark.gpu_large
 @pytest.mark.parametrize("case, config", large_params())
-def test_large_batch_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, case, config, request):
-    run_case(vllm_on_gpu, case, config, DEVICE, request, twin=fa3_twin, baseline=baseline)
+def test_large_batch_on_flashinfer(vllm_on_gpu, fa3_twin, judge, case, config):
+    run_case(judge, vllm_on_gpu, config.apply(case.spec), DEVICE, twin=fa3_twin)
 
 
 @pytest.mark.parametrize("kpool", [1, 4])
 @pytest.mark.parametrize("config", [KernelConfig("bfloat16", True, 64), KernelConfig("float8_e4m3fn", False, 16, 0.5)],
                          ids=lambda c: c.id)
-def test_sequence_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, kpool, config, request):
-    layer, outcomes = run_sequence(vllm_on_gpu, kpool, config, DEVICE, request, twin=fa3_twin, baseline=baseline)
+def test_sequence_on_flashinfer(vllm_on_gpu, fa3_twin, judge, kpool, config):
+    layer, outcomes = run_sequence(judge, vllm_on_gpu, sequence_steps(kpool, config), DEVICE, twin=fa3_twin)
     if vllm_on_gpu.design == "bounded":
         assert layer.plans < len(outcomes), f"planned {layer.plans} times for {len(outcomes)} steps"
     else:
@@ -101,18 +84,15 @@ def test_sequence_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, kpool, config, 
 
 @pytest.mark.edge("magnitude")
 @pytest.mark.parametrize("case, config", magnitude_params())
-def test_magnitude_edge_on_flashinfer(vllm_on_gpu, fa3_twin, baseline, case, config, request):
+def test_magnitude_edge_on_flashinfer(vllm_on_gpu, fa3_twin, judge, case, config):
     """Raw scores far from zero through vLLM's backend: executed lengths and slots as always, the
     output within the budget or bit for bit the project's own FA3 path (where the kernel's own
     score-precision finding shows, docs/findings.md#score-precision-at-2-15)."""
-    run_case(vllm_on_gpu, case, config, DEVICE, request, seed=41, twin=fa3_twin, baseline=baseline)
+    run_case(judge, vllm_on_gpu, config.apply(case.spec), DEVICE, seed=41, twin=fa3_twin)
 
 
 @pytest.mark.parametrize("case", input_space_params())
-def test_input_space_covering_design_on_flashinfer(vllm_on_gpu, fa3_twin, case, request):
+def test_input_space_covering_design_on_flashinfer(vllm_on_gpu, fa3_twin, judge, case):
     """Every value class of every dimension of the production input space through vLLM's
     build() and forward_mqa() on FlashInfer."""
-    scenario = build_scenario(case.spec, 0)
-    layer = vllm_on_gpu.open_layer(layer_config(case.spec, max(scenario.topk_indices.shape[0], 1)), DEVICE)
-    expect_findings(vllm_on_gpu, case.spec, request)
-    check_step(vllm_on_gpu, layer, scenario, build_attention_inputs(scenario, DEVICE), request, twin=fa3_twin)
+    run_case(judge, vllm_on_gpu, case.spec, DEVICE, twin=fa3_twin)

@@ -1,0 +1,295 @@
+"""The one judge of a step any backend ran behind the seam (``backends.seam``), and the one way a
+test runs a case or a sequence through a backend.
+
+:func:`judge_step` runs one step and returns a :class:`Verdict`: the backend's
+:class:`~backends.seam.StepOutcome`, the problems of the rows it served (routing, executed lengths
+against valid counts, executed slots against the intended selection (a), what the read-back of
+the schedule found malformed: ``harness.backend_step``), the output (and LSE) against the
+float64 oracle over (a) within the error budget, the known findings the step is expected to show
+(``harness.findings``), and the failure, if any, as the exception the test raises: a known
+finding's own exception where the finding decides the step, else an ``AssertionError`` naming the
+backend, the rows, their regimes and lengths.
+
+:func:`run_case` and :func:`run_sequence` build the scenarios from their specs and seeds, open
+one layer, and hand each step to a *judge*: any object with ``admit(backend, config)`` (raise
+where the test should not run the configuration) and ``step(backend, layer, scenario, inputs,
+...)`` (judge, report, raise the verdict's failure). The pytest
+plugin's ``judge`` fixture is that object for every test and for the replay of a written case;
+what it records for ``--dump-failures`` is noted here, before each step
+(:func:`harness.case_log.note_backend_case`), so a failing case is written as the steps that ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from backends.seam import StepOutcome
+from reference import Comparison
+
+from .backend_step import (
+    context,
+    executed_length_problems,
+    layer_config,
+    output_comparisons,
+    problem_rows,
+    routing_problems,
+    run_step,
+    selection_problems,
+)
+from .builder import build_scenario
+from .case_log import note_backend_case
+from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
+from .findings import (
+    FP8_AS_UINT8_FINDING,
+    KPE_SCALE_FINDING,
+    PADDED_GRAPH_ROWS_FINDING,
+    QUERY_SHAPE_REFUSAL,
+    SLOT_ZERO_FINDING,
+    UINT8_REFUSAL,
+    Fp8PlannedAsUint8,
+    KpeScaleIgnored,
+    PaddedGraphRowsUnplanned,
+    SlotZeroLoaded,
+    is_vllm_backend,
+    kpe_scale_ignored,
+    padded_graph_step,
+)
+from .spec import Scenario
+
+
+@dataclass(frozen=True)
+class KnownFinding:
+    """A finding that decides a step's outcome: the test is a strict xfail expecting ``exception``."""
+
+    exception: type[AssertionError]
+    reason: str
+
+
+FP8_AS_UINT8 = KnownFinding(Fp8PlannedAsUint8, FP8_AS_UINT8_FINDING)
+KPE_SCALE = KnownFinding(KpeScaleIgnored, KPE_SCALE_FINDING)
+PADDED_GRAPH_ROWS = KnownFinding(PaddedGraphRowsUnplanned, PADDED_GRAPH_ROWS_FINDING)
+SLOT_ZERO = KnownFinding(SlotZeroLoaded, SLOT_ZERO_FINDING)
+
+
+@dataclass
+class Verdict:
+    """What the judge found of one step. ``failure``: the exception the test raises (None: the
+    step passed); ``kernel_rounding``: the output is beyond the budget and bit for bit the twin's
+    (the kernel's own rounding on these inputs, not the backend's doing: it passes, counted)."""
+
+    backend: str
+    where: str
+    outcome: StepOutcome | None = None  # None: the backend refused the step as a known finding
+    problems: list[str] = field(default_factory=list)
+    comparisons: list[Comparison] = field(default_factory=list)
+    expected: list[KnownFinding] = field(default_factory=list)
+    failure: AssertionError | None = None
+    kernel_rounding: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+    @property
+    def problem_rows(self) -> list[int]:
+        return problem_rows(self.problems, self.outcome.planned_rows) if self.outcome is not None else []
+
+
+def never() -> bool:
+    return False
+
+
+def expected_findings(backend, spec, query_shape_checked: Callable[[], bool] = never) -> list[KnownFinding]:
+    """The known findings a step of ``spec`` through ``backend`` shows before its outputs are seen:
+    on a vLLM release, an fp8 cache on a release that plans it as uint8 (refused at plan), else
+    an fp8 cache with rope and k_scale != 1 (kpe read without k_scale); a padded FULL graph step
+    on a FlashInfer that checks the query shape at run (``query_shape_checked()``, asked only of
+    such a step)."""
+    if not is_vllm_backend(backend):
+        return []
+    found = []
+    if spec.kv_dtype == "float8_e4m3fn" and backend.plans_fp8_as_storage_dtype:
+        found.append(FP8_AS_UINT8)
+    elif kpe_scale_ignored(spec):
+        found.append(KPE_SCALE)
+    if padded_graph_step(spec) and query_shape_checked():
+        found.append(PADDED_GRAPH_ROWS)
+    return found
+
+
+def refusal_as_finding(backend, scenario: Scenario, exc: ValueError) -> AssertionError | None:
+    """A backend's refusal of a step that is a known finding, as the finding's exception; None
+    for any other error."""
+    if not is_vllm_backend(backend):
+        return None
+    text = str(exc)
+    if UINT8_REFUSAL in text and scenario.spec.kv_dtype == "float8_e4m3fn":
+        return Fp8PlannedAsUint8(f"vLLM {backend.version}: FlashInfer refused the plan: {exc}; {scenario.describe()}")
+    if QUERY_SHAPE_REFUSAL in text and padded_graph_step(scenario.spec):
+        return PaddedGraphRowsUnplanned(
+            f"vLLM {backend.version}: FlashInfer's run() refused the padded FULL graph step: {exc}; vLLM's build() "
+            f"planned the {scenario.num_rows} query rows (query_start_loc_cpu[-1]) and forward_mqa ran "
+            f"{scenario.meta.num_actual_tokens} rows (num_actual_tokens, padded); {scenario.describe()}")
+    return None
+
+
+def slot_zero_rows(backend, layer, outcome: StepOutcome, inputs: AttentionInputs | None) -> list[int]:
+    """On FlashInfer's own kernel, the rows that load, past their executed length, an entry vLLM
+    packed as slot 0 whose KV row is not finite (``VllmLayer.slots_loaded_past_length``). A release
+    that packs the row's first slot there reads finite data and meets none."""
+    if inputs is None or not is_vllm_backend(backend) or not getattr(layer, "on_flashinfer", False):
+        return []
+    loaded = layer.slots_loaded_past_length(outcome)
+    if not loaded:
+        return []
+    cache = inputs.kv_cache.reshape(-1, inputs.kv_cache.shape[-1])
+    if bool(torch.isfinite(cache[0].float()).all()):
+        return []
+    return sorted(r for r, slots in loaded.items() if 0 in slots)
+
+
+def nonfinite_rows(out: torch.Tensor) -> list[int]:
+    return (~torch.isfinite(out.float())).flatten(1).any(1).nonzero().flatten().tolist()
+
+
+def measured(comparisons: list[Comparison]) -> str:
+    return ", ".join(f"{c.name} max {c.max_ratio:.2f}x lowp, mean {c.mean_ratio:.2f}x, rel L2 {c.rel_l2:.3g}"
+                     for c in comparisons)
+
+
+#: ``twin(scenario, inputs)``: the output of the same step through another path (the project's
+#: own, ``port-fa3``) on the same inputs.
+Twin = Callable[[Scenario, AttentionInputs], torch.Tensor]
+
+
+def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | None, *, compare: bool = True,
+               twin: Twin | None = None, query_shape_checked: Callable[[], bool] = never,
+               context_of_step: str = "") -> Verdict:
+    """Run one step of ``scenario`` on ``layer`` (plan only where ``inputs`` is None) and judge it.
+
+    An output beyond the budget passes where it is bit for bit ``twin``'s on the same inputs
+    (``Verdict.kernel_rounding``): the kernel's rounding, which the kernel's own tests judge.
+    ``context_of_step`` (a sequence's ``step i of n``) leads every failure message."""
+    expected = expected_findings(backend, scenario.spec, query_shape_checked)
+    lead = f"{context_of_step}: " if context_of_step else ""
+    where = f"{lead}{scenario.describe()}; {backend.describe()}"
+    try:
+        outcome = run_step(layer, scenario, inputs)
+    except ValueError as exc:
+        finding = refusal_as_finding(backend, scenario, exc)
+        if finding is None:
+            raise
+        return Verdict(backend.name, where, expected=expected, failure=finding)
+    where = f"{lead}{context(outcome, scenario)}; {backend.describe()}"
+    verdict = Verdict(backend.name, where, outcome, expected=expected)
+    slot_zero = slot_zero_rows(backend, layer, outcome, inputs)
+    if slot_zero:
+        verdict.expected.append(SLOT_ZERO)
+    verdict.problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
+                        + selection_problems(outcome, scenario))
+    if compare and inputs is not None and outcome.planned_rows:
+        verdict.comparisons = output_comparisons(outcome, scenario, inputs, kernel=getattr(backend, "kernel", None))
+    if verdict.problems:
+        verdict.failure = AssertionError(f"{where}\n" + "\n".join(verdict.problems[:12]))
+        return verdict
+    bad = [c for c in verdict.comparisons if not c.ok]
+    if not bad:
+        return verdict
+    summary = "\n".join(c.summary(scenario.row_regime) for c in bad)
+    n = outcome.planned_rows
+    if KPE_SCALE in expected:
+        verdict.failure = KpeScaleIgnored(f"{where}\n{summary}")
+    elif slot_zero and nonfinite_rows(outcome.out[:n]) == slot_zero:
+        verdict.failure = SlotZeroLoaded(f"{where}\nrows {slot_zero} load slot 0 (not finite) past their executed "
+                                         f"length and are not finite\n{summary}")
+    elif twin is not None and torch.equal(outcome.out[:n], twin(scenario, inputs)[:n]):
+        verdict.kernel_rounding = True
+    else:
+        verdict.failure = AssertionError(f"{outcome.backend}'s output vs (a) beyond the error budget (measured: "
+                                         f"{measured(verdict.comparisons)}); {where}\n{summary}")
+    return verdict
+
+
+def port_twin(device) -> Twin:
+    """The project's own path on FlashInfer's fa3 (``port-fa3``: an exact plan of the intended
+    selection, the compacted layout) as a twin."""
+    from backends.registry import open_backend
+
+    port = open_backend("port-fa3")
+
+    def twin(scenario: Scenario, inputs: AttentionInputs) -> torch.Tensor:
+        layer = port.open_layer(layer_config(scenario.spec, max(scenario.topk_indices.shape[0], 1)), device)
+        return run_step(layer, scenario, inputs).out
+
+    return twin
+
+
+# --- running cases -------------------------------------------------------------------------------
+
+
+def module_digest(backend) -> str | None:
+    """sha256 of the text of the code under test that the backend loaded (``backend.module``'s
+    file: a vLLM release's SM90 module or FLASHMLA_SPARSE); None for the project's own port."""
+    module = getattr(backend, "module", None)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    with open(path, "rb") as source:
+        return hashlib.sha256(source.read()).hexdigest()
+
+
+def backend_identity(backend) -> dict:
+    """What a written case records of the backend it failed on."""
+    return {"name": backend.name, "kernel": getattr(backend, "kernel", None),
+            "release": getattr(backend, "version", None), "module_digest": module_digest(backend)}
+
+
+def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInputs:
+    """The step's inputs with its KV cache written into the front of ``cache``, the one cache
+    every step of a sequence shares (as the engine's does; the rest stays NaN)."""
+    flat = cache.view(-1, cache.shape[-1])
+    own = inputs.kv_cache.view(-1, cache.shape[-1])
+    flat[: own.shape[0]] = own
+    return AttentionInputs(inputs.q_nope, inputs.q_pe, cache)
+
+
+def run_case(judge, backend, spec, device, *, seed: int = 0, twin: Twin | None = None, compare: bool = True,
+             adaptive_verification: bool = False) -> StepOutcome:
+    """One step of ``spec`` (built with ``seed``) through a fresh layer of ``backend``, judged."""
+    return run_sequence(judge, backend, [(spec, seed)], device, twin=twin, compare=compare, kind="step",
+                        adaptive_verification=adaptive_verification)[1][0]
+
+
+def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twin: Twin | None = None,
+                 compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False):
+    """``steps`` (``(spec, seed)`` pairs, in order) through one layer and, with ``with_inputs``,
+    one KV cache they share; each step judged. Returns ``(layer, outcomes)``."""
+    specs = [spec for spec, _ in steps]
+    scenarios = [build_scenario(spec, seed) for spec, seed in steps]
+    max_tokens = max(max(s.topk_indices.shape[0] for s in scenarios), 1)
+    config = layer_config(specs[0], max_tokens, adaptive_verification=adaptive_verification)
+    judge.admit(backend, config)
+    layer = backend.open_layer(config, device)
+    cache = None
+    if with_inputs and kind == "sequence":
+        blocks = max(s.num_blocks for s in scenarios)
+        cache = nan_kv_buffer((blocks, specs[0].block_size, specs[0].head_dim), specs[0].kv_dtype, device)
+    case = {"kind": kind, "backend": backend_identity(backend), "max_tokens": max_tokens, "twin": twin is not None,
+            "compare": compare, "with_inputs": with_inputs, "adaptive_verification": adaptive_verification,
+            "steps": []}
+    outcomes = []
+    for i, scenario in enumerate(scenarios):
+        case["steps"].append({"spec": scenario.spec, "seed": scenario.seed})
+        note_backend_case(case)
+        inputs = None
+        if with_inputs:
+            inputs = build_attention_inputs(scenario, device)
+            inputs = in_one_cache(inputs, cache) if cache is not None else inputs
+        label, of = (f"_step{i}", f"step {i} of the sequence's {len(scenarios)}") if kind == "sequence" else ("", "")
+        outcomes.append(judge.step(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label,
+                                   context_of_step=of))
+    return layer, outcomes

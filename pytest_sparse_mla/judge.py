@@ -1,0 +1,175 @@
+"""The ``judge`` fixture: the one place a test's step through a backend is judged and reported.
+
+A test runs its case with ``harness.judge.run_case`` / ``run_sequence`` and this fixture. Each
+step goes to ``harness.judge.judge_step``; the verdict is then read here and only here:
+
+- the known findings it expects become the test's strict xfails, each expecting its own
+  exception (``harness.findings``);
+- the regime table counts the rows each backend served, the launches, the rows read back and
+  the error ratios (``regime_log.step``), and blames the regimes of failing rows;
+- an output beyond the budget that is bit for bit the twin's is counted as the kernel's rounding
+  (``VLLM_TWIN_KEY``);
+- under the upgrade check the step's outputs, integer results (executed, planned and host
+  lengths) and error ratios are noted for the record (``baseline.note``);
+- for ``--dump-failures`` the case is already noted by ``harness.judge`` (the backend, its
+  release and module digest, the steps as specs and seeds).
+
+The verdict's failure is then raised. :func:`replay_backend_case` re-runs a written case
+through the backend the user names (``--vllm``) with the same fixture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .keys import REPLAY_KEY
+from .vllm import VLLM_SOURCE, VLLM_TWIN_KEY
+
+
+def run_device() -> str:
+    return os.environ.get("SPARSE_MLA_DEVICE", "cuda")
+
+
+def flashinfer_checks_query_shape() -> bool:
+    """Whether the FlashInfer importable as ``flashinfer.mla`` refuses q rows other than the
+    planned ones at run: as a stand-in declares it (``checks_query_shape``), else probed on the
+    device (``Features.run_checks_query_shape``)."""
+    try:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper as wrapper
+    except ImportError:
+        return False
+    if not getattr(wrapper, "__module__", "").startswith("flashinfer"):  # a stand-in says, else it does not check
+        return bool(getattr(wrapper, "checks_query_shape", False))
+    from fast.flashinfer_compat import detect_features
+
+    return bool(detect_features(run_device()).run_checks_query_shape)
+
+
+def upgrade_check_active(config) -> bool:
+    from .baselines import baseline_directory
+
+    return baseline_directory(config) is not None
+
+
+class StepJudge:
+    """``admit`` and ``step`` of ``harness.judge``'s judge, for one test."""
+
+    def __init__(self, request, marks_findings: bool = True):
+        self.request = request
+        self.marks_findings = marks_findings
+
+    def raising_findings(self) -> StepJudge:
+        """The same judge, raising a known finding's exception without making the test an xfail
+        (for a test that runs many cases and expects a finding on some of them)."""
+        return StepJudge(self.request, marks_findings=False)
+
+    def admit(self, backend, config) -> None:
+        """Skip, with the backend's reason, a configuration the backend does not serve."""
+        reason = backend.unsupported(config)
+        if reason:
+            pytest.skip(f"{backend.name}: {reason}")
+
+    def expect(self, findings) -> None:
+        for finding in findings if self.marks_findings else ():
+            self.request.applymarker(pytest.mark.xfail(raises=finding.exception, strict=True, reason=finding.reason))
+
+    def verdict(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
+                context_of_step: str = ""):
+        """Judge one step (``harness.judge.judge_step``) and report the verdict; return it."""
+        from harness.judge import judge_step
+
+        verdict = judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin,
+                             query_shape_checked=flashinfer_checks_query_shape, context_of_step=context_of_step)
+        self.expect(verdict.expected)
+        self.report(verdict, scenario, label)
+        return verdict
+
+    def step(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
+             context_of_step: str = ""):
+        """Judge one step and report the verdict, raise its failure; return the outcome."""
+        verdict = self.verdict(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label,
+                               context_of_step=context_of_step)
+        if verdict.failure is not None:
+            raise verdict.failure
+        return verdict.outcome
+
+    def report(self, verdict, scenario, label: str) -> None:
+        outcome = verdict.outcome
+        if outcome is None:
+            return
+        regimes = scenario.row_regime[: outcome.planned_rows]
+        regime_log = self.request.getfixturevalue("regime_log")
+        regime_log.step(outcome, regimes, comparisons=verdict.comparisons, spec=scenario.spec)
+        if verdict.problems:
+            regime_log.blame([regimes[r] for r in verdict.problem_rows])
+        if verdict.kernel_rounding:
+            first = verdict.comparisons[0]
+            self.request.node.user_properties.append((VLLM_TWIN_KEY, (first.max_ratio, first.mean_ratio)))
+        if upgrade_check_active(self.request.config):
+            self.request.getfixturevalue("baseline").note(**baseline_fields(verdict, label))
+
+
+def baseline_fields(verdict, label: str) -> dict:
+    """What the upgrade check records of a step: the first comparison's error ratios, the output
+    of the served rows, and the integer results (executed, planned and host lengths) that must be
+    equal between releases."""
+    outcome = verdict.outcome
+    n = outcome.planned_rows
+    outputs = {f"executed_len{label}": outcome.executed_lengths, f"planned_len{label}": outcome.planned_lengths,
+               f"host_len{label}": outcome.host_lengths}
+    ratios = {}
+    if verdict.comparisons and outcome.out is not None:
+        first = verdict.comparisons[0]
+        ratios = {f"out{label}_max_ratio": first.max_ratio, f"out{label}_mean_ratio": first.mean_ratio}
+        outputs[f"out{label}"] = outcome.out[:n]
+    return {"ratios": ratios, "outputs": {k: v for k, v in outputs.items() if v is not None}}
+
+
+@pytest.fixture
+def judge(request) -> StepJudge:
+    """The judge ``harness.judge.run_case`` / ``run_sequence`` hand each step to."""
+    return StepJudge(request)
+
+
+# --- a written case, run again ----------------------------------------------------------------------
+
+
+def backend_of_case(record: dict, config):
+    """The backend a written case names, opened on what this run has (``--vllm`` for a vLLM
+    release's backends), or ``(None, why)``."""
+    from backends.registry import open_backend
+
+    name = record["backend"]["name"]
+    if name.startswith("port-"):
+        return open_backend(name), None
+    source = config.stash.get(VLLM_SOURCE, None)
+    if source is None:
+        return None, (f"the case was written on {name} (vLLM {record['backend'].get('release')}'s code): name a "
+                      "release with --vllm=PATH")
+    return open_backend(name.split("-", 1)[0], source), None
+
+
+def replay_backend_case(path, request, record: dict) -> None:
+    """The written case ``path`` (its loaded ``record``) run again, step by step and with the state carried as its test
+    carried it, through the backend this run names, each step judged as its test judged it. A
+    release or module other than the recorded one is one line in the replay's report."""
+    from harness.judge import port_twin, run_sequence
+    from recording.backend_case import identity_lines, steps_of
+    from recording.commands import replay_command
+
+    from .replay import run_options
+
+    backend, why = backend_of_case(record, request.config)
+    if backend is None:
+        pytest.fail(f"{path}: {why}", pytrace=False)
+    device = request.getfixturevalue("device")
+    lines = [f"case {path}: {record['kind']} of {len(record['steps'])} steps on {record['backend']['name']} "
+             f"({record.get('nodeid', 'no test id')})", *identity_lines(record, backend),
+             f"  replay: {replay_command(path, **run_options(request.config))}"]
+    request.node.user_properties.append((REPLAY_KEY, "\n".join(lines)))
+    twin = port_twin(device) if record.get("twin") else None
+    run_sequence(StepJudge(request), backend, steps_of(record), device, with_inputs=record["with_inputs"],
+                 twin=twin, compare=record["compare"], kind=record["kind"],
+                 adaptive_verification=record.get("adaptive_verification", False))

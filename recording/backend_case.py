@@ -1,0 +1,161 @@
+"""A failing case of a backend behind the seam (a vLLM release's SM90 backend, FlashMLA, the
+port), kept as the steps that rebuild it: ``NAME.case.json``.
+
+``harness.judge.run_sequence`` notes what it runs (``harness.case_log.note_backend_case``):
+the backend (its name, kernel, release and the sha256 of the module text it loaded), the
+layer's row capacity, whether a twin judged the output, and each step so far as its spec and
+seed. A failing test's case is written with each step's scenario digest, and the FlashInfer the
+step ran on (a release, or the stand-in class of a CPU run). A single step is a case of one
+step; a sequence keeps every step up to the failing one, so a kept plan, a clamp of a kept plan
+or a replan is carried into the failing step as the test carried it.
+
+On replay (``pytest --replay=PATH --vllm=PATH``) the steps are rebuilt and run again through
+one layer of the backend the run names, each judged as its test judged it
+(``pytest_sparse_mla.judge.replay_backend_case``): it fails where a step still fails and passes
+once the bug is gone. A release or a module other than the recorded one is one line of the
+replay's report (:func:`identity_lines`). A file whose fields are wrong, or whose steps no
+longer rebuild bit-exactly, is a :class:`~recording.fixture.FixtureError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from .checks import (
+    MAX_ROWS,
+    MAX_SEED,
+    MAX_STEPS,
+    a_bool,
+    a_dict,
+    field_problem,
+    fields_problem,
+    int_in,
+    nullable,
+    one_of,
+    sha256_hex,
+    spec_problem,
+    text,
+)
+from .fixture import FixtureError
+from .recipe import load_checked, save_with_digest, scenario_digest
+
+CASE_SUFFIX = ".case.json"
+CASE_KEY = "sparse_mla_backend_case"
+CASE_VERSION = 1
+KINDS = ("step", "sequence")
+
+BACKEND_FIELDS = {"name": text, "kernel": nullable(text), "release": nullable(text),
+                  "module_digest": nullable(sha256_hex)}
+REQUIRED_FIELDS = {
+    CASE_KEY: int_in(CASE_VERSION, CASE_VERSION), "kind": one_of(*KINDS), "backend": a_dict,
+    "max_tokens": int_in(1, MAX_ROWS), "twin": a_bool, "compare": a_bool, "with_inputs": a_bool,
+    "steps": lambda v: None, "name": text, "digest": sha256_hex,
+}
+OPTIONAL_FIELDS = {"vllm": text, "impl": text, "nodeid": text, "flashinfer": text, "why": text, "drawn": text,
+                   "adaptive_verification": a_bool}
+STEP_FIELDS = {"spec": lambda v: None, "seed": int_in(0, MAX_SEED), "scenario_digest": sha256_hex}
+
+
+def is_backend_case(path) -> bool:
+    return str(path).endswith(CASE_SUFFIX)
+
+
+def flashinfer_in_use() -> str:
+    """The FlashInfer MLA wrapper the process runs: ``flashinfer X.Y.Z``, or the stand-in class
+    (``module:Class``) a CPU run installed as ``flashinfer.mla``; "none" where there is neither."""
+    mla = sys.modules.get("flashinfer.mla")
+    wrapper = getattr(mla, "BatchMLAPagedAttentionWrapper", None)
+    if wrapper is None:
+        return "none"
+    module = getattr(wrapper, "__module__", "")
+    if not module.startswith("flashinfer"):
+        return f"{module}:{wrapper.__qualname__}"
+    return f"flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}"
+
+
+def case_record(case: dict, **meta) -> dict:
+    """The JSON of a noted backend case (``meta``: name, nodeid, vllm, why, ...)."""
+    from harness.builder import build_scenario
+
+    steps = [{"spec": dataclasses.asdict(step["spec"]), "seed": int(step["seed"]),
+              "scenario_digest": scenario_digest(build_scenario(step["spec"], step["seed"]))}
+             for step in case["steps"]]
+    return {CASE_KEY: CASE_VERSION, "kind": case["kind"], "backend": dict(case["backend"]),
+            "max_tokens": int(case["max_tokens"]), "twin": bool(case["twin"]), "compare": bool(case["compare"]),
+            "with_inputs": bool(case["with_inputs"]), "adaptive_verification": bool(case["adaptive_verification"]),
+            "steps": steps, "flashinfer": flashinfer_in_use(),
+            **{k: v for k, v in meta.items() if v is not None}}
+
+
+def write_backend_case(directory, name: str, case: dict, **meta) -> Path:
+    """Write the noted case as ``directory/name.case.json``."""
+    return save_with_digest(Path(directory) / f"{name}{CASE_SUFFIX}", case_record(case, name=name, **meta))
+
+
+def case_problem(record: dict) -> str | None:
+    """The first thing wrong with a backend case's fields (None: every field known and valid)."""
+    problem = fields_problem(record, REQUIRED_FIELDS, OPTIONAL_FIELDS, "case")
+    if problem:
+        return problem
+    problem = fields_problem(record["backend"], BACKEND_FIELDS, {}, "case", "backend.")
+    if problem:
+        return problem
+    steps = record["steps"]
+    if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_STEPS:
+        return f"case field 'steps' is not a list of 1 to {MAX_STEPS} {{spec, seed, scenario_digest}} objects"
+    if record["kind"] == "step" and len(steps) != 1:
+        return f"case field 'steps' holds {len(steps)} steps, a case of kind 'step' one"
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict) or set(step) != set(STEP_FIELDS):
+            return f"case field 'steps[{i}]' is not a {{spec, seed, scenario_digest}} object"
+        for name, check in STEP_FIELDS.items():
+            problem = field_problem(f"steps[{i}].{name}", step[name], check, "case")
+            if problem:
+                return problem
+        problem = spec_problem(step["spec"], "case", f"steps[{i}].spec.")
+        if problem:
+            return problem
+    return None
+
+
+def load_backend_case(path) -> dict:
+    """Read and check one case file, and check that each step's spec and seed still build the
+    recorded scenario; any problem is a FixtureError naming the file and the field."""
+    from harness.builder import build_scenario
+    from harness.spec import spec_from_dict
+
+    path = Path(path)
+    record = load_checked(path, "case", CASE_KEY, CASE_VERSION, case_problem)
+    for i, step in enumerate(record["steps"]):
+        if scenario_digest(build_scenario(spec_from_dict(step["spec"]), step["seed"])) != step["scenario_digest"]:
+            raise FixtureError(f"{path}: case field 'steps[{i}].scenario_digest' is not the digest of the scenario "
+                               f"step {i}'s spec and seed build: the step's spec or seed was changed, or the scenario "
+                               "builder changed since the case was written")
+    return record
+
+
+def steps_of(record: dict) -> list[tuple]:
+    """``(spec, seed)`` of each step of a loaded case."""
+    from harness.spec import spec_from_dict
+
+    return [(spec_from_dict(step["spec"]), step["seed"]) for step in record["steps"]]
+
+
+def identity_lines(record: dict, backend) -> list[str]:
+    """What differs between the backend a case was written on and the one replaying it: the
+    release, the module text (its sha256), the FlashInfer; one line each, none where they agree."""
+    from harness.judge import backend_identity
+
+    recorded, now = record["backend"], backend_identity(backend)
+    lines = []
+    if recorded.get("release") != now["release"]:
+        lines.append(f"  release: written on {recorded['name']} {recorded.get('release')}, replayed on "
+                     f"{now['name']} {now['release']}")
+    if recorded.get("module_digest") != now["module_digest"]:
+        lines.append(f"  module: written on a module of sha256 {str(recorded.get('module_digest'))[:16]}, replayed on "
+                     f"{str(now['module_digest'])[:16]} (the code under test differs)")
+    if record.get("flashinfer") and record["flashinfer"] != flashinfer_in_use():
+        lines.append(f"  flashinfer: written on {record['flashinfer']}, replayed on {flashinfer_in_use()}")
+    return lines
