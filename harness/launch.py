@@ -203,13 +203,15 @@ def untouched_rows(out: torch.Tensor, start: int) -> bool:
 
 
 class StaticStep:
-    """Fixed-address buffers a captured step reads: every batch is copied into them."""
+    """Fixed-address buffers a captured step reads: every batch is copied into them. Sized for
+    the largest of ``scenarios``, or for ``max_rows`` rows where that is more (the row capacity
+    a sequence was run with, whose largest steps may have been left out of it)."""
 
-    def __init__(self, scenarios, impl):
+    def __init__(self, scenarios, impl, max_rows: int = 0):
         self.impl = impl
         first = scenarios[0]
         spec = first.spec
-        self.max_rows = max(s.topk_indices.shape[0] for s in scenarios)
+        self.max_rows = max([max_rows] + [s.topk_indices.shape[0] for s in scenarios])
         self.max_reqs = max(max(s.meta.num_reqs for s in scenarios), 1)
         table_width = max(s.block_table.shape[1] for s in scenarios)
         self.num_blocks = max(s.num_blocks for s in scenarios)

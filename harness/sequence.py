@@ -8,10 +8,14 @@ Two kinds of carried state:
   layout of every step written into buffers sized once for ``max_rows`` rows and never cleared
   (the buffers an attention state reserves; they start with garbage, not -1 or 0);
 - ``attention-state`` (an SM90 GPU with FlashInfer): one attention state of the implementation
-  under test; each step is planned, then converted, laid out and run on it, optionally with the
-  device part captured once in a CUDA graph (the first step, at ``max_rows``) and replayed after
-  each plan, or with the plan kept when it is the same (``reuse_plan``). Each step's state must
-  hand the kernel what the step describes, and its output must be within the budget of (b).
+  under test, sized for ``max_rows``; each step is planned, then converted, laid out and run on
+  it, optionally with the device part captured once in a CUDA graph (after the plan of the first
+  step) and replayed after each plan, or with the plan kept when it is the same
+  (``reuse_plan``). Each step's state must hand the kernel what the step describes, and its
+  output must be within the budget of (b). A graph replay is followed by an eager run of the
+  same plan, as ``tests/gpu/test_cuda_graphs.py`` runs it: the eager output is judged against
+  (b), the replay must equal it bitwise except where the plan's cluster size differs from the
+  captured one (FlashInfer's standing finding, reported in the step's ``findings``).
 
 A sequence names its steps as (spec, seed) pairs: the one scenario builder rebuilds them.
 :func:`run_sequence` runs one and returns every step's problems (empty where it is right);
@@ -70,6 +74,7 @@ class Sequence:
 class StepResult:
     index: int
     problems: list[str] = field(default_factory=list)
+    findings: list[str] = field(default_factory=list)  # known findings the step showed, not its failures
 
 
 def first_failure(results: list[StepResult]) -> StepResult | None:
@@ -177,12 +182,14 @@ class _Refusals:
 
 
 def run_state_sequence(impl, features, sequence: Sequence) -> list[StepResult]:
-    """Every step through one attention state on the GPU (``harness.launch.DEVICE``)."""
+    """Every step through one attention state on the GPU (``harness.launch.DEVICE``), its
+    buffers and state sized for the sequence's row capacity (``sequence.max_rows``: what its
+    test sized them for, which sets FlashInfer's batch size under CUDA graphs)."""
     from . import launch
     from .device_inputs import build_attention_inputs
 
     scenarios = sequence.scenarios()
-    static = launch.StaticStep(scenarios, impl)
+    static = launch.StaticStep(scenarios, impl, max_rows=sequence.max_rows)
     steps = [launch.prepared(impl, s, sequence.layout, max_rows=static.max_rows) for s in scenarios]
     config = dataclasses.replace(launch.attention_config(scenarios[0], sequence.layout, static.max_rows),
                                  reuse_plan=sequence.reuse_plan)
@@ -200,8 +207,56 @@ def run_state_sequence(impl, features, sequence: Sequence) -> list[StepResult]:
     return results
 
 
+@dataclass
+class CapturedGraph:
+    """The device part of a step captured once in a CUDA graph, after the plan of ``rows`` rows."""
+
+    graph: object
+    rows: int
+
+
+def captured_step(state, static, rows: int) -> CapturedGraph:
+    """Warm-up outside capture, then ``state.step`` on ``static``'s buffers captured in a CUDA
+    graph, after the state's plan of ``rows`` rows."""
+    state.step(*static.args())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        state.step(*static.args())
+    return CapturedGraph(graph, rows)
+
+
+def differing_rows(a_out, a_lse, b_out, b_lse) -> list[int]:
+    """Rows whose outputs or LSE are not bitwise equal (NaN never equal)."""
+    out_same = (a_out == b_out).reshape(a_out.shape[0], -1).all(dim=1)
+    lse_same = (a_lse == b_lse).reshape(a_lse.shape[0], -1).all(dim=1)
+    return (~(out_same & lse_same)).nonzero().flatten().tolist()
+
+
+def replay_against_eager(rows: list[int], num_rows: int, captured_rows: int, num_heads: int,
+                         max_rows: int) -> tuple[list[str], list[str]]:
+    """``(problems, findings)`` of a graph replay whose ``rows`` differ from the eager run of the
+    same plan, judged as ``tests/gpu/test_cuda_graphs.py`` judges it: a replay may differ only
+    where the plan's cluster size differs from the captured one, FlashInfer's standing finding
+    (docs/findings.md#graph-replay-with-stale-plan-state); any other difference is a problem."""
+    from .findings import STALE_CLUSTER_FINDING
+    from .plan_limits.scheduler import cluster_size
+
+    if not rows:
+        return [], []
+    planned = cluster_size(num_rows, num_heads, max_rows)
+    captured = cluster_size(captured_rows, num_heads, max_rows)
+    what = (f"graph replay != eager run of the same plan on rows {rows[:8]} ({num_rows} rows, cluster size "
+            f"{planned}; captured after {captured_rows} rows, cluster size {captured})")
+    if planned != captured:
+        return [], [f"{what}: {STALE_CLUSTER_FINDING}"]
+    return [what], []
+
+
 def _state_step(impl, features, sequence, state, static, graph, i, scenario, step, inputs, refusals):
-    """One step of :func:`run_state_sequence`: ``(StepResult, the graph captured so far)``."""
+    """One step of :func:`run_state_sequence`: ``(StepResult, the CapturedGraph so far)``. A
+    graph sequence captures the device part once, at its first launched step, replays it after
+    each plan and runs the same plan eagerly after it, as ``tests/gpu/test_cuda_graphs.py``
+    does: the eager run is judged against the references, the replay against the eager run."""
     from . import launch
 
     where = f"step {i} of {sequence.describe()}; {launch.failure_context(step, features.version)}"
@@ -220,22 +275,33 @@ def _state_step(impl, features, sequence, state, static, graph, i, scenario, ste
     static.load(scenario, inputs)
     if launch.plan_or_refusal(features, state, step, refusals) is not None:
         return StepResult(i), graph
+    n = step.num_planned
     if sequence.graph and graph is None:
-        state.step(*static.args())  # warm-up outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            state.step(*static.args())
+        graph = captured_step(state, static, n)
         static.load(scenario, inputs)
     if graph is not None:
-        graph.replay()
+        graph.graph.replay()
     else:
         state.step(*static.args())
     launch.sync()
     problems = [f"{p}; {where}" for p in launch.state_matches_step(state, step)]
-    if not problems and step.num_planned:
-        comparisons = launch.compare_with_references(step, inputs, static.out, static.lse, state)
-        problems = [f"{c.summary(step.scenario.row_regime)}; {where}" for c in comparisons if not c.ok]
-    return StepResult(i, problems), graph
+    if problems:
+        return StepResult(i, problems), graph
+    out, lse, findings = static.out, static.lse, []
+    if graph is not None:
+        out, lse = static.out[:n].clone(), static.lse[:n].clone()
+        static.out.fill_(float("nan"))
+        static.lse.fill_(float("nan"))
+        state.step(*static.args())
+        launch.sync()
+        rows = differing_rows(out, lse, static.out[:n], static.lse[:n])
+        problems, findings = replay_against_eager(rows, n, graph.rows, scenario.spec.num_heads, static.max_rows)
+        problems = [f"{p}; {where}" for p in problems]
+        out, lse = static.out, static.lse
+    if n:
+        comparisons = launch.compare_with_references(step, inputs, out, lse, state)
+        problems += [f"{c.summary(step.scenario.row_regime)}; {where}" for c in comparisons if not c.ok]
+    return StepResult(i, problems, findings), graph
 
 
 def run_sequence(impl, sequence: Sequence, device, features=None) -> list[StepResult]:
@@ -247,11 +313,19 @@ def run_sequence(impl, sequence: Sequence, device, features=None) -> list[StepRe
     return run_host_sequence(impl, sequence, device)
 
 
+def first_droppable_step(sequence: Sequence) -> int:
+    """The first step a shrink may drop: the second of a graph sequence, whose first step is
+    the batch its test captured the graph after (the capture's shape and cluster size are that
+    plan's), else the first."""
+    return 1 if sequence.graph else 0
+
+
 def shrink_sequence(sequence: Sequence, fails, max_trials: int = 24) -> tuple[Sequence, int]:
     """The sequence with every step dropped whose absence keeps ``fails(sequence)`` true (the
-    last step always kept: it is where the failure shows), trying each once, at most
-    ``max_trials`` runs; returns it and the runs made."""
-    trials, i = 0, 0
+    last step always kept: it is where the failure shows; so is a graph sequence's first, the
+    capture's: :func:`first_droppable_step`), trying each once, at most ``max_trials`` runs;
+    returns it and the runs made."""
+    trials, i = 0, first_droppable_step(sequence)
     while i < len(sequence.steps) - 1 and trials < max_trials:
         candidate = sequence.without(i)
         trials += 1

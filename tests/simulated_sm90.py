@@ -2,9 +2,11 @@
 machine with FlashInfer: the GPU gate opens, FlashInfer's wrapper is the CPU stand-in of
 ``tests/cpu/test_rerun.py`` (plans like FlashInfer under CUDA graphs, reads kv_indices at run,
 computes with the low-precision reference) and returns base-2 LSE where the state asks for
-FlashInfer's own, and the features are the stand-in's. It checks what the tests do around the
-kernel (plans, buffers, comparisons, the re-created bugs of the attention state), never
-FlashInfer.
+FlashInfer's own, and the features are the stand-in's. CUDA graphs are :class:`SimulatedGraph`:
+a capture keeps the attention state's steps with what a captured launch fixes, and a replay runs
+them again on the buffers and plan of the moment (FlashInfer's standing finding of graph replays
+included). It checks what the tests do around the kernel (plans, buffers, graphs, comparisons,
+the re-created bugs of the attention state), never FlashInfer.
 
 Two ways in:
 
@@ -31,6 +33,7 @@ import importlib.machinery
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -51,19 +54,128 @@ FEATURES = SimpleNamespace(version="simulated-sm90", plan_checks_page_counts=Fal
 DEVICE_BOUND_MODULES = ("harness.launch", "tests.gpu")
 
 
+#: Packed query rows (query row x head) one CTA of FlashInfer's fa3 MLA kernel computes.
+CTA_TILE_Q = 64
+
+
 class StandInWrapper(ReferenceWrapper):
-    """The stand-in, with FlashInfer's base-2 LSE where natural log is not asked for."""
+    """The stand-in, with FlashInfer's base-2 LSE where natural log is not asked for. A launch
+    captured in a graph runs with the cluster size of the plan it was captured after
+    (``launch_cluster``); where the plan of the moment has another one, it leaves the last CTA
+    tile of the plan's packed query rows unwritten, as FlashInfer's fa3 kernel leaves tiles of
+    such a plan (docs/findings.md#graph-replay-with-stale-plan-state: on an H200, 32768 NaN
+    outputs, one tile of 64 packed rows x 512, in a replay of 3 rows x 128 heads)."""
+
+    launch_cluster: int | None = None  # set while a captured launch runs
 
     def __init__(self, *args, lse_base_e: bool = True, kernel: str = "fa3", **kwargs):
         super().__init__(*args, **kwargs)
         self.lse_base_e = lse_base_e
         self.kernel = kernel
         self.features = FEATURES
+        self.num_heads = 0
+
+    def plan(self, *, num_heads, **kwargs):
+        super().plan(num_heads=num_heads, **kwargs)
+        self.num_heads = num_heads
+
+    @property
+    def planned_rows(self) -> int:
+        return int(self._plan[0][-1])
+
+    @property
+    def cluster(self) -> int:
+        """The cluster size of the last plan (kv_len_arr's length is FlashInfer's batch size)."""
+        return compat.fa3_mla_cluster_size(self.planned_rows, self.num_heads, self._plan[2].numel())
 
     def run(self, q_nope, q_pe, ckv, kpe, *, out, lse, k_scale=1.0):
+        rows = min(q_nope.shape[0], self.planned_rows)
+        stale = self.launch_cluster not in (None, self.cluster)
+        kept = last_tile(out, lse, rows, self.num_heads) if stale else None
         super().run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, k_scale=k_scale)
         if not self.lse_base_e:
             lse.mul_(LOG2_E)
+        if kept is not None:
+            restore_last_tile(out, lse, rows, kept)
+
+
+def last_tile(out: torch.Tensor, lse: torch.Tensor, rows: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of what ``out`` and ``lse`` hold in the last CTA tile of ``rows`` query rows of
+    ``heads`` heads (packed row = query row x heads + head)."""
+    tile = min(CTA_TILE_Q, rows * heads)
+    return out[:rows].flatten(0, 1)[-tile:].clone(), lse[:rows].flatten()[-tile:].clone()
+
+
+def restore_last_tile(out: torch.Tensor, lse: torch.Tensor, rows: int, kept) -> None:
+    tile = kept[1].numel()
+    if tile:
+        out[:rows].flatten(0, 1)[-tile:] = kept[0]
+        lse[:rows].flatten()[-tile:] = kept[1]
+
+
+# --- CUDA graphs ----------------------------------------------------------------------------
+
+
+@dataclass
+class CapturedLaunch:
+    """An attention state's step launched during a capture, with what the capture fixes: the
+    rows its run was shaped for (the state's ``num_rows`` then) and the plan's cluster size."""
+
+    state: object
+    args: tuple
+    rows: int
+    cluster: int | None
+
+
+class SimulatedGraph:
+    """``torch.cuda.CUDAGraph`` on the simulated machine: a capture (:func:`simulated_capture`) launches
+    nothing and keeps the attention state's steps launched in it (:class:`CapturedLaunch`);
+    :meth:`replay` runs them again on the buffers and with the plan of the moment, shaped as
+    captured."""
+
+    capturing: SimulatedGraph | None = None  # the graph being captured, if any
+
+    def __init__(self):
+        self.launches: list[CapturedLaunch] = []
+
+    def replay(self) -> None:
+        for launch in self.launches:
+            state, wrapper = launch.state, launch.state.wrapper
+            rows = state.num_rows
+            state.num_rows, wrapper.launch_cluster = launch.rows, launch.cluster
+            try:
+                ATTENTION_STEP(state, *launch.args)
+            finally:
+                state.num_rows, wrapper.launch_cluster = rows, None
+
+
+@contextmanager
+def simulated_capture(cuda_graph: SimulatedGraph, **kwargs):
+    """``torch.cuda.graph`` on the simulated machine: the steps launched inside are captured."""
+    SimulatedGraph.capturing = cuda_graph
+    try:
+        yield cuda_graph
+    finally:
+        SimulatedGraph.capturing = None
+
+
+def capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing`` on the simulated machine."""
+    return SimulatedGraph.capturing is not None
+
+
+#: The attention state's step as the project defines it (launched by a replay).
+ATTENTION_STEP = sm90.SM90AttentionState.step
+
+
+def step_or_capture(state, *args) -> None:
+    """``SM90AttentionState.step`` on the simulated machine: kept by the graph being captured, if
+    any (with the rows and cluster size the launch is captured with), else launched."""
+    if SimulatedGraph.capturing is None:
+        ATTENTION_STEP(state, *args)
+        return
+    launch = CapturedLaunch(state, args, state.num_rows, getattr(state.wrapper, "cluster", None))
+    SimulatedGraph.capturing.launches.append(launch)
 
 
 def patches() -> list[tuple[object, str, object]]:
@@ -74,7 +186,10 @@ def patches() -> list[tuple[object, str, object]]:
         (compat, "MLAWrapper", StandInWrapper),
         (compat, "detect_features", lambda device=None: FEATURES),
         (sm90, "WORKSPACE_BYTES", 1024),
-        (torch.cuda, "is_current_stream_capturing", lambda: False),  # a CPU-only torch build
+        (sm90.SM90AttentionState, "step", step_or_capture),
+        (torch.cuda, "CUDAGraph", SimulatedGraph),
+        (torch.cuda, "graph", simulated_capture),
+        (torch.cuda, "is_current_stream_capturing", capturing),
     ]
 
 
@@ -131,6 +246,7 @@ def install_vllm_stand_ins(source, monkeypatch) -> None:
 
     wrapper = fa3_stand_in.StandInWrapper if design_of(source) == "bounded" else fa3_stand_in.StandIn06Wrapper
     fa3_stand_in.install(monkeypatch, wrapper)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)  # the machine's graphs
     package = sys.modules["flashinfer"]
     monkeypatch.setattr(package, "__version__", stand_in_flashinfer_version(source, wrapper), raising=False)
     # importlib.util.find_spec("flashinfer") reads the spec of a module in sys.modules

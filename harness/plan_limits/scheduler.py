@@ -21,6 +21,15 @@ def scheduler_chunk(average: int) -> int:
     return -(-average // 256) * 256
 
 
+def cluster_size(total_q: int, num_heads: int, batch_size: int) -> int:
+    """The thread-block cluster size the scheduler picks at plan time: 2 CTAs per cluster when
+    the average packed query ``total_q * num_heads // batch_size`` exceeds 64, else 1
+    (``batch_size``: the length of kv_len_arr, the reserved row count under CUDA graphs). A
+    captured launch keeps the cluster size of the plan it was captured after
+    (docs/findings.md#graph-replay-with-stale-plan-state)."""
+    return 2 if batch_size and total_q * num_heads // batch_size > 64 else 1
+
+
 def fa3_work_items(q_lens, kv_lens, num_heads: int, num_sm: int) -> int:
     """Work items the fa3 MLA scheduler makes for a non-causal plan: every request's packed query
     (q_len x heads) in tiles of 64 rows per CTA (2 CTAs per cluster when the average packed
@@ -29,7 +38,7 @@ def fa3_work_items(q_lens, kv_lens, num_heads: int, num_sm: int) -> int:
     q_lens, kv_lens = list(q_lens), list(kv_lens)
     if not kv_lens:
         return 0
-    cluster = 2 if sum(q_lens) * num_heads // len(kv_lens) > 64 else 1
+    cluster = cluster_size(sum(q_lens), num_heads, len(kv_lens))
     clusters = num_sm // cluster
     tile = 64 * cluster
     tiles = [-(-q * num_heads // tile) for q in q_lens]

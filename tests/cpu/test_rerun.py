@@ -61,7 +61,10 @@ class ReferenceWrapper:
 
     def run(self, q_nope, q_pe, ckv, kpe, *, out, lse, k_scale=1.0):
         qo, indptr, lens, sm_scale = self._plan
-        rows = q_nope.shape[0]
+        # the plan's query rows: a launch shaped for more (a graph captured after a larger plan)
+        # writes only those
+        rows = min(q_nope.shape[0], int(qo[-1]))
+        q_nope, q_pe = q_nope[:rows], q_pe[:rows]
         req = torch.repeat_interleave(torch.arange(qo.numel() - 1), (qo[1:] - qo[:-1]).long())[:rows]
         starts, row_lens = indptr[req].long(), lens[req].long()
         width = int(row_lens.max()) if rows else 0

@@ -264,6 +264,76 @@ def test_gpu_journey_a_stateful_bug_dumps_a_sequence_that_replays_red_and_green_
     assert green.ret == 0, "\n".join(green.outlines + green.errlines)[-3000:]
 
 
+@pytest.mark.gpu_stand_in
+@pytest.mark.suite_self_test
+def test_gpu_journey_a_graph_captured_sequence_replays_red_under_its_bug_and_green_without_on_a_simulated_machine(
+    pytester, monkeypatch, tmp_path
+):
+    """A CUDA graph captured after a plan of 25 rows of 128 heads (cluster size 2) and replayed
+    after a plan of 3 rows (cluster size 1) on a state that kept the larger plan's lengths: the
+    graph test fails under the bug and writes the two-step graph sequence, capture step first.
+    Its replay fails under the bug and passes without it: there the replay shows FlashInfer's
+    standing finding (the simulated machine's graphs keep the captured cluster size, leaving a
+    tile of the smaller plan unwritten), which the replay judges as the test does, against an
+    eager run of the same plan, and reports without failing."""
+    from harness.findings import STALE_CLUSTER_FINDING
+    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+
+    dump = tmp_path / "dumps"
+    bug = "--impl=tests.bugs:StaleLengthsPastTheRowCount"
+    result = run_gpu_family(pytester, monkeypatch, "tests/gpu/test_cuda_graphs.py", "h128", bug,
+                            f"--dump-failures={dump}", simulated=True)
+    output = "\n".join(result.outlines + result.errlines)
+    written = sorted(dump.glob("*.sequence.json"))
+    assert result.ret == 1 and len(written) == 1, output[-3000:]
+    recipe = json.loads(written[0].read_text())
+    assert recipe["graph"] and recipe["max_rows"] == 25 and len(recipe["steps"]) == 2, recipe
+    assert recipe["failing_step"] == 1 and recipe["steps"][0]["seed"] == 21, recipe
+    red = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={written[0]}", bug,
+                         simulated=True)
+    red_text = "\n".join(red.outlines + red.errlines)
+    assert red.ret == 1 and "stale kv_len past row 3" in red_text, red_text[-3000:]
+    green = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={written[0]}",
+                           simulated=True)
+    green_text = "\n".join(green.outlines + green.errlines)
+    assert green.ret == 0, green_text[-3000:]
+    assert "step 1 shows a known finding, not failed: graph replay != eager run of the same plan on rows [2]" \
+           in green_text and STALE_CLUSTER_FINDING in green_text, green_text[-3000:]
+
+
+def test_a_graph_replay_may_differ_from_the_eager_run_only_where_the_cluster_size_changed():
+    """As tests/gpu/test_cuda_graphs.py judges a replay: equal to the eager run of the same plan,
+    or different where the plan's cluster size is not the captured one (a finding, not a
+    failure); a difference at the captured cluster size is a problem."""
+    from harness.findings import STALE_CLUSTER_FINDING
+    from harness.sequence import replay_against_eager
+
+    assert replay_against_eager([], 3, 25, 128, 25) == ([], [])
+    problems, findings = replay_against_eager([2], 3, 25, 128, 25)  # cluster size 1, captured 2
+    assert not problems and len(findings) == 1 and findings[0].endswith(STALE_CLUSTER_FINDING), findings
+    problems, findings = replay_against_eager([0, 1], 3, 25, 64, 25)  # cluster size 1 both
+    assert not findings and problems == ["graph replay != eager run of the same plan on rows [0, 1] (3 rows, "
+                                         "cluster size 1; captured after 25 rows, cluster size 1)"], problems
+
+
+def test_the_harness_cluster_size_rule_is_the_ports():
+    from fast.flashinfer_compat import fa3_mla_cluster_size
+    from harness.plan_limits.scheduler import cluster_size
+
+    for rows, heads, size in [(25, 128, 25), (3, 128, 25), (25, 64, 25), (1, 65, 1), (0, 128, 0), (12, 128, 25)]:
+        assert cluster_size(rows, heads, size) == fa3_mla_cluster_size(rows, heads, size), (rows, heads, size)
+
+
+def test_the_shrink_keeps_a_graph_sequences_capture_step(device):
+    """A graph sequence's first step is the batch its test captured the graph after: a shrink
+    never drops it, even where the failure shows without it."""
+    sequence = dataclasses.replace(decode_steps(3), kind="attention-state", graph=True)
+    small, runs = shrink_sequence(sequence, lambda candidate: True)
+    assert small.steps == (sequence.steps[0], sequence.steps[2]) and runs == 1, (small.steps, runs)
+    plain, _ = shrink_sequence(dataclasses.replace(sequence, graph=False), lambda candidate: True)
+    assert plain.steps == sequence.steps[2:]
+
+
 class RaisesOnTheSecondStep(FastImpl):
     def __init__(self):
         self.calls = 0
