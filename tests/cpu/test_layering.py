@@ -82,7 +82,7 @@ def layering_violations(root: Path = ROOT) -> list[str]:
         here = top_level_of(path, root)
         rel = path.relative_to(root)
         if here not in LAYERS:
-            problems.append(f"{rel}: top-level '{here}' has no layer (add it to LAYERS and the README's map)")
+            problems.append(f"{rel}: top-level '{here}' has no layer (add it to LAYERS and docs/code-map.md)")
             continue
         for line, module in imported_modules(path.read_text(), path, root):
             there = module.split(".")[0]
