@@ -74,7 +74,7 @@ def test_a_dumped_case_replays_red_under_the_bug_and_green_without_it(vllm_backe
                                      f"--dump-failures={dumps}")
     assert status == 1 and counts.get("failed"), f"the planted {bug} bug failed no test:\n{out[-3000:]}"
     written = sorted(dumps.glob("*.case.json"))
-    assert len(written) == counts["failed"], f"{counts['failed']} failures, {len(written)} cases written:\n{out[-3000:]}"
+    assert len(written) == counts["failed"], f"{counts['failed']} failed, {len(written)} cases written:\n{out[-3000:]}"
     records = [json.loads(p.read_text()) for p in written]
     assert {r["kind"] for r in records} == kinds
     assert {r["backend"]["name"] for r in records} == {vllm_backend.name}

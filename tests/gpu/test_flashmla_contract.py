@@ -25,7 +25,6 @@ from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK
 from reference import sparse_mla_reference
 from reference.budget import compare_attention, compare_to_budget
 from reference.flashmla_layout import TILES, dequantize, pack, tile_scales
-from tests import flashmla_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -33,7 +32,6 @@ DEVICE = "cuda"
 SM_SCALE = DEEPSEEK_V32_SM_SCALE
 S_Q, S_KV, TOPK = 64, 4096, 2048
 PAGE = 64
-flashmla_source = flashmla_cases.flashmla_source
 
 
 @pytest.fixture(scope="module")
