@@ -23,7 +23,7 @@ from fast import sm90
 from fast.flashinfer_compat import FA3_WORK_CAPACITY, MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
 from fast.flashinfer_compat import parse_version as parse_version
 from fast.flashinfer_compat import signature_features as signature_features
-from fast.impl import default_impl
+from fast.impl import FastImpl, default_impl
 from fast.layouts import indices_capacity as indices_capacity
 from fast.sm90 import AttentionConfig as AttentionConfig
 from mla_constants import KV_LORA_RANK
@@ -103,7 +103,9 @@ def attention_config(config: LayerConfig, *, kernel: str = "fa3", layout: str = 
 
 
 class PortBackend:
-    """The project's port on FlashInfer's ``kernel`` (``fa3`` or ``fa2``)."""
+    """The project's port on FlashInfer's ``kernel`` (``fa3`` or ``fa2``), its host stages (kv_len,
+    planned rows, request ids, convert, the layout) those of ``impl``: the implementation under
+    test (``--impl``), the project's own (``fast/``) where None."""
 
     returns_lse = True
 
@@ -117,14 +119,20 @@ class PortBackend:
 
     def describe(self) -> str:
         version = installed_flashinfer_version() or "not importable"
-        return (f"the project's port of the seed (vLLM 0.30.0's logic), {self.layout} layout, "
-                f"FlashInfer {version} backend={self.kernel}")
+        return (f"the project's port of the seed (vLLM 0.30.0's logic), {host_stages(self.impl)}, {self.layout} "
+                f"layout, FlashInfer {version} backend={self.kernel}")
 
     def unsupported(self, config: LayerConfig) -> str | None:
         return None  # what FlashInfer refuses is probed at plan (fast.flashinfer_compat.unsupported_reason)
 
     def open_layer(self, config: LayerConfig, device) -> PortLayer:
         return PortLayer(self, config, torch.device(device))
+
+
+def host_stages(impl) -> str:
+    """Whose host stages the port runs: the project's own, or the implementation under test's class."""
+    kind = type(impl)
+    return "its own host stages" if kind is FastImpl else f"host stages of {kind.__module__}.{kind.__qualname__}"
 
 
 class PortLayer:

@@ -1,29 +1,123 @@
-"""The backends by name (``backends.seam`` says what a backend is)."""
+"""The backends by name, or a user's own as ``module:factory`` (``backends.seam`` says what a
+backend is).
+
+A spec is one of:
+
+- ``port-fa3`` / ``port-fa2``: the project's port (``backends.port``) on FlashInfer's fa3 or fa2
+  kernel, its host stages those of the implementation under test (``--impl``) where one is given;
+- ``vllm`` / ``vllm-RELEASE``: a vLLM release's own SM90 backend (``backends.vllm_sm90``), from the
+  release ``--vllm`` names (``vllm-RELEASE`` must name the same release);
+- ``flashmla`` / ``flashmla-RELEASE``: FlashMLA's sparse kernels as that release's
+  FLASHMLA_SPARSE calls them (``backends.flashmla``);
+- ``module:factory``: ``factory()`` from ``module``, returning an object with the members of
+  :class:`backends.seam.Backend`.
+
+A spec that cannot be opened is one :class:`BackendError` line. Names are checked without
+importing torch (:func:`name_problem`), so a run's controller can check them before it starts
+its workers; implementations are imported only when a backend is opened.
+"""
 
 from __future__ import annotations
 
-from .seam import Backend
+import importlib
+from typing import TYPE_CHECKING
 
-#: The names :func:`open_backend` takes; ``vllm`` and ``flashmla`` need a vLLM release.
-BACKEND_NAMES = ("port-fa3", "port-fa2", "vllm", "flashmla")
+if TYPE_CHECKING:
+    from .seam import Backend
+
+#: The port's names and the FlashInfer kernel each runs on.
+PORT_KERNELS = {"port-fa3": "fa3", "port-fa2": "fa2"}
+#: The backends that run a vLLM release's files (named with ``--vllm``).
 NEEDS_VLLM = ("vllm", "flashmla")
+#: The names :func:`open_backend` takes (``vllm`` and ``flashmla`` also as ``NAME-RELEASE``).
+BACKEND_NAMES = (*PORT_KERNELS, *NEEDS_VLLM)
+KNOWN = "port-fa3, port-fa2, vllm[-RELEASE], flashmla[-RELEASE] or module:factory"
 
 
-def open_backend(name: str, vllm_source=None) -> Backend:
-    """The backend ``name`` (one of :data:`BACKEND_NAMES`); ``vllm_source``: a
-    ``backends.vllm_source.VllmSource`` for those that run a vLLM release's files."""
-    if name in NEEDS_VLLM and vllm_source is None:
-        raise ValueError(f"backend {name!r} runs a vLLM release's files: name one with --vllm")
-    if name in ("port-fa3", "port-fa2"):
+class BackendError(ValueError):
+    """A backend spec that cannot be opened; the message is the one line the user sees."""
+
+
+def is_factory_spec(spec: str) -> bool:
+    """Whether ``spec`` names a user's factory (``module:factory``) rather than a backend."""
+    return ":" in spec
+
+
+def family_and_release(name: str) -> tuple[str, str | None]:
+    """``("vllm", "0.33.0")`` for ``vllm-0.33.0``, ``("vllm", None)`` for ``vllm``; a port's name
+    is its own family, with no release."""
+    if name in PORT_KERNELS:
+        return name, None
+    family, sep, release = name.partition("-")
+    return family, release if sep else None
+
+
+def name_problem(name: str, vllm_release: str | None) -> str | None:
+    """Why the backend ``name`` cannot be opened in a run whose ``--vllm`` names ``vllm_release``
+    (None: no ``--vllm``), or None."""
+    family, release = family_and_release(name)
+    if family in PORT_KERNELS:
+        return None
+    if family not in NEEDS_VLLM or release == "":
+        return f"unknown backend {name!r}; known: {KNOWN}"
+    if vllm_release is None:
+        return f"backend {name!r} runs a vLLM release's files: name one with --vllm"
+    if release is not None and release != vllm_release:
+        return f"backend {name!r} names vLLM {release}, but --vllm gives vLLM {vllm_release}"
+    return None
+
+
+def missing_backend_members(obj) -> list[str]:
+    """The members of :class:`backends.seam.Backend` that ``obj`` lacks (a method must be callable)."""
+    from .seam import Backend
+
+    attributes = list(Backend.__annotations__)
+    methods = [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]
+    return ([name for name in attributes if not hasattr(obj, name)]
+            + [name for name in methods if not callable(getattr(obj, name, None))])
+
+
+def backend_from_factory(spec: str) -> Backend:
+    """``factory()`` of ``module:factory``, checked against the seam: a spec without a module or a
+    factory, a factory that cannot be loaded or raises, and an object without the seam's members
+    are each one :class:`BackendError` naming the spec."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise BackendError(f"--backend expects a name or 'module:factory', got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise BackendError(f"--backend {spec!r}: cannot load the factory: {exc}") from None
+    try:
+        backend = factory()
+    except Exception as exc:  # whatever the user's factory raises is named
+        raise BackendError(f"--backend {spec!r}: the factory raised {type(exc).__name__}: {exc}") from None
+    missing = missing_backend_members(backend)
+    if missing:
+        raise BackendError(f"--backend {spec!r}: what the factory returned ({type(backend).__name__}) lacks "
+                           f"{', '.join(missing)} (see backends.seam.Backend)")
+    return backend
+
+
+def open_backend(spec: str, vllm_source=None, *, impl=None) -> Backend:
+    """The backend ``spec`` names (module docstring). ``vllm_source``: a
+    ``backends.vllm_source.VllmSource`` for those that run a vLLM release's files; ``impl``: the
+    host stages the port runs (an object with ``fast.impl.SparseMLAImpl``'s methods; None: the
+    project's own)."""
+    if is_factory_spec(spec):
+        return backend_from_factory(spec)
+    problem = name_problem(spec, vllm_source.version if vllm_source is not None else None)
+    if problem:
+        raise BackendError(problem)
+    family, _ = family_and_release(spec)
+    if family in PORT_KERNELS:
         from .port import PortBackend
 
-        return PortBackend(kernel=name.split("-", 1)[1])
-    if name == "vllm":
+        return PortBackend(kernel=PORT_KERNELS[family], impl=impl)
+    if family == "vllm":
         from .vllm_sm90 import VllmSM90Backend
 
         return VllmSM90Backend(vllm_source)
-    if name == "flashmla":
-        from .flashmla import FlashMLABackend
+    from .flashmla import FlashMLABackend
 
-        return FlashMLABackend(vllm_source)
-    raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+    return FlashMLABackend(vllm_source)

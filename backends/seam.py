@@ -19,7 +19,8 @@ suite knows backends only through this module:
 :func:`backends.registry.open_backend` names them: ``port-fa3`` and ``port-fa2`` (the project's own path, the
 seed's logic, vLLM 0.30.0's, on FlashInfer's fa3 or fa2 kernel), ``vllm`` (a vLLM release's own
 SM90 backend) and ``flashmla`` (FlashMLA's sparse kernels as vLLM's FLASHMLA_SPARSE backend
-calls them); the last two read a release named by ``--vllm``. Implementations are imported only
+calls them); the last two read a release named by ``--vllm``. A user's own backend is any object
+with the members of :class:`Backend`, opened as ``module:factory``. Implementations are imported only
 when a backend is opened, so this module imports no vendor.
 """
 

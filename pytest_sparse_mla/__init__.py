@@ -18,6 +18,9 @@ no ``-p`` is needed.
   a file);
 - ``vllm``: ``--vllm=PATH`` (a vLLM release's own SM90 backend under test, the ``vllm_backend``
   fixture, the ``vllm`` marker), the release in the header, the rows read back in the summary;
+- ``backend``: ``--backend NAME|module:factory`` (the ``backend_under_test`` fixture: the backends
+  the seam's tests run through, default the port on fa3 and fa2, the port with ``--impl``'s host
+  stages);
 - ``judge``: the ``judge`` fixture, the one place a step through a backend is judged and its
   verdict reported (regime table, twin counts, upgrade-check records), and the replay of a
   backend's written case;
@@ -41,6 +44,7 @@ pytest_plugins = [
     "pytest_sparse_mla.coverage",
     "pytest_sparse_mla.gpus",
     "pytest_sparse_mla.vllm",
+    "pytest_sparse_mla.backend",
     "pytest_sparse_mla.interpreter",
     "pytest_sparse_mla.judge",
 ]

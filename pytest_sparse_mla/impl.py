@@ -32,7 +32,7 @@ from mla_constants import DEFAULT_IMPL_SPEC
 from .keys import GROUP
 
 IMPL_SPEC = pytest.StashKey[str]()
-IMPL = pytest.StashKey[object]()  # the implementation the controlling process loaded and checked
+IMPL = pytest.StashKey[object]()  # the implementation this process loaded and checked
 GPU_REASON = pytest.StashKey[str]()  # why the GPU tier is skipped ("" when it runs), per test process
 WORKER_GPU_REASONS = pytest.StashKey[set]()  # the workers' GPU_REASON (controller)
 GPU_STATUS = pytest.StashKey["GpuTierStatus"]()  # the controller's CUDA-free view
@@ -124,12 +124,19 @@ def checked_impl(spec: str):
         raise pytest.UsageError(str(exc)) from None
 
 
+def active_impl(config):
+    """The implementation under test (``--impl module:factory``; default: fast/): loaded at
+    start-up by the controlling process, by each xdist worker when it is first asked for, once
+    per process."""
+    if IMPL not in config.stash:
+        config.stash[IMPL] = checked_impl(config.stash[IMPL_SPEC])
+    return config.stash[IMPL]
+
+
 @pytest.fixture(scope="session")
 def impl(pytestconfig):
-    """The implementation under test (``--impl module:factory``; default: fast/): loaded at
-    start-up by the controlling process, by each xdist worker when a test first asks."""
-    loaded = pytestconfig.stash.get(IMPL, None)
-    return loaded if loaded is not None else checked_impl(pytestconfig.stash[IMPL_SPEC])
+    """The implementation under test (:func:`active_impl`)."""
+    return active_impl(pytestconfig)
 
 
 @pytest.fixture(scope="session")

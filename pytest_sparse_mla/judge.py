@@ -15,7 +15,7 @@ step goes to ``harness.judge.judge_step``; the verdict is then read here and onl
   release and module digest, the steps as specs and seeds).
 
 The verdict's failure is then raised. :func:`replay_backend_case` re-runs a written case
-through the backend the user names (``--vllm``) with the same fixture.
+through the backend the run names (``--impl``, ``--vllm``, ``--backend``) with the same fixture.
 """
 
 from __future__ import annotations
@@ -137,18 +137,27 @@ def judge(request) -> StepJudge:
 
 
 def backend_of_case(record: dict, config):
-    """The backend a written case names, opened on what this run has (``--vllm`` for a vLLM
-    release's backends), or ``(None, why)``."""
-    from backends.registry import open_backend
+    """The backend a written case names, opened on what this run has (``--impl`` for the port's
+    host stages, ``--vllm`` for a vLLM release's backends, ``--backend module:factory`` for a
+    user's own), or ``(None, why)``."""
+    from backends.registry import NEEDS_VLLM, PORT_KERNELS, family_and_release
+
+    from .backend import factory_backends, open_run_backend
 
     name = record["backend"]["name"]
-    if name.startswith("port-"):
-        return open_backend(name), None
-    source = config.stash.get(VLLM_SOURCE, None)
-    if source is None:
-        return None, (f"the case was written on {name} (vLLM {record['backend'].get('release')}'s code): name a "
-                      "release with --vllm=PATH")
-    return open_backend(name.split("-", 1)[0], source), None
+    family, _ = family_and_release(name)
+    if family in PORT_KERNELS:
+        return open_run_backend(config, family), None
+    if family in NEEDS_VLLM:
+        if config.stash.get(VLLM_SOURCE, None) is None:
+            return None, (f"the case was written on {name} (vLLM {record['backend'].get('release')}'s code): name a "
+                          "release with --vllm=PATH")
+        return open_run_backend(config, family), None
+    own = [backend for backend in factory_backends(config) if backend.name == name]
+    if own:
+        return own[0], None
+    return None, (f"the case was written on {name}, a backend of its user's own: name its factory with "
+                  "--backend=module:factory")
 
 
 def replay_backend_case(path, request, record: dict) -> None:

@@ -1,21 +1,20 @@
-"""Every regime case and batch situation through the project's port on each of FlashInfer's MLA
-kernels (``backend`` as an axis: fa3, what production runs on SM90, and fa2), behind the same
-seam as vLLM's backend and FlashMLA (``backends.seam``).
+"""Every regime case and batch situation through each backend under test, behind the seam
+(``backends.seam``): by default the project's port on each of FlashInfer's MLA kernels (fa3, what
+production runs on SM90, and fa2), its host stages those of ``--impl``; ``--backend
+NAME|module:factory`` names others instead (vLLM's, FlashMLA's, or a user's own whole backend).
 
 Each step plans the port's exact lengths (compacted layout), converts, lays out and runs; the
 rows' kv_len and kv_indices spans handed to the kernel are read back and must equal every row's
 valid count and intended selection (a); output and LSE must be within the error budget of the
 float64 oracle over (a), by each kernel's budget (``reference.budget``: fa2's LSE has a floor of
-its own, measured). The regime table's "rows checked per backend" line counts the rows each
-kernel served.
+its own, measured). Every backend is judged alike (``harness.judge``). The regime table's "rows
+checked per backend" line counts the rows each backend served.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from backends.port import KERNELS
-from backends.registry import open_backend
 from harness.judge import run_case
 from harness.launch import DEVICE
 from tests.vllm_cases import step_params
@@ -23,11 +22,8 @@ from tests.vllm_cases import step_params
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=[f"port-{k}" for k in KERNELS])
-def port_backend(request):
-    return open_backend(request.param)
-
-
 @pytest.mark.parametrize("case, config", step_params())
-def test_step_on_each_flashinfer_kernel(port_backend, judge, case, config):
-    run_case(judge, port_backend, config.apply(case.spec), DEVICE)
+def test_step_on_each_flashinfer_kernel(backend_under_test, judge, case, config):
+    """``backend_under_test``: the port on fa3 and on fa2, or each backend ``--backend`` names
+    (``pytest_sparse_mla.backend``)."""
+    run_case(judge, backend_under_test, config.apply(case.spec), DEVICE)
