@@ -65,10 +65,14 @@ def rerun_unavailable_reason(config) -> str | None:
 
 
 def run_options(config) -> dict:
-    """What the run's cases ran with: ``impl_spec`` (``--impl``) and ``vllm`` (``--vllm``, or None)."""
+    """What the run's cases ran with: ``impl_spec`` (``--impl``), ``vllm`` (``--vllm``, or None)
+    and ``backends``, the users' own backends (``--backend module:factory``)."""
+    from backends.registry import is_factory_spec
+
     from .impl import IMPL_SPEC
 
-    return {"impl_spec": config.stash.get(IMPL_SPEC, None), "vllm": config.getoption("--vllm", None)}
+    return {"impl_spec": config.stash.get(IMPL_SPEC, None), "vllm": config.getoption("--vllm", None),
+            "backends": tuple(s for s in config.getoption("--backend", None) or () if is_factory_spec(s))}
 
 
 class ReplayCollector:
