@@ -11,7 +11,9 @@ The run, on the controlling process:
    option) are usage errors before any test runs;
 2. the tests (any ``-n``): each GPU-tier case hands its outputs and ratios to the ``baseline``
    fixture; the record is written with the teardown report, which carries every property the
-   test attached; the controller notes each test's outcome and the ids -k/-m deselected.
+   test attached; the controller notes every test's outcome with its error line (the tests that
+   record nothing included: ``outcomes.json`` in the record folder), the collection errors and
+   the ids -k/-m deselected.
    The fixture replays (``tests/test_replay.py``, over ``--baseline-fixtures``, default the
    checked-in ``fixtures/``) record their re-run on the installed FlashInfer the same way
    (``note_fixture_replay``); one judged on its recorded outputs only records nothing and
@@ -20,7 +22,8 @@ The run, on the controlling process:
    ``pytest -p no:xdist`` process per GPU with ``--baseline-timing-out``, under which the
    tests only hand over repeated medians of their kernel and plan() times; these are merged
    into the records, and only they are judged;
-4. the report (compare) or the record's summary, and exit status 1 when the check fails.
+4. the report (compare) or the record's summary, and exit status 1 when the check fails; the
+   report's lines are followed by one line per test with a regression, naming its id.
 """
 
 from __future__ import annotations
@@ -158,7 +161,7 @@ class BaselineNote:
 
 
 BASELINE = pytest.StashKey[BaselineNote]()
-OUTCOME = pytest.StashKey[str]()  # the test's outcome, kept for its teardown report
+OUTCOME = pytest.StashKey["Outcome"]()  # the test's outcome, kept for its teardown report
 RUN = pytest.StashKey["BaselineRun"]()  # controller: what this run did
 SUMMARY = pytest.StashKey[list]()  # controller: the lines for the terminal
 DESELECTED = pytest.StashKey[list]()  # any process: node ids deselected at collection
@@ -273,7 +276,7 @@ def note_fixture_replay(request, path, report, not_rerun: str | None) -> None:
     note.note(fixture=fixture, ratios=ratios, outputs={"out": rerun.out, "lse": rerun.lse})
 
 
-def _write_baseline_record(item, report, outcome: str) -> None:
+def _write_baseline_record(item, report, outcome) -> None:
     note = item.stash.get(BASELINE, None)
     if note is None:
         return
@@ -291,7 +294,8 @@ def _write_baseline_record(item, report, outcome: str) -> None:
     from recording.environment import flashinfer_version
 
     warnings = [w for k, v in report.user_properties if k == WARNING_KEY for w in v]
-    record = CaseRecord(case=item.nodeid, outcome=outcome, flashinfer=flashinfer_version(), warnings=warnings,
+    record = CaseRecord(case=item.nodeid, outcome=outcome.outcome, outcome_line=outcome.line or None,
+                        flashinfer=flashinfer_version(), warnings=warnings,
                         **{k: v for k, v in note.fields.items() if k in ("error", "ratios", "fixture")})
     write_record(directory, record, note.outputs)
 
@@ -300,9 +304,10 @@ def _write_baseline_record(item, report, outcome: str) -> None:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        item.stash[OUTCOME] = "xfailed" if hasattr(report, "wasxfail") else report.outcome
-    elif report.when == "teardown" and OUTCOME in item.stash:
+    phase = phase_outcome(report)
+    if phase is not None:
+        item.stash[OUTCOME] = merged_outcome(item.stash.get(OUTCOME, None), phase)
+    if report.when == "teardown" and OUTCOME in item.stash:
         _write_baseline_record(item, report, item.stash[OUTCOME])
 
 
@@ -315,10 +320,22 @@ def pytest_sessionfinish(session, exitstatus):
     run = config.stash.get(RUN, None)
     if run is None:
         return
+    run.stopped = stop_reason(session, exitstatus, len(run.collect_errors))
     ok, lines = run.finish(config)
     config.stash[SUMMARY] = lines
     if not ok and session.exitstatus == 0:
         session.exitstatus = 1
+
+
+def stop_reason(session, exitstatus, collect_errors: int) -> str:
+    """Why the run stopped before running every test it collected ("" when it did not): -x or
+    --maxfail, a test that asked the session to stop, or collection errors."""
+    if session.shouldfail or session.shouldstop:
+        return str(session.shouldfail or session.shouldstop)
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        errors = f"{collect_errors} collection error" + ("" if collect_errors == 1 else "s")
+        return f"interrupted by {errors}" if collect_errors else "interrupted"
+    return ""
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -336,6 +353,48 @@ def skip_reason(report) -> str:
     longrepr = report.longrepr
     text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr or "")
     return text.removeprefix("Skipped: ")
+
+
+ERROR_LINE_WIDTH = 300
+
+
+def error_line(report) -> str:
+    """The line that says why a report failed: the exception's message as pytest's short summary
+    gives it (its first line), else the first ``E`` line of the traceback, else its first line."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr or "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    marked = [line[1:].strip() for line in lines if line.startswith("E ")] if crash is None else []
+    line = (marked or lines or [""])[0]
+    return line if len(line) <= ERROR_LINE_WIDTH else line[: ERROR_LINE_WIDTH - 3] + "..."
+
+
+def phase_outcome(report):
+    """What one phase's report says of its test (``recording.baseline.Outcome``): None for a
+    setup or teardown that passed. A failed setup or teardown is ``error``; a test expected to
+    fail that passed is ``xpassed`` (strict: pytest fails it with ``[XPASS(strict)] reason``)."""
+    from recording.baseline import Outcome
+
+    if report.when != "call" and report.passed:
+        return None
+    expected_failure = getattr(report, "wasxfail", None)
+    if report.skipped:
+        return Outcome("xfailed", error_line(report) or expected_failure) if expected_failure is not None \
+            else Outcome("skipped", skip_reason(report))
+    if report.passed:
+        return Outcome("xpassed", f"[XPASS] {expected_failure}") if expected_failure is not None else Outcome("passed")
+    line = error_line(report)
+    if report.when != "call":
+        return Outcome("error", f"at {report.when}: {line}")
+    return Outcome("xpassed" if line.startswith("[XPASS(strict)]") else "failed", line)
+
+
+def merged_outcome(before, phase):
+    """A test's outcome after one more phase: a failed teardown makes a test that passed, was
+    skipped or xfailed an ``error``; a failure already there stays."""
+    if before is None or (phase.outcome == "error" and before.outcome not in ("failed", "error", "xpassed")):
+        return phase
+    return before
 
 
 def selected_paths(config) -> tuple[str, ...]:
@@ -419,23 +478,33 @@ class BaselineRun:
     """Registered on the controlling process when recording or comparing: what the run did."""
 
     def __init__(self):
-        self.outcomes: dict[str, str] = {}
+        self.tests: dict = {}  # node id -> recording.baseline.Outcome, every test that reported
+        self.collect_errors: dict[str, str] = {}  # collector node id -> its error line
         self.gpu_skip_reason = ""
         self.deselected: set[str] = set()
         self.not_rerun: dict[str, str] = {}  # fixture replay node id -> why it was not re-run
+        self.stopped = ""  # why the run stopped before running every test it collected
+
+    @property
+    def outcomes(self) -> dict[str, str]:
+        """node id -> ``outcome`` or ``outcome: line`` (``skipped: why``)."""
+        return {case: o.text for case, o in self.tests.items()}
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
             for key, why in report.user_properties:
                 if key == NOT_RERUN_KEY:
                     self.not_rerun[report.nodeid] = why
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
-            if report.skipped and not hasattr(report, "wasxfail"):
-                outcome = f"skipped: {skip_reason(report)}"
-                if "gpu" in report.keywords and not self.gpu_skip_reason:
-                    self.gpu_skip_reason = skip_reason(report)
-            self.outcomes[report.nodeid] = outcome
+        phase = phase_outcome(report)
+        if phase is None:
+            return
+        self.tests[report.nodeid] = merged_outcome(self.tests.get(report.nodeid), phase)
+        if phase.outcome == "skipped" and "gpu" in report.keywords and not self.gpu_skip_reason:
+            self.gpu_skip_reason = phase.line
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.collect_errors[report.nodeid] = error_line(report)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error):
@@ -450,9 +519,11 @@ class BaselineRun:
             return False, [f"FAIL  baseline   {e}"]
 
     def record_or_compare(self, config) -> tuple[bool, list[str]]:
-        from recording.baseline import RunFacts, read_records, timed_cases
+        from recording.baseline import RunFacts, read_records, timed_cases, write_outcomes
+        from recording.environment import flashinfer_version
 
         directory = baseline_directory(config)
+        write_outcomes(directory, self.tests, flashinfer_version())
         records = read_records(directory)
         timing, timing_failed = run_timing_pass(config, directory, timed_cases(records)) if records else ("", False)
         records = read_records(directory)  # with the timing pass's times
@@ -461,7 +532,7 @@ class BaselineRun:
         run = RunFacts(deselected=frozenset(self.deselected | set(config.stash.get(DESELECTED, []))),
                        selected_paths=selected_paths(config), outcomes=self.outcomes,
                        gpu_skip_reason=self.gpu_skip_reason, timing=timing, timing_failed=timing_failed,
-                       not_rerun=self.not_rerun)
+                       not_rerun=self.not_rerun, collect_errors=self.collect_errors, stopped=self.stopped)
         return self.compare(config, directory, run)
 
     def record_summary(self, directory: Path, records: dict, timing: str,
@@ -477,16 +548,24 @@ class BaselineRun:
         fixtures = sum(1 for r in records.values() if r.fixture)
         times = f"{timed} timed by the timing pass" if not timing else f"times not taken: {timing}"
         status = "FAIL" if timing_failed else "PASS"
-        return not timing_failed, [f"{status}  baseline {directory}: {len(records) - fixtures} cases and "
-                                   f"{fixtures} fixture re-runs recorded, {times}", *not_rerun]
+        return not timing_failed, [f"{status}  baseline {directory}: {len(self.tests)} test outcomes, "
+                                   f"{len(records) - fixtures} cases and {fixtures} fixture re-runs recorded, {times}",
+                                   *not_rerun]
 
     def compare(self, config, current: Path, run) -> tuple[bool, list[str]]:
-        from recording.baseline import compare_directories, read_records, summary_lines, write_report
+        from recording.baseline import compare_directories, regression_lines, summary_lines, write_report
 
         base = Path(config.getoption("--compare-baseline"))
-        before = {r.flashinfer for r in read_records(base).values()} - {None}
-        after = {r.flashinfer for r in read_records(current).values()} - {None}
-        before_v, after_v = ",".join(sorted(before)) or "?", ",".join(sorted(after)) or "?"
+        before_v, after_v = run_versions(base), run_versions(current)
         comparisons = compare_directories(base, current, run)
         ok = write_report(comparisons, current.parent, before_v, after_v, run)
-        return ok, summary_lines(comparisons, run, before_v, after_v) + [f"report: {current.parent / 'report.md'}"]
+        return ok, (summary_lines(comparisons, run, before_v, after_v) + regression_lines(comparisons)
+                    + [f"report: {current.parent / 'report.md'}"])
+
+
+def run_versions(directory: Path) -> str:
+    """The FlashInfer versions a records folder names (its records' and its outcomes file's), or "?"."""
+    from recording.baseline import read_outcomes, read_records
+
+    versions = {r.flashinfer for r in read_records(directory).values()} | {read_outcomes(directory)[0]}
+    return ",".join(sorted(versions - {None})) or "?"

@@ -1,5 +1,6 @@
 """The upgrade check's records: one JSON record and one safetensors file of outputs per case,
-the timing pass's medians beside them, and the start-up check of a baseline folder."""
+the outcome of every test the run ran (``outcomes.json``, the tests that record nothing
+included), the timing pass's medians beside them, and the start-up check of a baseline folder."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch
 
 from .. import checks
 
-SCHEMA = 2
+SCHEMA = 3
 TIMING_DIR = "timing"  # inside a records folder: the timing pass's per-case times and logs
+OUTCOMES_FILE = "outcomes.json"  # inside a records folder: every test's outcome and its line
 RERECORD = "record it again with --record-baseline on the old FlashInfer"
 NAME_LIMIT = 180
 
@@ -32,6 +34,7 @@ class CaseRecord:
     kernel_us_repeats: list[float] = field(default_factory=list)  # the timing pass's medians (us)
     plan_us_repeats: list[float] = field(default_factory=list)
     fixture: str | None = None  # a fixture replay's re-run: the fixture file (absolute path)
+    outcome_line: str | None = None  # Outcome.line: why the test did not pass
 
     @property
     def kernel_us(self) -> float | None:
@@ -42,15 +45,32 @@ class CaseRecord:
         return statistics.median(self.plan_us_repeats) if self.plan_us_repeats else None
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How one test ended: pytest's outcome (``error``: its setup or teardown failed;
+    ``xpassed``: a test expected to fail passed, strict or not) and the line that says why it did
+    not pass: the error line of a failure, an error or an xpass, the exception of a known finding
+    (xfailed), the reason of a skip; "" for a pass."""
+
+    outcome: str
+    line: str = ""
+
+    @property
+    def text(self) -> str:
+        """``outcome: line``, or the outcome alone."""
+        return f"{self.outcome}: {self.line}" if self.line else self.outcome
+
+
 class BaselineError(ValueError):
     """A baseline folder that cannot be compared against; the message names the path."""
 
 
 #: The outcomes a record holds (pytest's, and xfailed / xpassed / error).
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
-#: Timing medians and output tensors one record may hold.
+#: Timing medians and output tensors one record may hold; tests one outcomes file may hold.
 MAX_REPEATS = 1000
 MAX_OUTPUTS = 256
+MAX_TESTS = 1 << 20
 
 
 def _optional_text(value) -> str | None:
@@ -79,6 +99,7 @@ RECORD_FIELDS = {
     "outcome": checks.one_of(*OUTCOMES), "flashinfer": _optional_text, "error": _optional_text,
     "warnings": checks.list_of(checks.text, "strings", most=10_000), "ratios": _ratios,
     "kernel_us_repeats": _medians, "plan_us_repeats": _medians, "fixture": _optional_text,
+    "outcome_line": _optional_text,
 }
 #: Each field of a timing file (the timing pass's medians of one case) with its check.
 TIMING_FIELDS = {"case": RECORD_FIELDS["case"], "kernel_us_repeats": _medians, "plan_us_repeats": _medians}
@@ -132,7 +153,57 @@ def read_record(path: Path) -> CaseRecord:
 
 
 def read_records(directory: Path) -> dict[str, CaseRecord]:
-    return {r.case: r for r in (read_record(p) for p in sorted(Path(directory).glob("*.json")))}
+    paths = sorted(p for p in Path(directory).glob("*.json") if p.name != OUTCOMES_FILE)
+    return {r.case: r for r in map(read_record, paths)}
+
+
+def write_outcomes(directory: Path, outcomes: dict[str, Outcome], flashinfer: str | None) -> None:
+    """Every test's outcome in ``directory/outcomes.json``, with the FlashInfer version of the run."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tests = {case: {"outcome": o.outcome, "line": o.line} for case, o in sorted(outcomes.items())}
+    payload = {"schema": SCHEMA, "flashinfer": flashinfer, "tests": tests}
+    (directory / OUTCOMES_FILE).write_text(json.dumps(payload, indent=1, sort_keys=True))
+
+
+#: Each field of an outcomes file, and of each test in it, with its check.
+OUTCOMES_FIELDS = {"schema": checks.one_of(SCHEMA), "flashinfer": _optional_text,
+                   "tests": lambda v: None if isinstance(v, dict) and len(v) <= MAX_TESTS else
+                   f"expected an object of at most {MAX_TESTS} test ids"}
+TEST_OUTCOME_FIELDS = {"outcome": RECORD_FIELDS["outcome"], "line": checks.text}
+
+
+def outcomes_file_problem(data) -> str | None:
+    """What is wrong with an outcomes file's JSON, naming the field (and the test); None when good."""
+    if not isinstance(data, dict):
+        return f"not an outcomes file (a JSON {type(data).__name__})"
+    if data.get("schema") != SCHEMA and "schema" in data:
+        return f"schema {data['schema']!r}, this tool reads schema {SCHEMA}"
+    problem = checks.fields_problem(data, OUTCOMES_FIELDS, {}, "outcomes")
+    if problem:
+        return problem
+    for case, entry in data["tests"].items():
+        if not isinstance(entry, dict):
+            return f"outcomes field 'tests' holds {checks.shown(entry)} for {case}, expected an object"
+        problem = checks.fields_problem(entry, TEST_OUTCOME_FIELDS, {}, "outcomes", prefix=f"tests[{case}].")
+        if problem:
+            return problem
+    return None
+
+
+def read_outcomes(directory: Path) -> tuple[str | None, dict[str, Outcome]]:
+    """The FlashInfer version and every test's outcome of a records folder ((None, {}) where it
+    has no outcomes file); BaselineError naming the file and the field when it cannot be read."""
+    path = Path(directory) / OUTCOMES_FILE
+    if not path.exists():
+        return None, {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BaselineError(f"{path}: not a readable JSON outcomes file ({e}); {RERECORD}") from None
+    problem = outcomes_file_problem(data)
+    if problem:
+        raise BaselineError(f"{path}: {problem}; {RERECORD}")
+    return data["flashinfer"], {case: Outcome(**entry) for case, entry in data["tests"].items()}
 
 
 def outputs_problem(path: Path) -> str:
@@ -154,8 +225,8 @@ def outputs_problem(path: Path) -> str:
 
 
 def check_baseline(directory: Path) -> dict[str, CaseRecord]:
-    """The records of a baseline folder, every file of it checked; BaselineError naming the
-    folder or the first file that is wrong with it."""
+    """The records of a baseline folder, every file of it checked (the records, their outputs,
+    the outcomes file); BaselineError naming the folder or the first file that is wrong with it."""
     directory = Path(directory)
     if not directory.exists():
         raise BaselineError(f"baseline {directory} does not exist; {RERECORD}")
@@ -170,6 +241,10 @@ def check_baseline(directory: Path) -> dict[str, CaseRecord]:
         problem = outputs_problem(path)
         if problem:
             raise BaselineError(f"{problem}; {RERECORD}")
+    if not (directory / OUTCOMES_FILE).exists():
+        raise BaselineError(f"baseline {directory} holds no {OUTCOMES_FILE} (the outcome of every test the run ran); "
+                            f"{RERECORD}")
+    read_outcomes(directory)
     return records
 
 

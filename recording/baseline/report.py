@@ -26,8 +26,11 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, head: list
     lines = [f"# FlashInfer upgrade check: {before_version} -> {after_version}", "", "```"]
     lines += [line.render() for line in head]
     lines += ["```", "",
-              f"FAIL fails the check, note is a change that does not. Rules: passed/xfailed -> failed, or newly "
-              f"raising; a baseline case not run (unless the run's own -k/-m/paths left it out); kernel time > "
+              f"FAIL fails the check, note is a change that does not. Rules, over every test the runs ran (those "
+              f"that record no output included): passed/xfailed -> failed, error or xpassed, passed -> xfailed (a "
+              f"known finding now), or newly raising; an integer result (executed length, packed index) not equal "
+              f"entry for entry; a baseline test that ran and did not run now (unless the run's own -k/-m/paths left "
+              f"it out); kernel time > "
               f"x{KERNEL_TIME_LIMIT} and > {KERNEL_TIME_FLOOR_US} us slower; plan() time > x{PLAN_TIME_LIMIT}. "
               f"Times come from a pass with one process per GPU, {TIME_REPEATS} medians of {TIME_REPS} calls; a "
               f"time whose medians "
@@ -47,14 +50,14 @@ def render_markdown(comparisons: list[CaseComparison], run: RunFacts, head: list
         for k, d in c.drift.items() if d["bitwise_equal"] < 1.0) for c in drifted] or ["none"]
     lines += ["", "## Fixtures", ""]
     lines += fixture_lines([c for c in comparisons if c.is_fixture], run, before_version)
-    skipped = [c for c in comparisons if c.status in ("not run", "deselected", "new")]
+    skipped = [c for c in comparisons if c.status in ("not run", "deselected", "new")]  # not: skipped in both
     lines += ["", "## Not run, left out, new", ""]
     lines += [f"- `{c.case}`: {c.status}" + (f" ({c.why})" if c.why else "") for c in skipped] or ["none"]
     lines += ["", "## Per case", "",
               "| case | before | after | out max ratio before/after | out bitwise equal | rows differing | "
               "kernel us before/after | plan us before/after | time not judged |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for c in (c for c in comparisons if not c.is_fixture):
+    for c in (c for c in comparisons if c.measured and not c.is_fixture):
         b, a = c.before, c.after
         d = c.drift.get("out", {})
         unjudged = "; ".join(t.why for t in (c.kernel_time, c.plan_time) if not t.judged and t.why)
@@ -85,8 +88,8 @@ def fixture_lines(fixtures: list[CaseComparison], run: RunFacts, before_version:
         record = c.after or c.before
         if c.after is None:
             what = f"{c.status}: {c.why}"
-        elif c.status == "new":
-            what = f"re-run, not compared: {c.why}"
+        elif not c.outputs_compared:
+            what = "; ".join([f"re-run, not compared: {c.why}", *c.regressions])
         else:
             against = c.against or f"the baseline's record ({before_version})"
             parts = [f"against {against}"]
@@ -120,6 +123,7 @@ def write_report(comparisons: list[CaseComparison], out_dir: Path, before_versio
         "fixtures_not_rerun": run.not_rerun,
         "cases": [
             {"case": c.case, "status": c.status, "why": c.why, "fixture": c.is_fixture, "against": c.against or None,
+             "measured": c.measured, "integers": c.integers,
              "before": asdict(c.before) if c.before else None, "after": asdict(c.after) if c.after else None,
              "changes": c.changes, "regressions": c.regressions, "drift": c.drift,
              "kernel_time": dict(asdict(c.kernel_time), ratio=c.kernel_time.ratio),

@@ -3,8 +3,10 @@ once, as data (:class:`SummaryLine`), and rendered from it. FAIL fails the check
 change that does not, ok is no change; the verdict line heads them and is FAIL exactly when
 another line is, and :func:`passed` reads the verdict.
 
-Refusals, outcomes, numerics, errors and time are about the GPU-tier cases; the fixtures line
-about the fixture replays re-run on the installed FlashInfer; warnings and not run about both.
+Outcomes and not run are about every test the runs ran; refusals, numerics, integers, errors
+and time about the GPU-tier cases; the fixtures line about the fixture replays re-run on the
+installed FlashInfer; warnings about both. Below the lines, :func:`regression_lines` names each
+test with a regression and why.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .comparison import CaseComparison, RunFacts, ok_outcome
+from .comparison import CaseComparison, RunFacts, ok_outcome, outcome_regressed
 from .timing import TIME_REPEATS, TIME_REPS
 
 FAIL, PASS, NOTE, OK = "FAIL", "PASS", "note", "ok"
+REGRESSIONS_SHOWN = 30  # tests named below the summary; report.md names them all
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,15 @@ def ran(c: CaseComparison) -> bool:
 
 
 def newly_failing(compared: list[CaseComparison]) -> list[CaseComparison]:
-    """Cases that passed (or failed as expected) before and fail now, refusals apart."""
-    return [c for c in compared if ok_outcome(c.before) and not ok_outcome(c.after) and c.refusal != "new"]
+    """Tests that passed (or failed as expected) before and now fail, error, xpass or xfail where
+    they passed, refusals apart (their own line counts them)."""
+    return [c for c in compared if outcome_regressed(c.before, c.after) and c.refusal != "new"]
+
+
+def transition(c: CaseComparison) -> str:
+    """``passed -> failed: <the error line>`` of a compared test."""
+    line = c.after.outcome_line or c.after.error
+    return f"{c.before.outcome} -> {c.after.outcome}" + (f": {clip(line, 80)}" if line else "")
 
 
 def worst_drift(drifted: list[CaseComparison]) -> str:
@@ -94,11 +104,30 @@ def refusals_line(compared: list[CaseComparison]) -> SummaryLine:
     return SummaryLine(status_of(bool(new), bool(gone)), "refusals", text)
 
 
-def outcomes_line(compared: list[CaseComparison]) -> SummaryLine:
-    failing = newly_failing(compared)
-    text = f"{plural(len(failing), 'case')} that passed fail now" + (
-        f" (`{display_name(failing[0])}`: {failing[0].after.outcome})" if failing else "")
-    return SummaryLine(status_of(bool(failing)), "outcomes", text)
+def outcomes_line(tests: list[CaseComparison]) -> SummaryLine:
+    """Every compared test that is not a fixture re-run (the fixtures line counts those): how
+    many passed (or xfailed) before and now fail, error, xpass or xfail, the first with its line."""
+    ok_before = [c for c in tests if ok_outcome(c.before)]
+    failing = newly_failing(tests)
+    if not failing:
+        return SummaryLine(OK, "outcomes", f"none of {plural(len(ok_before), 'test')} that passed (or xfailed) before "
+                                           "fails, errors, xpasses or xfails now")
+    first_failing = f"`{display_name(failing[0])}`: {transition(failing[0])}"
+    return SummaryLine(FAIL, "outcomes", f"{len(failing)} of {plural(len(ok_before), 'test')} that passed (or "
+                                         f"xfailed) before fail, error, xpass or xfail now ({first_failing})")
+
+
+def integers_line(compared: list[CaseComparison]) -> SummaryLine:
+    """Integer results (executed lengths, packed indices): equal entry for entry, or the first
+    case that differs with its first differing entry."""
+    with_integers = [c for c in compared if c.integers]
+    differ = [c for c in with_integers if any(c.integers.values())]
+    if not differ:
+        return SummaryLine(OK, "integers", f"all {plural(len(with_integers), 'case')} with integer results equal"
+                           if with_integers else "no integer result recorded")
+    first_line = next(d for d in differ[0].integers.values() if d)
+    return SummaryLine(FAIL, "integers", f"{len(differ)} of {plural(len(with_integers), 'case')} with integer results "
+                                         f"differ (`{display_name(differ[0])}`: {clip(first_line, 80)})")
 
 
 def numerics_line(compared: list[CaseComparison]) -> SummaryLine:
@@ -155,12 +184,12 @@ def fixtures_line(fixtures: list[CaseComparison], run: RunFacts, before_version:
     if not rerun:
         return SummaryLine(NOTE, "fixtures",
                            not_rerun_text + ", nothing compared" if not_rerun else "no fixture replay re-ran")
-    compared = [c for c in rerun if c.status == "compared"]
+    compared = [c for c in rerun if c.outputs_compared]
     with_outputs = [c for c in compared if c.drift]
     drifted = [c for c in with_outputs if not c.bitwise_equal]
     from_files = [c for c in compared if c.against]
-    uncompared = [c for c in rerun if c.status == "new"]
-    failing = newly_failing(compared)
+    uncompared = [c for c in rerun if not c.outputs_compared]
+    failing = newly_failing([c for c in rerun if c.status == "compared"])
     text = (f"{len(rerun)} re-run: {len(with_outputs) - len(drifted)} of {len(with_outputs)} with outputs bitwise "
             f"equal to {before_version}")
     if from_files:
@@ -180,44 +209,54 @@ def fixtures_line(fixtures: list[CaseComparison], run: RunFacts, before_version:
 
 
 def not_run_line(comparisons: list[CaseComparison]) -> SummaryLine:
-    """Baseline cases and fixtures with no record now (failing unless the run's own selection
-    left them out), and the GPU-tier cases new in this run."""
+    """Tests of the baseline that ran then and not now: skipped, not collected, fixtures not
+    re-run (failing unless the run's own selection left them out); tests new in this run (GPU-tier
+    cases and tests that record nothing, not fixture re-runs: the fixtures line has those); tests
+    skipped in both runs."""
     not_run = [c for c in comparisons if c.status == "not run"]
     deselected = [c for c in comparisons if c.status == "deselected"]
     new = [c for c in comparisons if c.status == "new" and not c.is_fixture]
-    text = f"{plural(len(not_run), 'case')} of the baseline did not run" + (
+    skipped = [c for c in comparisons if c.status == "skipped"]
+    text = f"{plural(len(not_run), 'test')} of the baseline did not run" + (
         f" (`{display_name(not_run[0])}`: {clip(not_run[0].why)})" if not_run else "")
     if deselected:
         whys = sorted({c.why for c in deselected})
         text += f"; {len(deselected)} left out by this run's selection ({', '.join(whys)}), not judged"
     if new:
-        text += f"; {plural(len(new), 'new case')} not in the baseline, not judged"
+        text += f"; {plural(len(new), 'new test')} not in the baseline (`{display_name(new[0])}`), not judged"
+    if skipped:
+        text += f"; {len(skipped)} skipped in the baseline and not run now, not judged"
     return SummaryLine(status_of(bool(not_run), bool(deselected or new)), "not run", text)
 
 
-def nothing_ran_summary(comparisons: list[CaseComparison], run: RunFacts, before_version: str) -> list[SummaryLine]:
+def nothing_ran_summary(measured: list[CaseComparison], run: RunFacts, before_version: str) -> list[SummaryLine]:
     reason = run.gpu_skip_reason or "no GPU-tier case recorded anything"
     lines = [SummaryLine(FAIL, "GPU tier", f"did not run ({reason}): nothing was compared")]
     if run.not_rerun:
         lines.append(fixtures_line([], run, before_version))
-    return lines + [SummaryLine(FAIL, "not run", f"all {plural(len(comparisons), 'case')} of the baseline")]
+    return lines + [SummaryLine(FAIL, "not run", f"all {plural(len(measured), 'case')} of the baseline")]
 
 
 def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: str,
             after_version: str) -> list[SummaryLine]:
     """One line per class of change, the verdict first: FAIL where any line below is FAIL, and
-    counting the cases and fixtures with a regression."""
-    if not any(ran(c) for c in comparisons):
-        return nothing_ran_summary(comparisons, run, before_version)
-    fixtures = [c for c in comparisons if c.is_fixture]
-    compared = [c for c in comparisons if not c.is_fixture and c.status == "compared"]
-    fixtures_compared = [c for c in fixtures if c.status == "compared"]
-    lines = [refusals_line(compared), outcomes_line(compared), numerics_line(compared), errors_line(compared),
-             time_line(compared, run), warnings_line(compared + fixtures_compared),
-             fixtures_line(fixtures, run, before_version), not_run_line(comparisons)]
+    counting the tests compared, the cases and fixtures among them compared on their records,
+    and the tests with a regression."""
+    measured = [c for c in comparisons if c.measured]
+    if not any(ran(c) for c in measured):
+        return nothing_ran_summary(measured, run, before_version)
+    fixtures = [c for c in measured if c.is_fixture]
+    compared = [c for c in measured if not c.is_fixture and c.status == "compared"]
+    fixtures_compared = [c for c in fixtures if c.outputs_compared]
+    tests = [c for c in comparisons if c.status == "compared"]
+    lines = [refusals_line(compared), outcomes_line([c for c in tests if not c.is_fixture]), numerics_line(compared),
+             integers_line(compared), errors_line(compared), time_line(compared, run),
+             warnings_line(compared + fixtures_compared), fixtures_line(fixtures, run, before_version),
+             not_run_line(comparisons)]
     regressed = sum(1 for c in comparisons if c.regressions)
-    head = f"FlashInfer {before_version} -> {after_version}: {plural(len(compared), 'case')}" + (
-        f" and {plural(len(fixtures_compared), 'fixture')}" if fixtures_compared else "") + " compared"
+    head = (f"FlashInfer {before_version} -> {after_version}: {plural(len(tests), 'test')} compared, "
+            f"{plural(len(compared), 'case')}" + (f" and {plural(len(fixtures_compared), 'fixture')}"
+                                                   if fixtures_compared else "") + " of them on their records")
     head += f", {plural(regressed, 'regression')}" if regressed else ", no regression"
     verdict = FAIL if any(line.status == FAIL for line in lines) else PASS
     return [SummaryLine(verdict, "verdict", head), *lines]
@@ -226,6 +265,16 @@ def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: st
 def summary_lines(comparisons: list[CaseComparison], run: RunFacts, before_version: str,
                   after_version: str) -> list[str]:
     return [line.render() for line in summary(comparisons, run, before_version, after_version)]
+
+
+def regression_lines(comparisons: list[CaseComparison], shown: int = REGRESSIONS_SHOWN) -> list[str]:
+    """One line per test with a regression, naming its test id and every regression with its
+    error line; the first ``shown`` of them, then how many more report.md names."""
+    regressed = [c for c in comparisons if c.regressions]
+    lines = [f"FAIL  {c.case}: {clip('; '.join(c.regressions), 240)}" for c in regressed[:shown]]
+    if len(regressed) > shown:
+        lines.append(f"FAIL  and {len(regressed) - shown} more tests with a regression: report.md names them all")
+    return lines
 
 
 def passed(lines: list[SummaryLine]) -> bool:

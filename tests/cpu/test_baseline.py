@@ -21,6 +21,7 @@ from recording.baseline import (
     SCHEMA,
     BaselineError,
     CaseRecord,
+    Outcome,
     RunFacts,
     check_baseline,
     compare_case,
@@ -30,11 +31,13 @@ from recording.baseline import (
     merge_timings,
     missing_case_status,
     passed,
+    read_records,
     repeated_medians,
     safe_name,
     spread,
     summary_lines,
     timed_cases,
+    write_outcomes,
     write_record,
     write_report,
     write_timing,
@@ -162,7 +165,7 @@ def test_merge_timings_writes_the_timing_pass_medians_into_the_records(tmp_path)
     write_timing(tmp_path / "timing", "t::x", STEADY, [150.0, 151.0, 152.0])
     write_timing(tmp_path / "timing", "t::gone", STEADY, STEADY)
     assert merge_timings(tmp_path, tmp_path / "timing") == 1
-    records = check_baseline(tmp_path)
+    records = read_records(tmp_path)
     assert records["t::x"].kernel_us_repeats == STEADY and records["t::x"].plan_us == 151.0
     assert records["t::y"].kernel_us is None
 
@@ -207,7 +210,8 @@ def test_a_release_against_itself_passes_with_every_class_ok():
     r = rec(ratios={"out_max_ratio": 0.4}, kernel_us_repeats=STEADY, plan_us_repeats=[150.0, 152.0, 149.0])
     f = fixture_rec("a-identity-fill-bf16")
     lines = summary([compared(r, r, out, out), compared(f, f, out, out)])
-    assert lines["verdict"].startswith("PASS") and "1 case and 1 fixture compared, no regression" in lines["verdict"]
+    assert lines["verdict"].startswith("PASS")
+    assert "2 tests compared, 1 case and 1 fixture of them on their records, no regression" in lines["verdict"]
     assert all(line.startswith("ok") for name, line in lines.items() if name != "verdict"), lines
     assert "2 times judged (one process per GPU, 3 medians of 15)" in lines["time"]
     assert "not judged" not in lines["time"]
@@ -239,10 +243,10 @@ def test_summary_has_one_line_per_class_of_change():
     assert lines["errors"].startswith("note") and "out_max_ratio 0.4 -> 0.6" in lines["errors"]
     assert lines["time"].startswith("FAIL") and "plan() time x10.00" in lines["time"]
     assert lines["warnings"].startswith("note") and "1 new, 0 gone" in lines["warnings"]
-    assert lines["not"].startswith("FAIL") and "1 case of the baseline did not run" in lines["not"]
-    assert "1 new case not in the baseline, not judged" in lines["not"]
-    assert list(lines) == ["verdict", "refusals", "outcomes", "numerics", "errors", "time", "warnings", "fixtures",
-                           "not"]
+    assert lines["not"].startswith("FAIL") and "1 test of the baseline did not run" in lines["not"]
+    assert "1 new test not in the baseline (`new`), not judged" in lines["not"]
+    assert list(lines) == ["verdict", "refusals", "outcomes", "numerics", "integers", "errors", "time", "warnings",
+                           "fixtures", "not"]
     assert all(len(line) < 200 for line in lines.values()), "each line fits a terminal's glance"
 
 
@@ -427,12 +431,15 @@ def test_a_non_empty_output_folder_is_refused(suite, option):
 
 def test_a_release_against_itself_passes_and_prints_the_summary(suite):
     base = record(suite)
-    assert sorted(p.name for p in base.glob("*.json")) == ["test_case_1_.json", "test_case_2_.json",
+    assert sorted(p.name for p in base.glob("*.json")) == ["outcomes.json", "test_case_1_.json", "test_case_2_.json",
                                                            "test_case_3_.json"]
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["*FlashInfer upgrade check*", "PASS  verdict*3 cases compared, no regression",
+    result.stdout.fnmatch_lines(["*FlashInfer upgrade check*",
+                                 "PASS  verdict*4 tests compared, 3 cases of them on their records, no regression",
                                  "ok    refusals   0 new, 0 gone",
+                                 "ok    outcomes   none of 4 tests that passed (or xfailed) before fails, errors, "
+                                 "xpasses or xfails now",
                                  "ok    numerics   all 3 cases with outputs bitwise equal",
                                  "note  time       not judged: --baseline-timing=off",
                                  "report: baseline-compare/report.md"])
@@ -450,12 +457,13 @@ def test_a_baseline_case_skipped_now_fails_and_one_deselected_by_k_does_not(suit
     monkeypatch.setenv("SKIP_CASE", "2")
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=skipped")
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["FAIL  not run    1 case of the baseline did not run (`test_case[2]`: skipped: GPU "
-                                 "tier: no CUDA device)"])
+    result.stdout.fnmatch_lines(["FAIL  not run    1 test of the baseline did not run (`test_case[2]`: skipped: GPU "
+                                 "tier: no CUDA device)",
+                                 "FAIL  test_cases.py::test_case[2]: not run: skipped: GPU tier: no CUDA device"])
     monkeypatch.delenv("SKIP_CASE")
     result = run(suite, f"--compare-baseline={base}", "--baseline-timing=off", "--baseline-out=narrow", "-k", "not 3")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["note  not run    0 cases of the baseline did not run; 1 left out by this run's "
+    result.stdout.fnmatch_lines(["note  not run    0 tests of the baseline did not run; 1 left out by this run's "
                                  "selection (deselected by -k/-m), not judged"])
 
 
@@ -505,8 +513,8 @@ def test_the_timing_pass_times_each_case_in_a_process_per_gpu_and_judges_only_th
     base = suite.path / "base"
     result = run(suite, f"--record-baseline={base}")
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["PASS  baseline *base: 3 cases and 0 fixture re-runs recorded, 3 timed by the timing "
-                                 "pass"])
+    result.stdout.fnmatch_lines(["PASS  baseline *base: 4 test outcomes, 3 cases and 0 fixture re-runs recorded, 3 "
+                                 "timed by the timing pass"])
     assert sorted(p.name for p in (base / "timing").glob("*.log")) == ["gpu0.log"]
     assert check_baseline(base)["test_cases.py::test_case[2]"].kernel_us_repeats == [70.0, 70.5, 69.9]
     monkeypatch.setenv("SLOW_CASE", "3")
@@ -594,7 +602,8 @@ def test_fixtures_have_their_own_line_with_equal_outputs_the_worst_rows_and_refu
     assert line.startswith("FAIL  fixtures   3 re-run: 1 of 2 with outputs bitwise equal to 0.7.2"), line
     assert "worst `c-compacted-fp8` lse max abs" in line and "1/4 rows differ, worst rows 2 (" in line
     assert "refusals 1 new, 0 gone (now raising: ValueError: CSR metadata in `h-kpool1-decode-bf16`)" in line
-    assert lines["verdict"].startswith("FAIL") and "1 case and 3 fixtures compared, 1 regression" in lines["verdict"]
+    assert lines["verdict"].startswith("FAIL")
+    assert "4 tests compared, 1 case and 3 fixtures of them on their records, 1 regression" in lines["verdict"]
     assert lines["refusals"].startswith("ok") and lines["numerics"].startswith("ok"), \
         "GPU-tier lines count GPU-tier cases"
 
@@ -707,8 +716,8 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
     replaying("0.7.2.post1")
     result = replay_run(pytester, "--record-baseline=base")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["PASS  baseline base: 0 cases and 2 fixture re-runs recorded, times not taken: "
-                                 "--baseline-timing=off"])
+    result.stdout.fnmatch_lines(["PASS  baseline base: 2 test outcomes, 0 cases and 2 fixture re-runs recorded, times "
+                                 "not taken: --baseline-timing=off"])
     records = check_baseline(pytester.path / "base")
     assert sorted(Path(r.fixture).stem for r in records.values()) == sorted(TWO)
     assert all(r.flashinfer == "0.7.2.post1" and r.ratios["out_max_ratio"] >= 0 for r in records.values())
@@ -716,8 +725,8 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
     replaying("0.7.4")
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=same")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> 0.7.4: 0 cases and 2 fixtures compared, "
-                                 "no regression",
+    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> 0.7.4: 2 tests compared, 0 cases and 2 "
+                                 "fixtures of them on their records, no regression",
                                  "ok    fixtures   2 re-run: 2 of 2 with outputs bitwise equal to 0.7.2.post1; "
                                  "refusals 0 new, 0 gone"])
 
@@ -743,12 +752,13 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
 
 def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_files(replaying, pytester):
     write_record(pytester.path / "base", rec(case="tests/gpu/test_x.py::test_case", flashinfer="0.7.4"), None)
+    write_outcomes(pytester.path / "base", {"tests/gpu/test_x.py::test_case": Outcome("passed")}, "0.7.4")
     replaying("0.8.0")
     result = replay_run(pytester, "--compare-baseline=base")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
     result.stdout.fnmatch_lines(["note  fixtures   2 re-run: * of 2 with outputs bitwise equal to 0.7.4 (2 compared "
                                  "with the fixture file's record); worst *",
-                                 "note  not run    0 cases of the baseline did not run; 1 left out by this run's "
+                                 "note  not run    0 tests of the baseline did not run; 1 left out by this run's "
                                  "selection (outside the paths given), not judged"])
     md = (pytester.path / "baseline-compare" / "report.md").read_text()
     assert "## Fixtures" in md and "`c-compacted-fp8` (" in md
@@ -785,7 +795,7 @@ def test_where_flashinfer_fails_only_at_run_time_fixtures_record_nothing_and_the
     assert result.parseoutcomes() == {"passed": 2}, "the replay tests themselves pass on their recorded outputs"
     result.stdout.fnmatch_lines(["FAIL  baseline base: nothing recorded*",
                                  "note  fixtures: 2 not re-run (no SM90 GPU (simulated)): nothing recorded of them"])
-    assert not list((pytester.path / "base").glob("*.json"))
+    assert [p.name for p in (pytester.path / "base").glob("*.json")] == ["outcomes.json"]
 
 
 @pytest.mark.parametrize(
