@@ -1,7 +1,7 @@
 """The replay journeys on a GPU runner: a failing GPU case, its dump, its replay under the bug and
 its replay once fixed, for the three kinds of failure docs/replay.md names.
 
-    python3 scripts/gpu_journeys.py [--out DIR] [--workers N]
+    python3 scripts/gpu_journeys.py [--out DIR] [--workers N] [--vllm SLICE]
 
 Each journey runs some GPU tests with a re-created bug (``tests/bugs.py``) and
 ``--dump-failures``, then ``--replay`` of what was written with the bug (it must fail) and
@@ -13,6 +13,13 @@ without it (it must pass):
   re-run decides;
 - ``stateful``: ``StaleLengthsPastTheRowCount`` (an attention state keeping the lengths of a
   larger step): sequence files, replayed through one attention state.
+
+With ``--vllm SLICE`` (a folder holding a vLLM release's ``vllm/``, vLLM 0.33.0's lines), three
+journeys more through vLLM's own backend, each with a bug of ``scripts/vllm_planted_bugs.py``
+planted in a copy of the release's SM90 module: ``vllm-kept-plan``, ``vllm-clamp`` and
+``vllm-host-lengths``. Their tests run with ``--vllm`` naming the copy, the dump writes backend
+cases (``*.case.json``: single steps and sequences), the replay under the bug names the copy and
+the replay once fixed names SLICE.
 
 Logs go to DIR (default ``out/gpu-journeys``); the table is printed last. Exit status 1 when a
 journey did not go as it should (nothing written, a replay that passed under the bug or failed
@@ -29,6 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.vllm_planted_bugs import BUGS, planted_copy  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class Journey:
     bug: str
     tests: tuple[str, ...]  # pytest arguments selecting the GPU tests
     written: tuple[str, ...]  # globs of what the dump may write
+    vllm: bool = False  # the bug is planted in a copy of a vLLM release's module, not an --impl
 
 
 JOURNEYS = (
@@ -55,6 +67,12 @@ JOURNEYS = (
 )
 
 
+#: The vLLM tests each planted bug fails: the sequences (a kept plan shows only there) and single steps.
+VLLM_TESTS = ("tests/gpu/test_vllm_sm90.py", "-k",
+              "test_sequence_on_flashinfer or (test_step_on_flashinfer and decode-mixed-lengths-kpool4)")
+VLLM_JOURNEYS = tuple(Journey(f"vllm-{bug.name}", bug.name, VLLM_TESTS, ("*.case.json",), vllm=True) for bug in BUGS)
+
+
 def pytest_run(args: list[str], log: Path) -> tuple[int, float]:
     started = time.perf_counter()
     with log.open("w") as f:
@@ -65,16 +83,23 @@ def pytest_run(args: list[str], log: Path) -> tuple[int, float]:
     return rc, time.perf_counter() - started
 
 
-def run_journey(journey: Journey, out: Path, workers: str) -> dict:
+def run_journey(journey: Journey, out: Path, workers: str, vllm: Path | None = None) -> dict:
     dump = out / journey.name / "dumps"
     dump.mkdir(parents=True, exist_ok=True)
-    impl = f"--impl=tests.bugs:{journey.bug}"
-    found_rc, found_s = pytest_run([*journey.tests, "-n", workers, impl, f"--dump-failures={dump}", "-q"],
+    if journey.vllm:
+        bugged = planted_copy(vllm, out / journey.name / "vllm-planted", next(b for b in BUGS if b.name == journey.bug))
+        if bugged is None:
+            return {"journey": journey.name, "bug": journey.bug, "found": "-", "written": 0, "with the bug": "-",
+                    "fixed": "-", "seconds": 0, "status": f"NOT RUN: {vllm} does not hold the line the bug changes"}
+        with_bug, fixed = [f"--vllm={bugged}"], [f"--vllm={vllm}"]
+    else:
+        with_bug, fixed = [f"--impl=tests.bugs:{journey.bug}"], []
+    found_rc, found_s = pytest_run([*journey.tests, "-n", workers, *with_bug, f"--dump-failures={dump}", "-q"],
                                    out / journey.name / "1-found.log")
     files = sorted(p for pattern in journey.written for p in dump.glob(pattern))
-    red_rc, red_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", impl, "-q", "-p", "no:xdist"],
+    red_rc, red_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", *with_bug, "-q", "-p", "no:xdist"],
                                out / journey.name / "2-replay-with-the-bug.log")
-    green_rc, green_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", "-q", "-p", "no:xdist"],
+    green_rc, green_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", *fixed, "-q", "-p", "no:xdist"],
                                    out / journey.name / "3-replay-fixed.log")
     ok = found_rc == 1 and bool(files) and red_rc == 1 and green_rc == 0
     return {"journey": journey.name, "bug": journey.bug, "found": found_rc, "written": len(files),
@@ -93,10 +118,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "out" / "gpu-journeys"))
     parser.add_argument("--workers", default="auto", help="xdist workers of the finding runs")
+    parser.add_argument("--vllm", default=None, help="a folder holding vLLM 0.33.0's vllm/: its journeys run too")
+    parser.add_argument("--only-vllm", action="store_true", help="with --vllm, only vLLM's journeys")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [run_journey(j, out, args.workers) for j in JOURNEYS]
+    journeys = () if args.only_vllm else JOURNEYS
+    if args.vllm:
+        journeys += VLLM_JOURNEYS
+    rows = [run_journey(j, out, args.workers, Path(args.vllm).resolve() if args.vllm else None) for j in journeys]
     text = table(rows)
     (out / "table.md").write_text(text + "\n")
     print(text)

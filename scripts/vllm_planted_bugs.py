@@ -1,0 +1,49 @@
+"""Bugs planted in a copy of a vLLM release's SM90 module, for the journeys of a failing vLLM case
+(dump, replay under the bug, replay on the release as shipped): ``tests/cpu/test_vllm_dump_replay.py``
+on CPU, ``scripts/gpu_journeys.py --vllm`` on a GPU runner.
+
+Each bug is one line of vLLM 0.33.0's ``flashinfer_mla_sparse_sm90.py`` changed:
+
+- ``kept-plan``: the kept-plan condition keeps a plan while the bounds have outgrown it by up to
+  40 tokens (only a sequence shows it: a plan is kept from one step to the next);
+- ``clamp``: the device clamp cuts rows past topk one token short;
+- ``host-lengths``: the host bounds are 64 tokens low.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.vllm_source import MODULE_FILES
+
+
+@dataclass(frozen=True)
+class PlantedBug:
+    name: str
+    shipped: str  # the line as vLLM 0.33.0 ships it
+    planted: str
+
+
+BUGS = (
+    PlantedBug("kept-plan", "((planned >= kv_lens) & (planned <= kv_lens + _PLAN_SLACK)).all()",
+               "((planned + 40 >= kv_lens) & (planned <= kv_lens + _PLAN_SLACK)).all()"),
+    PlantedBug("clamp", "tl.maximum(tl.minimum(end, valid), start)",
+               "tl.maximum(tl.minimum(end, valid - (ctx > TOPK).to(tl.int32)), start)"),
+    PlantedBug("host-lengths", "return num_rows, torch.clamp(ctx, max=state.max_valid), False",
+               "return num_rows, torch.clamp(ctx - 64, min=1, max=state.max_valid), False"),
+)
+BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
+
+
+def planted_copy(source_root: Path, to: Path, bug: PlantedBug) -> Path | None:
+    """A copy of the release's files (``source_root``, a folder holding ``vllm/``) with ``bug``
+    planted in its SM90 module, or None where the module does not hold the shipped line once."""
+    shutil.copytree(source_root, to)
+    module = to / MODULE_FILES[0]
+    text = module.read_text()
+    if text.count(bug.shipped) != 1:
+        return None
+    module.write_text(text.replace(bug.shipped, bug.planted))
+    return to
