@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 
 from harness.cases import Case, KernelConfig, all_regime_cases, covering_config, situation_cases
-from mla_constants import DEEPSEEK_V32_SM_SCALE
+from harness.spec import batch
+from mla_constants import DEEPSEEK_V32_SM_SCALE, TOPK
 
 #: The configurations FlashMLA serves for DeepSeek-V3.2 on the GPU tier (heads vary by case).
 GPU_VARIANTS = (("bfloat16", 1.0), ("float8_e4m3fn", 1.0), ("float8_e4m3fn", 0.5))
@@ -87,3 +88,23 @@ def gpu_input_space_params():
         classes = classify(spec, layout)
         params.append(pytest.param(Case(case.name, spec), layout, id="-".join(classes[d.name] for d in SPACE)))
     return params
+
+
+#: FlashMLA's two paths for the spec-decode cases: bf16 (the prefill kernel on every row), fp8 at
+#: 16 heads (one mixed batch on the decode kernel) and at 128 (decode and prefill kernels apart).
+TRAP_CONFIGS = (KernelConfig("bfloat16", True, 16), KernelConfig("float8_e4m3fn", True, 16),
+                KernelConfig("float8_e4m3fn", True, 128))
+
+
+def spec_decode_trap_cases() -> list[Case]:
+    """Speculative decode with 1, 2 and 3 draft tokens (vLLM #31845), every request's rows routed
+    as decodes, contexts whose valid counts lie below the top-k buffer's width (vLLM #36616:
+    ``topk_length`` not passed, the padded columns attended), at topk and past it."""
+    return [Case(f"spec-decode-{drafts}-drafts", batch((37, drafts + 1), (TOPK - 2, drafts + 1),
+                                                       (TOPK + 5, drafts + 1), kpool=4, decode_threshold=drafts + 1))
+            for drafts in (1, 2, 3)]
+
+
+def trap_params():
+    return [pytest.param(case, config, id=f"{case.id}-{config.id}")
+            for config in TRAP_CONFIGS for case in spec_decode_trap_cases()]

@@ -147,6 +147,15 @@ def test_magnitude_edge_through_flashmla(stand_in, case, config, device, judge):
     run_case(judge, stand_in, config.apply(case.spec), device)
 
 
+@pytest.mark.parametrize("case, config", flashmla_cases.trap_params())
+def test_spec_decode_rows_below_the_buffer_width(stand_in, case, config, device, judge):
+    """Speculative decode with 1 to 3 drafts on both of FlashMLA's paths, rows whose valid counts
+    lie below the top-k buffer's width: each is handed its valid count as ``topk_length`` and its
+    intended slots."""
+    outcome = run_case(judge, stand_in, config.apply(case.spec), device)
+    assert outcome.planned_rows == sum(r.q_len for r in case.spec.requests)
+
+
 @pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)
 def test_sequence_through_one_layer(stand_in, config, device, judge):
     """Steps through one layer and one cache: each step's rows as above; the fp8 decode kernel

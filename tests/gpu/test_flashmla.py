@@ -31,7 +31,7 @@ from harness.launch import DEVICE
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.flashmla_table import max_difference, table_row, write_table_row
 from tests import flashmla_cases
-from tests.flashmla_cases import gpu_regime_params, gpu_shaped_params
+from tests.flashmla_cases import gpu_regime_params, gpu_shaped_params, trap_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -120,4 +120,12 @@ def test_the_input_spaces_covering_design_on_flashmla(flashmla_on_gpu, judge, ca
 @pytest.mark.parametrize("case", large_batch_cases(), ids=lambda c: c.id)
 def test_large_batch_on_flashmla(flashmla_on_gpu, judge, case, config):
     """About 66 and 132 rows, contexts up to 128k, slot ids past 2**23."""
+    run_case(judge, flashmla_on_gpu, config.apply(case.spec), DEVICE)
+
+
+@pytest.mark.parametrize("case, config", trap_params())
+def test_spec_decode_rows_below_the_buffer_width_on_flashmla(flashmla_on_gpu, judge, case, config):
+    """Speculative decode with 1 to 3 drafts on both of FlashMLA's paths, rows whose valid counts
+    lie below the top-k buffer's width: each executes its valid count (``topk_length`` as FlashMLA's
+    kernels are handed it) and no padded column."""
     run_case(judge, flashmla_on_gpu, config.apply(case.spec), DEVICE)
