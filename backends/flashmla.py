@@ -62,7 +62,15 @@ from mla_constants import INVALID, KV_LORA_RANK
 from reference.flashmla_layout import pack
 
 from . import vllm_shims
-from .seam import LayerConfig, StepInput, StepOutcome, query_rows
+from .seam import (
+    LayerConfig,
+    StepInput,
+    StepOutcome,
+    block_stride_of,
+    blocks_apart,
+    query_rows,
+    slots_of_cache_rows,
+)
 from .vllm_shims import (
     FLASHMLA_INTERFACE_MODULE,
     FLASHMLA_OPS_MODULE,
@@ -93,6 +101,9 @@ SM90_KERNEL_HEADS = (8, 16, 32, 64, 128)
 #: vLLM's padding of the bf16 prefill kernel's heads on Hopper (``FlashMLASparseImpl.prefill_padding``,
 #: set in its constructor, so not readable from the class).
 PREFILL_HEAD_PADDING = 64
+#: Rows of the pages FlashMLA's SM90 fp8 kernel reads: off SM100, vLLM's ``customize_spec`` aligns an
+#: fp8 cache's block stride to a multiple of them (``block_stride_alignment=MultipleOf(64)``).
+FP8_PAGE_ROWS = 64
 #: The FlashMLA ops the recorder wraps (and the static check looks for in the release's ``.so``).
 RECORDED_OPS = ("sparse_prefill_fwd", "sparse_decode_fwd")
 #: What this module reads from the release's modules: names at module level, and in classes.
@@ -140,6 +151,25 @@ def block_size_fits(block_size: int, supported) -> bool:
     return block_size == int(supported)
 
 
+def reads_block_stride(module) -> bool:
+    """Whether the release's FLASHMLA_SPARSE reads a cache whose blocks lie apart (it views the cache
+    as rows with ``flat_kv_row_view`` and hands its convert kernel the block stride)."""
+    return "flat_kv_row_view" in inspect.getsource(module)
+
+
+def blocks_apart_reason(module, version: str, config: LayerConfig) -> str | None:
+    """Why the engine never hands this release's FLASHMLA_SPARSE the layer's cache with its blocks
+    ``config.kv_block_stride`` rows apart, or None."""
+    if not config.blocks_apart:
+        return None
+    if not reads_block_stride(module):
+        return f"vLLM {version}'s FLASHMLA_SPARSE reads contiguous blocks (no flat_kv_row_view)"
+    if config.kv_dtype == "float8_e4m3fn" and config.kv_block_stride % FP8_PAGE_ROWS:
+        return (f"vLLM {version}'s FLASHMLA_SPARSE aligns an fp8 cache's blocks to {FP8_PAGE_ROWS}-row pages "
+                f"(customize_spec): the engine never hands it blocks {config.kv_block_stride} rows apart")
+    return None
+
+
 def unsupported_reason(module, version: str, config: LayerConfig) -> str | None:
     """Why vLLM's FLASHMLA_SPARSE of this release does not serve ``config`` on Hopper, in the
     backend's own terms (its head sizes, cache dtypes, block sizes and ``supports_combination``),
@@ -162,6 +192,9 @@ def unsupported_reason(module, version: str, config: LayerConfig) -> str | None:
         use_mla=True, has_sink=False, use_sparse=True, use_mm_prefix=False, device_capability=capability)
     if reason:
         return f"vLLM {version}'s FLASHMLA_SPARSE: {reason}"
+    apart = blocks_apart_reason(module, version, config)
+    if apart:
+        return apart
     beyond = [h for h in kernel_heads(module, config) if h not in SM90_KERNEL_HEADS]
     if beyond:
         return (f"{config.num_heads} heads reach FlashMLA's SM90 kernels as {beyond} after vLLM's padding; they take "
@@ -219,12 +252,26 @@ def executed_lengths(mask: torch.Tensor, topk_length: torch.Tensor | None) -> to
     return (topk_length if topk_length is not None else mask.sum(dim=1)).to(torch.int64)
 
 
+def rows_read(kv: torch.Tensor, indices: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """The rows of ``cache``'s buffer (counted from its first row, in rows of its last dimension)
+    that the indices of a kernel's ``kv`` (a view of the same buffer: ``[pages, page_rows, D]``,
+    index ``page * page_rows + offset``) read."""
+    size = kv.element_size()
+    page_rows = kv.shape[1]
+    page, offset = indices.div(page_rows, rounding_mode="floor"), indices.remainder(page_rows)
+    start = kv.storage_offset() * size - cache.storage_offset() * cache.element_size()
+    at = start + (page * kv.stride(0) + offset * kv.stride(1)) * size
+    return at.div(cache.shape[-1] * cache.element_size(), rounding_mode="floor")
+
+
 @dataclass
 class KernelRecorder:
     """Wraps FlashMLA's op namespace (``flash_mla_interface.flash_mla_cuda``) and the fp8
     upconvert (``flashmla_sparse.ops``) for one step; :meth:`per_row` joins the calls' rows."""
 
     heads: int
+    # the cache handed to forward_mqa: the rows the kernels read of it are reported as its slot ids
+    cache: torch.Tensor | None = None
     calls: list[KernelCall] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     workspaces: dict[int, torch.Tensor] = field(default_factory=dict)  # data_ptr -> cache row of each row
@@ -249,13 +296,19 @@ class KernelRecorder:
             cache.stride(0) // cache.shape[-1], a.get("seq_starts"))
 
     def _slots(self, kv: torch.Tensor, indices: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Cache slots of the handed indices: the index itself for the cache, the gathered row for
-        a prefill workspace."""
+        """Cache slots of the handed indices: of the cache row the index reads (where the blocks
+        lie apart, a row id is not a slot id), through the gathered row for a prefill workspace."""
         slots = torch.where(mask, indices, torch.full_like(indices, INVALID))
         origin = self.workspaces.get(kv.data_ptr())
         if origin is not None:
-            slots = torch.where(mask, origin[slots.clamp(min=0)], slots)
-        return slots
+            rows = origin[slots.clamp(min=0)]
+        elif self.cache is not None and kv.untyped_storage().data_ptr() == self.cache.untyped_storage().data_ptr():
+            rows = rows_read(kv, slots.clamp(min=0), self.cache)
+        else:
+            return slots
+        if self.cache is not None:
+            rows = slots_of_cache_rows(rows, self.cache.shape[1], block_stride_of(self.cache))
+        return torch.where(mask, rows, slots)
 
     def prefill(self, args: tuple, kwargs: dict, result) -> None:
         a = SIGNATURES["sparse_prefill_fwd"].bind(*args, **kwargs).arguments
@@ -460,10 +513,13 @@ class FlashMLALayer:
         return metadata.num_decode_tokens if to_mha else metadata.num_actual_tokens
 
     def kernel_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache as vLLM holds it for this backend: bf16 as it is; fp8 in FlashMLA's layout."""
+        """The cache as vLLM holds it for this backend: bf16 as it is; fp8 in FlashMLA's layout,
+        its blocks as far apart as the step's."""
         if self.cache_dtype == "auto":
             return kv_cache
-        return pack(kv_cache, self.config.k_scale)
+        packed = pack(kv_cache, self.config.k_scale)
+        stride = block_stride_of(kv_cache)
+        return packed if stride == kv_cache.shape[1] else blocks_apart(packed, stride)
 
     def step(self, step: StepInput) -> StepOutcome:
         """build, then ``forward_mqa`` on the routed rows when the step has queries."""
@@ -484,8 +540,8 @@ class FlashMLALayer:
             outcome.executed_lengths = torch.zeros(0, dtype=torch.int64)
             return outcome
         self.topk_indices_buffer[:rows_with_padding].copy_(step.topk_indices.to(self.device))
-        recorder = KernelRecorder(heads)
         cache = self.kernel_cache(step.kv_cache)
+        recorder = KernelRecorder(heads, cache)
         with self.engine(), recorder.installed(self.backend.interface, self.backend.module):
             out, _ = self.impl.forward_mqa((step.q_nope[:rows], step.q_pe[:rows]), cache, metadata,
                                            self.attention_layer)

@@ -14,7 +14,10 @@ suite knows backends only through this module:
   length and slots where they can be read back, the host lengths and the plans made;
 - :class:`Backend` / :class:`Layer`: ``backend.open_layer(config, device)`` then
   ``layer.step(step_input)`` for each step of a sequence (the layer keeps what production keeps
-  between steps: buffers, a kept plan).
+  between steps: buffers, a kept plan);
+- a cache whose blocks lie apart (``LayerConfig.kv_block_stride``): :func:`blocks_apart` lays
+  one out, :func:`block_stride_of` reads its stride, :func:`slots_of_cache_rows` turns the rows a
+  kernel reads back into slot ids.
 
 :func:`backends.registry.open_backend` names them: ``port-fa3`` and ``port-fa2`` (the project's own path, the
 seed's logic, vLLM 0.30.0's, on FlashInfer's fa3 or fa2 kernel), ``vllm`` (a vLLM release's own
@@ -46,6 +49,14 @@ class LayerConfig:
     max_tokens: int  # max_num_batched_tokens: rows the state's buffers hold
     async_scheduling: bool = False
     adaptive_verification: bool = False
+    # Rows between the starts of consecutive blocks of the layer's cache (docs/input-space.md#blocks-apart):
+    # None for block_size (contiguous blocks); more where the engine's cache for the layer is a view
+    # of a larger buffer with other layers' pages between its blocks.
+    kv_block_stride: int | None = None
+
+    @property
+    def blocks_apart(self) -> bool:
+        return self.kv_block_stride not in (None, self.block_size)
 
 
 def query_rows(meta) -> int:
@@ -127,6 +138,48 @@ def spans_selection(indptr: torch.Tensor, lengths: torch.Tensor, indices: torch.
     pos = (indptr[: lengths.numel()].unsqueeze(1) + cols.unsqueeze(0)).clamp(min=0, max=max(indices.numel() - 1, 0))
     slots = indices[pos] if indices.numel() else torch.zeros_like(pos)
     return torch.where(mask, slots, torch.full_like(slots, -1)), mask
+
+
+#: What :func:`slots_of_cache_rows` gives a row between two blocks (no slot of the cache lies there).
+ROW_BETWEEN_BLOCKS = -2
+#: Every byte between the blocks of a cache laid out by :func:`blocks_apart`: NaN read as bf16,
+#: e4m3 and FlashMLA's 656-byte layout (its e4m3 values, float32 tile scales and bf16 rope alike).
+BETWEEN_BLOCKS_BYTE = 0xFF
+
+
+def block_stride_of(cache: torch.Tensor) -> int:
+    """Rows between the starts of consecutive blocks of ``cache [num_blocks, block_size, D]``
+    (``block_size`` for a contiguous cache)."""
+    if cache.stride(0) % cache.shape[-1] or cache.stride(1) != cache.shape[-1] or cache.stride(2) != 1:
+        raise ValueError(f"a cache of whole rows is [num_blocks, block_size, D] with rows of D contiguous elements and "
+                         f"blocks a whole number of rows apart; got shape {tuple(cache.shape)}, strides "
+                         f"{cache.stride()}")
+    return cache.stride(0) // cache.shape[-1]
+
+
+def blocks_apart(cache: torch.Tensor, block_stride: int) -> torch.Tensor:
+    """``cache [num_blocks, block_size, D]`` with its blocks ``block_stride`` rows apart: the view
+    ``[:, :block_size]`` of a new ``[num_blocks, block_stride, D]`` buffer that holds the cache's
+    blocks, every byte between them :data:`BETWEEN_BLOCKS_BYTE` (what vLLM 0.32+ hands a layer whose
+    cache shares its pages with other layers'; a read between blocks shows as NaN)."""
+    num_blocks, block_size, dim = cache.shape
+    if block_stride < block_size:
+        raise ValueError(f"block stride {block_stride} rows is below the block size {block_size}")
+    buffer = torch.empty((num_blocks, block_stride, dim), dtype=cache.dtype, device=cache.device)
+    buffer.view(torch.uint8).fill_(BETWEEN_BLOCKS_BYTE)
+    view = buffer[:, :block_size]
+    view.copy_(cache)
+    return view
+
+
+def slots_of_cache_rows(rows: torch.Tensor, block_size: int, block_stride: int) -> torch.Tensor:
+    """The slot ids (``block * block_size + offset``) of rows of a cache whose blocks lie
+    ``block_stride`` rows apart (row ``block * block_stride + offset``); a row between two blocks
+    gives :data:`ROW_BETWEEN_BLOCKS`, a negative row stays as it is."""
+    rows = rows.to(torch.int64)
+    block, offset = rows.div(block_stride, rounding_mode="floor"), rows.remainder(block_stride)
+    slots = torch.where(offset < block_size, block * block_size + offset, torch.full_like(rows, ROW_BETWEEN_BLOCKS))
+    return torch.where(rows < 0, rows, slots)
 
 
 @runtime_checkable

@@ -33,7 +33,7 @@ import torch
 from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
-from .seam import LayerConfig, StepInput, StepOutcome, spans_selection
+from .seam import LayerConfig, StepInput, StepOutcome, block_stride_of, slots_of_cache_rows, spans_selection
 from .vllm_shims import load_sm90_module, stand_ins_in_use
 from .vllm_source import VllmSource, design_of, flashinfer_pin
 
@@ -146,7 +146,14 @@ class VllmSM90Backend:
         return {0: "slot 0", 5: "the row's first slot"}.get(packed[1], f"slot {packed[1]}")
 
     def unsupported(self, config: LayerConfig) -> str | None:
-        return None  # what the installed FlashInfer refuses shows at plan
+        """A cache whose blocks lie apart on a release that reads contiguous blocks (0.30.0 and
+        0.31.0 declare the LBHNC layout alone, ``supported_kv_cache_layouts``, so the engine never
+        hands them one); what the installed FlashInfer refuses shows at plan."""
+        if config.blocks_apart and not self.reads_block_stride:
+            return (f"vLLM {self.version}'s SM90 backend reads contiguous blocks (its supported_kv_cache_layouts is "
+                    f"LBHNC alone): the engine never hands it a cache whose blocks lie {config.kv_block_stride} rows "
+                    f"apart")
+        return None
 
     def open_layer(self, config: LayerConfig, device) -> VllmLayer:
         return VllmLayer(self, config, torch.device(device))
@@ -268,6 +275,15 @@ class VllmLayer:
         indices = self.state.kv_indices.detach().to("cpu", torch.int64)
         return {row: indices[indptr[row] + a : indptr[row] + b].tolist() for row, (a, b) in spans.items()}
 
+    def slots_of_indices(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """kv_indices as the last ``forward`` left them, as slot ids (host int64): a release that
+        reads the block stride writes rows of the cache's row view (``flat_kv_row_view``), which
+        are slot ids only where the blocks are contiguous."""
+        indices = self.state.kv_indices.detach().to("cpu", torch.int64)
+        if not self.backend.reads_block_stride:
+            return indices
+        return slots_of_cache_rows(indices, kv_cache.shape[1], block_stride_of(kv_cache))
+
     def planned_lengths(self, num_rows: int) -> torch.Tensor:
         """The host lengths of the plan in force (before any clamp)."""
         return self.state._lens_cpu[:num_rows].clone()
@@ -296,8 +312,7 @@ class VllmLayer:
             self.write_topk(step.topk_indices)
             q_rows = step.meta.num_decode_tokens if step.prefills_to_mha else rows_with_padding
             outcome.out = self.forward(step.q_nope[:q_rows], step.q_pe[:q_rows], step.kv_cache, metadata)[:n]
-            # kv_indices as forward_mqa's convert and pack left them for the run
-            outcome.executed_slots = spans_selection(indptr, lengths,
-                                                     self.state.kv_indices.detach().to("cpu", torch.int64))
+            # kv_indices as forward_mqa's convert and pack left them for the run, as slot ids
+            outcome.executed_slots = spans_selection(indptr, lengths, self.slots_of_indices(step.kv_cache))
             outcome.executed_parts = fa3_schedule.column_parts(schedule, n, outcome.executed_slots[0].shape[1])
         return outcome

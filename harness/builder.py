@@ -12,6 +12,7 @@ tensors on any machine.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -171,3 +172,26 @@ def build_scenario(spec: BatchSpec, seed: int) -> Scenario:
         row_regime=rows.regime,
         prefills_to_mha=rows.prefills_to_mha,
     )
+
+
+def single_token_decodes(spec: BatchSpec) -> list[int]:
+    """The requests that decode one token this step (one query row: a decode at any threshold)."""
+    return [i for i, r in enumerate(spec.requests) if r.q_len == 1]
+
+
+def with_rejected_drafts(scenario: Scenario, slack: int) -> Scenario:
+    """The scenario one step after its single-token decodes had ``slack`` drafts each that the
+    verification rejected: vLLM's runner counted them as accepted when it made this step's host
+    bound (``optimistic_seq_lens_cpu``), so the host bound of each request that decodes one token
+    now over-counts by ``slack``, like that of a spec-decode request (``BatchSpec.host_bound_slack``,
+    which :func:`build_scenario` adds to requests of more than one query row only). The seq_lens
+    and positions stay exact. Needs async scheduling and a host bound: without either the bound
+    is exact or not read (docs/input-space.md#rejected-drafts-then-one-token)."""
+    spec, meta = scenario.spec, scenario.meta
+    if not spec.async_scheduling or meta.seq_lens_cpu_upper_bound is None:
+        raise ValueError("rejected drafts over-count the host bound only under async scheduling with a host bound")
+    if slack < 1:
+        raise ValueError(f"slack must be at least one rejected draft, got {slack}")
+    upper = meta.seq_lens_cpu_upper_bound.clone()
+    upper[single_token_decodes(spec)] += slack
+    return dataclasses.replace(scenario, meta=dataclasses.replace(meta, seq_lens_cpu_upper_bound=upper))

@@ -249,3 +249,111 @@ def sequence_specs(kpool: int) -> list[BatchSpec]:
 def sequence_steps(kpool: int, config: KernelConfig) -> list[tuple[BatchSpec, int]]:
     """:func:`sequence_specs` in ``config``, each step with its seed (its index)."""
     return [(config.apply(spec), seed) for seed, spec in enumerate(sequence_specs(kpool))]
+
+
+# --- every residue, every stride (docs/input-space.md#every-residue-every-stride) -------------
+
+#: A multiple of the block size 64 near the ~57k-token prompts of vllm-project/vllm#55927 (a wrong
+#: token whenever the prompt length was 3 mod 4): 896 x 64 = 57344.
+FAR_BLOCK_MULTIPLE = 896
+
+
+def residues_around(point: int, kpool: int) -> list[int]:
+    """Contexts ``point - n .. point + n - 1`` (``n = max(kpool, 2)``): every residue modulo kpool
+    just below ``point`` and from it on (contexts below 1 dropped)."""
+    n = max(kpool, 2)
+    return [c for c in range(point - n, point + n) if c >= 1]
+
+
+def residue_case(topk: int, kpool: int, block_size: int, multiples, config: KernelConfig) -> Case:
+    """Decode rows at every residue modulo kpool around topk and around each of ``multiples`` x the
+    block size, beside a long request (so short rows take the indexer's pooled path, not the
+    identity fill); and a prefill chunk over the same residues around topk and around the largest
+    multiple (a prefill past topk: every row planned sparse)."""
+    points = sorted({topk, *(m * block_size for m in multiples)})
+    contexts = list(dict.fromkeys(c for p in points for c in residues_around(p, kpool)))
+    n = max(kpool, 2)
+    prefills = [(p + n - 1, 2 * n) for p in (topk, points[-1])]
+    spec = batch(*[(c, 1) for c in contexts], (LONG_CTX, 1), *prefills, topk=topk, kpool=kpool,
+                 block_size=block_size)
+    return Case(f"residues-topk{topk}-kpool{kpool}-bs{block_size}", config.apply(spec))
+
+
+def residue_cases() -> list[Case]:
+    """Every residue modulo kpool around topk and around multiples of the block size: every
+    multiple up to topk + block size at a top-k of 256, a few at the production top-k (the first,
+    those around topk, a far one), and kpool 1 at a block size that is no power of two."""
+    return [
+        residue_case(256, 4, 64, [*range(1, 256 // 64 + 2), FAR_BLOCK_MULTIPLE],
+                     KernelConfig("bfloat16", False, 32)),
+        residue_case(TOPK, 4, 64, [1, TOPK // 64 - 1, TOPK // 64, TOPK // 64 + 1, FAR_BLOCK_MULTIPLE],
+                     KernelConfig("float8_e4m3fn", True, 64)),
+        residue_case(TOPK, 1, 576, [1, 3, 4, 100], KernelConfig("bfloat16", True, 16)),
+    ]
+
+
+def kv_parts_cases() -> list[Case]:
+    """Steps whose cache rows the kernel reads as the two strided views vLLM hands it (ckv: the
+    first 512 elements of each 576-element row, kpe: the last 64), with rope (a NoPE row is ckv
+    whole, contiguous), bf16 and fp8 at k_scale 1, kpool 4 and 1."""
+    requests = ((5, 1), (TOPK - 1, 1), (TOPK + 2, 1), (LONG_CTX, 1), (TOPK + 40, 8))
+    configs = ((KernelConfig("bfloat16", True, 16), 4), (KernelConfig("float8_e4m3fn", True, 32), 4),
+               (KernelConfig("bfloat16", True, 128), 1))
+    return [Case(f"kv-parts-kpool{kpool}-{c.id}", c.apply(batch(*requests, kpool=kpool))) for c, kpool in configs]
+
+
+#: Element offsets (slot x row width) an int32 (2**31) and a uint32 (2**32) offset cannot hold.
+OFFSET_BOUNDARIES = (1 << 31, 1 << 32)
+#: The row widths slot ids are multiplied by: 576 elements (512 + rope 64, bf16 or FlashInfer's
+#: fp8), 656 bytes (FlashMLA's fp8 row: 512 e4m3 values, 4 float32 tile scales, 64 bf16 rope).
+ROW_576, ROW_656 = 576, 656
+
+
+def straddling_slot(boundary: int, row_width: int) -> int:
+    """The slot whose row holds element ``boundary`` (slot x ``row_width`` <= boundary < the next)."""
+    return boundary // row_width
+
+
+def slot_offset_case(boundary: int, row_width: int, config: KernelConfig, block_size: int = 64) -> Case:
+    """(``boundary``: a power of two.) Three decode requests whose blocks are exactly the ids around the block holding
+    :func:`straddling_slot` (no spare block), each context a whole number of blocks and at most
+    topk, so each row reads every token of its request: every slot of those blocks is read, the
+    rows just below ``boundary`` elements from the cache's start, the row across it and those past
+    it."""
+    seq_lens = (TOPK, TOPK // 2, 10 * block_size)
+    blocks = sum(s // block_size for s in seq_lens)
+    first = straddling_slot(boundary, row_width) // block_size - blocks // 2
+    spec = batch(*[(s, 1) for s in seq_lens], block_size=block_size, min_block_id=first, spare_blocks=0)
+    return Case(f"offset-2p{boundary.bit_length() - 1}-row{row_width}", config.apply(spec))
+
+
+def blocks_apart_cases() -> list[tuple[Case, int]]:
+    """``(case, block stride in rows)``: decode rows around topk and a sparse prefill in a cache
+    whose blocks lie apart (docs/input-space.md#blocks-apart): 64-row blocks 192 rows apart (fp8
+    at 64 heads: FlashMLA's decode kernel reads such a cache as its pages, strided, and its
+    prefill rows are gathered from it), 128-row blocks 192 rows apart (one and a half blocks: no
+    multiple of the block size)."""
+    requests = ((5, 1), (TOPK - 1, 1), (TOPK + 2, 1), (3 * TOPK + 1, 1), (TOPK + 40, 8))
+    return [
+        (Case("blocks-apart-bs64-kpool4", KernelConfig("float8_e4m3fn", True, 64).apply(
+            batch(*requests, kpool=4, block_size=64))), 192),
+        (Case("blocks-apart-bs128-kpool1", KernelConfig("bfloat16", True, 64).apply(
+            batch(*requests, kpool=1, block_size=128))), 192),
+    ]
+
+
+def rejected_drafts_cases() -> list[tuple[Case, int]]:
+    """``(case, rejected drafts)``: async steps with speculative decoding on (decode threshold 4)
+    whose single-token decodes had that many drafts rejected the step before
+    (``harness.builder.with_rejected_drafts``): every request decoding one token around topk
+    (the drafter proposed none), and single-token decodes beside spec-decode requests whose own
+    bound over-counts too."""
+    async_spec = dict(decode_threshold=4, async_scheduling=True)
+    return [
+        (Case("rejected-drafts-then-one-token-kpool4", KernelConfig("bfloat16", True, 16).apply(
+            batch((5, 1), (TOPK - 2, 1), (TOPK - 1, 1), (TOPK, 1), (TOPK + 1, 1), (3 * TOPK + 1, 1), kpool=4,
+                  **async_spec))), 3),
+        (Case("rejected-drafts-beside-drafts-kpool1", KernelConfig("bfloat16", False, 32).apply(
+            batch((TOPK + 3, 4), (LONG_CTX, 4), (TOPK - 1, 1), (TOPK + 2, 1), (40, 1), kpool=1,
+                  host_bound_slack=2, **async_spec))), 3),
+    ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backends.seam import blocks_apart
 from mla_constants import INVALID, KV_LORA_RANK
 from reference.rules import convert_rule
 
@@ -31,15 +32,22 @@ class AttentionInputs:
 
     @property
     def ckv(self) -> torch.Tensor:
-        """``[num_slots, 1, 512]`` view of the cache."""
-        return self.kv_cache.view(-1, 1, self.kv_cache.shape[-1])[..., :KV_LORA_RANK]
+        """``[num_slots, 1, 512]``, slot ``block * block_size + offset`` at its index (a view of a
+        contiguous cache, a copy of one whose blocks lie apart)."""
+        return self.kv_cache.reshape(-1, 1, self.kv_cache.shape[-1])[..., :KV_LORA_RANK]
 
     @property
     def kpe(self) -> torch.Tensor:
-        """``[num_slots, 1, R]`` view of the cache."""
-        return self.kv_cache.view(-1, 1, self.kv_cache.shape[-1])[..., KV_LORA_RANK:]
+        """``[num_slots, 1, R]``, as :attr:`ckv`."""
+        return self.kv_cache.reshape(-1, 1, self.kv_cache.shape[-1])[..., KV_LORA_RANK:]
 
 
+def with_blocks_apart(inputs: AttentionInputs, block_stride: int) -> AttentionInputs:
+    """The same step inputs with the cache's blocks ``block_stride`` rows apart in a larger buffer
+    whose rows between blocks hold NaN (``backends.seam.blocks_apart``): the cache view vLLM 0.32+
+    hands a layer whose pages sit between other layers' (docs/input-space.md#blocks-apart). Slot
+    ids keep their meaning (``block * block_size + offset``); only where the rows lie changes."""
+    return AttentionInputs(inputs.q_nope, inputs.q_pe, blocks_apart(inputs.kv_cache, block_stride))
 
 
 _NAN_BITS = {"bfloat16": (torch.int16, 0x7FC0), "float8_e4m3fn": (torch.uint8, 0x7F)}

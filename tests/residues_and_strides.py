@@ -1,0 +1,130 @@
+"""What both tiers' tests of every residue and every stride share (docs/input-space.md#every-residue-every-stride):
+the cases as pytest parameters, one step of a scenario built and shaped beyond its spec through a
+backend, the kernel's ckv and kpe handed as contiguous copies, and why a backend takes no cache
+whose blocks lie apart.
+
+A step whose scenario or inputs are shaped beyond what its spec and seed say (a cache whose
+blocks lie apart, drafts rejected the step before) runs through :func:`run_built`, which judges it
+like ``harness.judge.run_case`` but notes nothing for ``--dump-failures``: its spec and seed would
+rebuild another step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from harness.backend_step import layer_config
+from harness.builder import single_token_decodes
+from harness.cases import (
+    OFFSET_BOUNDARIES,
+    ROW_576,
+    ROW_656,
+    KernelConfig,
+    blocks_apart_cases,
+    kv_parts_cases,
+    rejected_drafts_cases,
+    residue_cases,
+    slot_offset_case,
+)
+
+#: Why the project's port takes no cache whose blocks lie apart: it ports vLLM 0.30.0's SM90
+#: backend, which declares the LBHNC layout alone (``supported_kv_cache_layouts``) and aligns no
+#: block stride (no ``customize_spec``), so the engine never hands that code a strided cache view.
+PORT_READS_CONTIGUOUS_BLOCKS = ("the port of vLLM 0.30.0's SM90 backend reads contiguous blocks (0.30.0 declares "
+                                "the LBHNC layout alone): the engine never hands it a cache whose blocks lie apart")
+#: Why the kv-parts class does not reach FlashMLA: its kernels take each cache row whole.
+FLASHMLA_TAKES_WHOLE_ROWS = "FlashMLA's kernels take each cache row whole (one kv tensor), not ckv and kpe views"
+
+
+def residue_params():
+    return [pytest.param(case, id=case.id) for case in residue_cases()]
+
+
+def kv_parts_params():
+    return [pytest.param(case, id=case.id) for case in kv_parts_cases()]
+
+
+def blocks_apart_params():
+    return [pytest.param(case, stride, id=f"{case.id}-stride{stride}") for case, stride in blocks_apart_cases()]
+
+
+def rejected_drafts_params():
+    return [pytest.param(case, slack, id=f"{case.id}-slack{slack}") for case, slack in rejected_drafts_cases()]
+
+
+#: The configurations the slot-offset class runs each boundary in, with the row width each
+#: multiplies slot ids by: bf16 and FlashInfer's fp8 rows are 576 elements, FlashMLA's fp8 656 bytes.
+OFFSET_CONFIGS = ((KernelConfig("bfloat16", True, 16), ROW_576), (KernelConfig("float8_e4m3fn", True, 16), ROW_576),
+                  (KernelConfig("float8_e4m3fn", True, 16), ROW_656))
+
+
+def slot_offset_params(boundaries=OFFSET_BOUNDARIES):
+    """Each boundary in each of :data:`OFFSET_CONFIGS`, as ``(case, row width)``."""
+    return [pytest.param(case, width, id=f"{case.id}-{config.id}")
+            for boundary in boundaries for config, width in OFFSET_CONFIGS
+            for case in [slot_offset_case(boundary, width, config)]]
+
+
+def row_width(backend, spec) -> int:
+    """The width slot ids are multiplied by on ``backend``: FlashMLA's 656-byte row for an fp8
+    cache, else the cache's row (512 + rope elements)."""
+    if backend.kernel == "flashmla" and spec.kv_dtype == "float8_e4m3fn":
+        return ROW_656
+    return spec.head_dim
+
+
+def blocks_apart_refusal(backend, config) -> str | None:
+    """Why ``backend`` takes no cache whose blocks lie ``config.kv_block_stride`` rows apart, or
+    None: the backend's own reason, or the port's (:data:`PORT_READS_CONTIGUOUS_BLOCKS`)."""
+    reason = backend.unsupported(config)
+    if reason is None and config.blocks_apart and backend.name.startswith("port-"):
+        reason = PORT_READS_CONTIGUOUS_BLOCKS
+    return reason
+
+
+def run_built(judge, backend, scenario, inputs, device, *, kv_block_stride: int | None = None, twin=None,
+              compare: bool = True):
+    """One step of ``scenario`` (``inputs``: on ``device``, its cache's blocks ``kv_block_stride``
+    rows apart where given) through a fresh layer of ``backend``, judged as ``run_case`` judges a
+    step; skipped with the backend's reason where it does not serve the layer. Returns the outcome."""
+    config = dataclasses.replace(layer_config(scenario.spec, max(scenario.topk_indices.shape[0], 1)),
+                                 kv_block_stride=kv_block_stride)
+    reason = blocks_apart_refusal(backend, config)
+    if reason:
+        pytest.skip(f"{backend.name}: {reason}")
+    judge.admit(backend, config)
+    layer = backend.open_layer(config, device)
+    return judge.step(backend, layer, scenario, inputs, twin=twin, compare=compare)
+
+
+@contextlib.contextmanager
+def kv_parts_handed(layer, contiguous: bool):
+    """While open, the layer's attention kernel (``layer.state.wrapper.run(q_nope, q_pe, ckv,
+    kpe, ...)``: the port's and vLLM's) gets contiguous copies of ckv and kpe where
+    ``contiguous``, else the views it is handed; yields a list of ``(ckv, kpe)`` contiguity of
+    what each call was handed before any copy."""
+    wrapper = layer.state.wrapper
+    run, handed = wrapper.run, []
+
+    def handing_run(q_nope, q_pe, ckv, kpe, *args, **kwargs):
+        handed.append((ckv.is_contiguous(), kpe.is_contiguous()))
+        if contiguous:
+            ckv, kpe = ckv.contiguous(), kpe.contiguous()
+        return run(q_nope, q_pe, ckv, kpe, *args, **kwargs)
+
+    wrapper.run = handing_run
+    try:
+        yield handed
+    finally:
+        del wrapper.run
+
+
+def single_token_rows(scenario, planned: int) -> torch.Tensor:
+    """The planned rows of the requests that decode one token (int64)."""
+    starts = scenario.meta.query_start_loc_cpu
+    rows = torch.tensor([int(starts[i]) for i in single_token_decodes(scenario.spec)], dtype=torch.int64)
+    return rows[rows < planned]
