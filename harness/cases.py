@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, KERNEL_VARIANTS, TOPK, variant_name
 from reference import classify_row
 
-from .builder import plan_rows
+from .builder import build_scenario, plan_rows
 from .input_space import covering_cases
 from .scenario import BatchSpec, batch
-from .spec import KernelVariantDims
+from .spec import KernelVariantDims, Scenario
+from .topk_holes import TopkHoles, with_topk_holes
 
 LONG_CTX = 100_003  # >= 100k, r = 3 for kpool 4
 KPOOLS = (1, 4)
@@ -31,11 +32,14 @@ def regime_contexts(topk: int, kpool: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Case:
-    """A named batch situation; ``focus`` lists the regimes it exists to exercise."""
+    """A named batch situation; ``focus`` lists the regimes it exists to exercise; ``holes``: the
+    scores its top-k rows are written from (docs/input-space.md#holes-in-the-top-k), None for the
+    indexer's rows without holes."""
 
     name: str
     spec: BatchSpec
     focus: tuple[str, ...] = ()
+    holes: TopkHoles | None = None
 
     @property
     def id(self) -> str:
@@ -228,7 +232,14 @@ def input_space_cases(strength: int = 1, seed: int = 0) -> list[tuple[Case, str]
     """The covering design of the production input space as named cases, each with the layout
     it is drawn for: strength 1 reaches every value class of every dimension, strength 2 every
     feasible pair (``harness.input_space.covering_assignments``)."""
-    return [(Case(f"input-space-{c.id}", c.spec), c.layout) for c in covering_cases(strength, seed)]
+    return [(Case(f"input-space-{c.id}", c.spec, holes=c.holes), c.layout) for c in covering_cases(strength, seed)]
+
+
+def case_scenario(case, seed: int) -> Scenario:
+    """The scenario of a case (a :class:`Case` or an ``InputCase``) built with ``seed``, its top-k
+    rows written with the case's holes where it has them."""
+    scenario = build_scenario(case.spec, seed)
+    return scenario if case.holes is None else with_topk_holes(scenario, case.holes)
 
 
 def sequence_specs(kpool: int) -> list[BatchSpec]:

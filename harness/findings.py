@@ -5,6 +5,8 @@ finding. A finding that gets fixed turns its xfails into failures that ask for t
 
 from __future__ import annotations
 
+import torch
+
 from backends.port import WORK_CAPACITY as FA3_WORK_CAPACITY
 
 FINDINGS_DOC = "docs/findings.md"
@@ -115,3 +117,54 @@ def kpe_scale_ignored(config) -> bool:
     """A configuration (a ``KernelConfig`` or a ``BatchSpec``) where vLLM's fp8 kpe finding decides
     the output: an fp8 cache with rope and k_scale != 1."""
     return config.kv_dtype == "float8_e4m3fn" and bool(config.rope) and config.k_scale != 1.0
+
+
+#: Rows whose indexer top-k wrote -1 inside their valid prefix (tied, infinite or NaN scores),
+#: executed with the length rule's count, not their valid count: the holes are attended.
+TOPK_HOLES_FINDING = ("top-k holes executed with the length rule's count: " + FINDINGS_DOC
+                      + "#top-k-holes-attended")
+
+
+class TopkHolesAttended(AssertionError):
+    """Exactly the rows with holes in their top-k execute past their valid count (the length
+    rule's count), and no other row has a problem."""
+
+
+def topk_hole_rows(scenario, rows: int | None = None) -> list[int]:
+    """The first ``rows`` query rows (default: the planned rows) with fewer valid entries than
+    the length rule gives their context: rows whose top-k holds -1 inside its valid prefix."""
+    from reference.rules import kv_len_rule, valid_counts
+
+    n = scenario.planned_rows if rows is None else rows
+    valid = valid_counts(scenario.intended_slots()[:n]).to(torch.int64)
+    formula = kv_len_rule(scenario.row_ctx[:n], scenario.spec.topk, scenario.spec.kpool)
+    return (valid < formula).nonzero().flatten().tolist()
+
+
+def rows_past_valid(outcome, scenario) -> list[int]:
+    """The planned rows whose executed length (the planned one where nothing was read back)
+    exceeds their valid count."""
+    from reference.rules import valid_counts
+
+    n = outcome.planned_rows
+    lengths = outcome.executed_lengths if outcome.executed_lengths is not None else outcome.planned_lengths
+    if lengths is None:
+        return []
+    valid = valid_counts(scenario.intended_slots()[:n]).to(torch.int64)
+    return (lengths.to(torch.int64)[:n] > valid).nonzero().flatten().tolist()
+
+
+def topk_holes_finding(outcome, scenario, problems: list[str]) -> str | None:
+    """What a step shows of the top-k holes finding: a description when the rows its
+    ``problems`` name (each starting ``row N ``) are exactly its rows with holes that execute
+    past their valid count (and there is one), else None (a clean step, a backend that executes
+    each row's valid count, or one that fails on other rows too: not this finding)."""
+    from .backend_step import problem_rows
+
+    past = set(rows_past_valid(outcome, scenario)) & set(topk_hole_rows(scenario, outcome.planned_rows))
+    named = set(problem_rows(problems, outcome.planned_rows))
+    unnamed = [p for p in problems if not any(p.startswith(f"row {r} ") for r in named)]
+    if not past or named != past or unnamed:
+        return None
+    return (f"{len(past)} rows with top-k holes execute past their valid count; {outcome.backend}; "
+            f"{scenario.describe()}\n" + "\n".join(problems[:12]))

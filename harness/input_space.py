@@ -4,7 +4,8 @@ classifier from a drawn case to its classes, and the realisation of a class assi
 concrete case.
 
 - :data:`SPACE`: dimension -> value classes (one :class:`Dimension` each, with its doc anchor);
-- :func:`classify`: a batch spec and a layout -> the class of each dimension;
+- :func:`classify`: a batch spec, a layout and the case's top-k holes -> the class of each
+  dimension (:func:`classify_case` for an :class:`InputCase`);
 - :func:`feasible`: whether a (partial) assignment of classes can occur at all;
 - :func:`covering_assignments`: assignments that reach every class (strength 1) or every
   feasible pair of classes (strength 2);
@@ -37,6 +38,7 @@ from mla_constants import (
 )
 
 from .spec import BatchSpec, Request, graph_padded, uniform_query_len
+from .topk_holes import HOLE_KINDS, TopkHoles
 
 SLOT_IDS_PAST = 1 << 23
 
@@ -68,6 +70,7 @@ SPACE: tuple[Dimension, ...] = (
     Dimension("variant", (BF16_ROPE64, FP8_ROPE64, BF16_NOPE, FP8_NOPE), "kernel-variants-and-heads"),
     Dimension("heads", ("16", "32", "64", "128"), "kernel-variants-and-heads"),
     Dimension("slot_ids", ("below-2^23", "past-2^23"), "block-sizes"),
+    Dimension("topk_holes", ("none", "holes"), "holes-in-the-top-k"),
 )
 DIMENSIONS = {d.name: d for d in SPACE}
 #: What a class assignment is: dimension name -> class.
@@ -148,9 +151,10 @@ def _slot_class(spec: BatchSpec) -> str:
     return "past-2^23" if spec.min_block_id * spec.block_size >= SLOT_IDS_PAST else "below-2^23"
 
 
-def classify(spec: BatchSpec, layout: str) -> Assignment:
-    """The class of every dimension of :data:`SPACE` a case (spec + layout) falls in; a value
-    outside the production space comes back as ``outside:<value>``."""
+def classify(spec: BatchSpec, layout: str, holes: TopkHoles | None = None) -> Assignment:
+    """The class of every dimension of :data:`SPACE` a case (spec + layout + the score pattern
+    its top-k rows are written from, if any) falls in; a value outside the production space
+    comes back as ``outside:<value>``."""
     topk = "2048" if spec.topk == TOPK else ("below-2048" if spec.topk < TOPK else f"outside:{spec.topk}")
     return {
         "block_size": _block_size_class(spec.block_size),
@@ -170,7 +174,13 @@ def classify(spec: BatchSpec, layout: str) -> Assignment:
         if str(spec.num_heads) in DIMENSIONS["heads"].classes
         else f"outside:{spec.num_heads}",
         "slot_ids": _slot_class(spec),
+        "topk_holes": "none" if holes is None else "holes",
     }
+
+
+def classify_case(case: InputCase) -> Assignment:
+    """:func:`classify` of an :class:`InputCase` (its spec, layout and top-k holes)."""
+    return classify(case.spec, case.layout, case.holes)
 
 
 # --- which combinations exist ----------------------------------------------------------------
@@ -199,13 +209,16 @@ def _conflict(a: Assignment) -> bool:
         # a FULL graph runs uniform decode batches, its padded requests trailing
         has(padded_rows="full-graph", batch=("empty", "prefills", "mixed")),
         has(padded_rows="full-graph", no_query_requests=("none", "middle")),
+        # holes need a row of the indexer's top-k that the sparse kernel serves
+        has(topk_holes="holes", batch="empty"),
+        has(topk_holes="holes", batch="prefills", prefill_route="dense-mha"),
     )
     return any(rules)
 
 
 #: The dimensions :func:`_conflict` relates; every class of the others combines with anything.
 CONSTRAINED = ("batch", "spec_rows", "no_query_requests", "padded_rows", "prefill_route", "scheduling",
-               "context_source", "drafts")
+               "context_source", "drafts", "topk_holes")
 
 
 def feasible(a: Assignment) -> bool:
@@ -349,6 +362,7 @@ class InputCase:
     spec: BatchSpec
     layout: str
     assignment: tuple[tuple[str, str], ...]
+    holes: TopkHoles | None = None  # the scores the step's top-k rows are written from
 
     @property
     def id(self) -> str:
@@ -399,9 +413,21 @@ def _requests(a: Assignment, ch: Chooser, topk: int, kpool: int, threshold: int)
     return requests
 
 
+def with_a_long_row(requests: list[Request], ch: Chooser, topk: int, threshold: int) -> list[Request]:
+    """``requests`` with a query row past ``topk`` (its top-k rows are the indexer's, not the
+    identity fill, and one has more candidates than topk): as they are where a request with
+    query rows has one, else with the first decode's context drawn past it."""
+    if any(r.q_len and r.seq_len > topk for r in requests):
+        return requests
+    first = next(i for i, r in enumerate(requests) if 0 < r.q_len <= threshold)
+    longer = Request(ch.integer(topk + 1, 3 * topk), requests[first].q_len)
+    return requests[:first] + [longer] + requests[first + 1 :]
+
+
 def realize(assignment, ch: Chooser) -> InputCase:
     """A concrete case in the classes of ``assignment`` (a full feasible assignment), its free
-    values picked by ``ch``."""
+    values picked by ``ch``. A case of top-k holes has a planned row past topk, whose top-k
+    leaves holes whatever the score pattern drawn (``reference.indexer.row_with_holes``)."""
     a = dict(assignment)
     if not feasible(a) or set(a) != set(DIMENSIONS):
         raise ValueError(f"not a full feasible assignment: {a}")
@@ -411,6 +437,10 @@ def realize(assignment, ch: Chooser) -> InputCase:
     drafts = 1 if a["spec_rows"] == "none" else ch.integer(2 if a["drafts"] == "partly-rejected" else 1, 3)
     threshold = drafts + 1 if a["spec_rows"] == "spec-decode" else 1
     requests = _requests(a, ch, topk, kpool, threshold)
+    holes = None
+    if a["topk_holes"] == "holes":
+        requests = with_a_long_row(requests, ch, topk, threshold)
+        holes = TopkHoles(ch.pick(HOLE_KINDS), ch.integer(1, 3))
     async_ = a["scheduling"] == "async"
     source = a["context_source"]
     with_host_bound = (
@@ -444,7 +474,7 @@ def realize(assignment, ch: Chooser) -> InputCase:
     if a["padded_rows"] == "full-graph":
         rows = sum(r.q_len for r in spec.requests)
         spec = graph_padded(spec, rows + uniform_query_len(spec) * ch.integer(1, 3))
-    return InputCase(spec, a["layout"], tuple(sorted(a.items())))
+    return InputCase(spec, a["layout"], tuple(sorted(a.items())), holes)
 
 
 def covering_cases(strength: int, seed: int = 0) -> list[InputCase]:

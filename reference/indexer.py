@@ -10,6 +10,12 @@ r = ctx % kpool, P = ctx // kpool complete pools, S = topk // kpool pools select
   ``topk .. topk+r-1`` the trailing incomplete pool; with P < S the selected pools are
   ``0..P-1`` and the columns up to topk stay -1, so the valid entries are not a prefix
   when r != 0.
+
+Holes in the top-k (docs/input-space.md#holes-in-the-top-k): :func:`row_with_holes` writes a
+row from indexer scores through a model of the top-k kernel (:func:`topk_with_holes`) that
+writes -1 *inside* the first ``min(ctx, topk)`` columns where scores tie at the selection
+threshold or are not finite, as SGLang #30645 reports of its fused top-k kernel (tie overflow,
+inf scores).
 """
 
 from __future__ import annotations
@@ -94,3 +100,81 @@ def indexer_rows(
     if not rows:
         return torch.empty((0, width), dtype=torch.int32)
     return torch.from_numpy(np.stack(rows))
+
+
+# --- holes in the top-k ---------------------------------------------------------------------
+
+#: The score patterns that make the modelled top-k write -1 inside a row's valid prefix.
+HOLE_KINDS = ("ties", "inf", "nan")
+
+
+def tie_capacity(k: int) -> int:
+    """How many of the selected entries tied at the selection threshold the modelled top-k
+    kernel writes: ``k // 2``. SGLang's fused top-k v2 (topk 2048 only) keeps at most
+    ``kMaxNumTie = 1024`` candidates of the threshold bin and pads the rest with -1 (SGLang
+    #30645: seq 8320, topk 2048, 100 winners and 8220 equal zeros gave 924 invalid entries,
+    2048 - 100 - 1024); the model scales that bound with k."""
+    return k // 2
+
+
+def selection_order(scores: torch.Tensor) -> torch.Tensor:
+    """Candidate ids as the modelled kernel ranks their scores: NaN first (a radix select orders
+    a positive NaN's bits above +inf's), then by score, highest first, -inf last; equal scores in
+    id order."""
+    nan = torch.isnan(scores)
+    key = torch.where(nan, torch.full_like(scores, float("inf")), scores)
+    order = torch.argsort(-key, stable=True)
+    return order[torch.argsort((~nan[order]).to(torch.int8), stable=True)]
+
+
+def topk_with_holes(scores: torch.Tensor, k: int, kept_ties: int | None = None) -> torch.Tensor:
+    """The ``min(n, k)`` entries (int64) the modelled top-k kernel writes for ``n`` candidate
+    scores: the ids of the first ``min(n, k)`` candidates of :func:`selection_order`, in
+    increasing id order, each written as -1 where its score is not finite, and of the selected
+    candidates tied at the threshold (the last selected score, when finite) all but the first
+    ``kept_ties`` (default :func:`tie_capacity` of ``k``) written as -1."""
+    selected = selection_order(scores)[: min(scores.numel(), k)]
+    picked = scores[selected]
+    hole = ~torch.isfinite(picked)
+    if selected.numel() and bool(torch.isfinite(picked[-1])):
+        tied = (picked == picked[-1]).nonzero().flatten()
+        hole[tied[tie_capacity(k) if kept_ties is None else kept_ties :]] = True
+    written = torch.where(hole, INVALID, selected)
+    return written[torch.argsort(selected)]
+
+
+def hole_scores(kind: str, n: int, k: int, count: int, rng: np.random.Generator) -> torch.Tensor:
+    """float64 scores of ``n`` candidates of a row whose top-``k`` leaves holes: ``ties``: fewer
+    than ``k // 4 + 1`` winners above ``n - winners`` equal zeros (the shape of SGLang #30645);
+    ``inf``: ``count`` candidates at +inf, -inf, +inf, ..., the rest distinct and finite;
+    ``nan``: ``count`` candidates NaN, the rest distinct and finite. Which candidates: from ``rng``."""
+    if kind not in HOLE_KINDS:
+        raise ValueError(f"kind must be one of {HOLE_KINDS}, got {kind!r}")
+    if kind == "ties":
+        scores = np.zeros(n)
+        winners = rng.choice(n, size=min(n, int(rng.integers(0, k // 4 + 1))), replace=False)
+        scores[winners] = 1.0 + rng.random(winners.size)
+        return torch.from_numpy(scores)
+    scores = rng.standard_normal(n)
+    odd = rng.choice(n, size=min(n, count), replace=False)
+    scores[odd] = np.where(np.arange(odd.size) % 2 == 0, np.inf, -np.inf) if kind == "inf" else np.nan
+    return torch.from_numpy(scores)
+
+
+def row_with_holes(ctx: int, topk: int, kpool: int, width: int, kind: str, count: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """A row of the indexer's top-k (not the identity fill) written from scores of ``kind``
+    (:func:`hole_scores`) by :func:`topk_with_holes`: kpool 1 ranks the ``ctx`` tokens and writes
+    ``min(ctx, topk)`` entries; pooled ranks the ``P`` complete pools, writes ``min(P, S)`` pools
+    expanded to tokens (a pool written as -1 is ``kpool`` -1 entries) and the trailing incomplete
+    pool at column topk, as :func:`pooled_row`."""
+    kpool = max(kpool, 1)
+    complete, tail = divmod(ctx, kpool)
+    selectable = topk // kpool
+    row = np.full(width, INVALID, dtype=np.int32)
+    if complete:
+        pools = topk_with_holes(hole_scores(kind, complete, selectable, count, rng), selectable).numpy()
+        tokens = pools[:, None] * kpool + np.arange(kpool)[None, :]
+        row[: pools.size * kpool] = np.where(pools[:, None] < 0, INVALID, tokens).reshape(-1)
+    row[topk : topk + tail] = np.arange(complete * kpool, ctx, dtype=np.int32)
+    return row

@@ -14,6 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK, ROPE_DIM
+from reference.contract import (
+    FIRST_SLOT,
+    SLOT_ZERO,
+    OracleDifference,
+    contract_reference,
+    filled_slots,
+    implementation_reference,
+    oracle_differences,
+)
 from reference.oracle import (
     COMPUTE_MODES,
     DEFAULT_MEMORY_BUDGET_BYTES,
@@ -742,3 +751,77 @@ def test_parts_are_for_lowp_and_shaped_as_slots():
         run(p, "float64", parts=torch.zeros(2, 8, dtype=torch.long))
     with pytest.raises(ValueError, match=r"parts: for mode 'lowp', shaped as slots \(2, 8\)"):
         run(p, "lowp", parts=torch.zeros(2, 7, dtype=torch.long))
+
+
+# --- the contract and the implementation: -1 inside a row's length (reference.contract) -------
+
+
+def with_holes(p: Problem, seed: int) -> Problem:
+    """``p`` with about a third of each row's columns before its length set to -1."""
+    g = torch.Generator().manual_seed(seed)
+    holes = (torch.rand(p.slots.shape, generator=g) < 1 / 3) & p.mask
+    return replace(p, slots=torch.where(holes, torch.full_like(p.slots, -1), p.slots))
+
+
+def contract(p: Problem, mode: str = "float64"):
+    return contract_reference(p.q_nope, p.q_pe, p.ckv, p.kpe, p.slots, p.lens, sm_scale=p.sm_scale, mode=mode)
+
+
+def implementation(p: Problem, filler: str, mode: str = "float64"):
+    return implementation_reference(p.q_nope, p.q_pe, p.ckv, p.kpe, p.slots, p.lens, filler, sm_scale=p.sm_scale,
+                                    mode=mode)
+
+
+@given(p=problems(), seed=st.integers(0, 2**31 - 1))
+def test_the_contract_attends_the_valid_entries_within_the_length(p, seed):
+    """vLLM's stated semantics: column c of row t is attended when c < len and the index >= 0;
+    that is the oracle over the row's valid entries within its length moved to the front."""
+    p = with_holes(p, seed)
+    valid = p.mask & (p.slots >= 0)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+    compact = replace(p, slots=torch.gather(p.slots, 1, order), lens=valid.sum(dim=1))
+    out, lse = contract(p)
+    out_c, lse_c = run(compact)
+    torch.testing.assert_close(out, out_c, **F64_TIGHT, msg=lambda m: f"{p.describe()}\n{m}")
+    torch.testing.assert_close(lse, lse_c, **F64_TIGHT, msg=lambda m: f"{p.describe()}\n{m}")
+
+
+@pytest.mark.parametrize("mode", COMPUTE_MODES)
+def test_a_row_of_holes_is_empty_under_the_contract(mode):
+    p = random_problem(seed=5, t=2, h=3, k=4, num_slots=9, lens=[3, 4])
+    p = replace(p, slots=torch.tensor([[-1, -1, -1, 7], [1, -1, 2, -1]], dtype=torch.int32))
+    out, lse = contract(p, mode)
+    assert bool((out[0] == 0).all()) and bool((lse[0] == -INF).all()), (out[0].abs().max(), lse[0])
+    assert bool(torch.isfinite(lse[1]).all())
+
+
+@pytest.mark.parametrize(("filler", "filled"), [(SLOT_ZERO, [[5, 0, 3, 0, -1], [0, 0, -1, -1, -1]]),
+                                                (FIRST_SLOT, [[5, 5, 3, 5, -1], [0, 0, -1, -1, -1]])])
+def test_the_implementation_reads_a_hole_as_its_filler(filler, filled):
+    """Within the length, -1 becomes physical slot 0 (vLLM 0.31.0's pack) or the row's column 0
+    (0.32.0 on; slot 0 where column 0 is -1 too); past it nothing changes; the oracle is then
+    the multiset of the first len slots."""
+    p = random_problem(seed=6, t=2, h=2, k=5, num_slots=9, lens=[4, 2])
+    p = replace(p, slots=torch.tensor([[5, -1, 3, -1, -1], [-1, -1, -1, -1, -1]], dtype=torch.int32))
+    assert filled_slots(p.slots, p.lens, filler).tolist() == filled
+    out, lse = implementation(p, filler)
+    out_f, lse_f = run(replace(p, slots=torch.tensor(filled, dtype=torch.int32)))
+    assert torch.equal(out, out_f) and torch.equal(lse, lse_f)
+
+
+@given(p=problems(), seed=st.integers(0, 2**31 - 1), filler=st.sampled_from((SLOT_ZERO, FIRST_SLOT)))
+def test_the_oracles_differ_exactly_on_the_rows_named(p, seed, filler):
+    """oracle_differences names the rows with a -1 inside their length, with their counts; on
+    every other row the two oracles agree bit for bit, on the rows named the output or LSE moves."""
+    p = with_holes(p, seed)
+    named = oracle_differences(p.slots, p.lens)
+    inside = p.mask & (p.slots < 0)
+    expected = [OracleDifference(r, int(p.lens[r]), int((p.mask[r] & (p.slots[r] >= 0)).sum()),
+                                 int(inside[r].sum())) for r in range(p.slots.shape[0]) if bool(inside[r].any())]
+    assert named == expected
+    out_c, lse_c = contract(p)
+    out_i, lse_i = implementation(p, filler)
+    rows = {d.row for d in named}
+    for r in range(p.slots.shape[0]):
+        same = torch.equal(out_c[r], out_i[r]) and torch.equal(lse_c[r], lse_i[r])
+        assert same != (r in rows), f"row {r}: the oracles {'agree' if same else 'differ'}; {p.describe()}"

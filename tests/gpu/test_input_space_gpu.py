@@ -11,9 +11,10 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 
-from harness import build_attention_inputs, build_scenario
+from harness import build_attention_inputs
 from harness.case_log import note_sequence_step
-from harness.cases import input_space_cases
+from harness.cases import case_scenario, input_space_cases
+from harness.findings import topk_hole_rows
 from harness.input_space import classify
 from harness.launch import (
     DEVICE,
@@ -46,16 +47,19 @@ def c_rows_planned(step) -> set[int]:
 
 def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None, node=None):
     """One step through the kernel: the known findings asserted as themselves (regime C under
-    strided/packed is not launched; a strided plan a page-count-checking FlashInfer refuses),
+    strided/packed and rows with top-k holes are not launched; a strided plan a
+    page-count-checking FlashInfer refuses),
     otherwise launch and compare with the references. ``log`` (the ``regime_log`` fixture)
     hears of each launch and each expected refusal; ``node``'s report gets the measured error
     ratios (the run's table of them, fp8 NoPE included: only the drawn inputs reach it)."""
     max_rows = max(scenario.topk_indices.shape[0], 1) if max_rows is None else max_rows
     step = prepared(impl, scenario, layout, max_rows=max_rows)
-    c_rows = c_rows_planned(step)
-    if layout != "compacted" and c_rows:
-        # docs/findings.md#regime-c-planned-as-a-prefix: exactly those rows planned wrong.
-        assert set(selection_mismatches(step)) == c_rows, step.context()
+    c_rows = c_rows_planned(step) if layout != "compacted" else set()
+    holes = set(topk_hole_rows(scenario))
+    if c_rows or holes:
+        # docs/findings.md#regime-c-planned-as-a-prefix and #top-k-holes-attended: exactly those
+        # rows planned wrong (a row with holes: -1 inside its planned span).
+        assert set(selection_mismatches(step)) == c_rows | holes, step.context()
         return state
     assert_launchable(step, features.version)
     if state is None:
@@ -82,8 +86,8 @@ def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None,
 def test_drawn_production_inputs_through_the_kernel(impl, features, regime_log, case, layout, request):
     """A combined case of the production input space: the kernel's output within the error
     budget of the references over the planned selection."""
-    record_input(classify(case.spec, layout))
-    run_on_gpu(impl, features, build_scenario(case.spec, seed=20), layout, regime_log, node=request.node)
+    record_input(classify(case.spec, layout, case.holes))
+    run_on_gpu(impl, features, case_scenario(case, seed=20), layout, regime_log, node=request.node)
 
 
 class EvolvingBatchOnGPU(EvolvingBatch):
