@@ -29,9 +29,11 @@ import torch
 
 from backends.seam import StepOutcome
 from reference import Comparison
+from reference.rules import valid_counts
 
 from .backend_step import (
     context,
+    describe_row,
     executed_length_problems,
     layer_config,
     output_comparisons,
@@ -49,16 +51,22 @@ from .findings import (
     PADDED_GRAPH_ROWS_FINDING,
     QUERY_SHAPE_REFUSAL,
     SLOT_ZERO_FINDING,
+    TOPK_HOLES_FINDING,
     UINT8_REFUSAL,
     Fp8PlannedAsUint8,
     KpeScaleIgnored,
     PaddedGraphRowsUnplanned,
     SlotZeroLoaded,
+    TopkHolesAttended,
     is_vllm_backend,
     kpe_scale_ignored,
     padded_graph_step,
+    rows_past_valid,
+    topk_hole_rows,
+    topk_holes_finding,
 )
 from .spec import Scenario
+from .topk_holes import TopkHoles, measure_hole_rows, with_topk_holes
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ FP8_AS_UINT8 = KnownFinding(Fp8PlannedAsUint8, FP8_AS_UINT8_FINDING)
 KPE_SCALE = KnownFinding(KpeScaleIgnored, KPE_SCALE_FINDING)
 PADDED_GRAPH_ROWS = KnownFinding(PaddedGraphRowsUnplanned, PADDED_GRAPH_ROWS_FINDING)
 SLOT_ZERO = KnownFinding(SlotZeroLoaded, SLOT_ZERO_FINDING)
+TOPK_HOLES = KnownFinding(TopkHolesAttended, TOPK_HOLES_FINDING)
 
 
 @dataclass
@@ -119,6 +128,87 @@ def expected_findings(backend, spec, query_shape_checked: Callable[[], bool] = n
     if padded_graph_step(spec) and query_shape_checked():
         found.append(PADDED_GRAPH_ROWS)
     return found
+
+
+def executes_the_length_rule(backend) -> bool:
+    """A backend that plans and executes each row with the length rule's count (the port and
+    vLLM's SM90 backend), not with the count of the row's valid entries (FlashMLA, handed
+    ``topk_length``): a row with holes in its top-k executes past its valid count."""
+    return getattr(backend, "kernel", None) != "flashmla"
+
+
+def kernel_reads_a_hole(backend) -> bool:
+    """The port's compacted layout leaves a -1 inside a planned span, which FlashInfer's kernel
+    would read as slot -1: a step with holes runs its plan only there."""
+    return backend.name.startswith("port-")
+
+
+def rows_without_entries(scenario: Scenario, rows: int) -> list[int]:
+    """The first ``rows`` rows whose top-k holds no valid entry (each candidate a hole): out 0 and
+    LSE -inf under the contract."""
+    return (valid_counts(scenario.intended_slots()[:rows]) == 0).nonzero().flatten().tolist()
+
+
+def empty_row_problems(outcome: StepOutcome, rows: list[int]) -> list[str]:
+    """Rows the holes emptied, against FlashMLA's convention for an empty row: out 0 (as the
+    contract says) and LSE +inf (where the contract says -inf, docs/computation.md#empty-rows)."""
+    if not rows or outcome.out is None:
+        return []
+    out = outcome.out[rows]
+    lse = outcome.lse[rows] if outcome.lse is not None else None
+    if bool((out == 0).all()) and (lse is None or bool((lse == float("inf")).all())):
+        return []
+    return [f"rows {rows} have no valid entry and are not out 0 / LSE +inf: out max |{float(out.abs().max()):.3g}|"]
+
+
+def hole_row_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs, rows: list[int],
+                         kernel: str | None) -> list[Comparison]:
+    """The output (and LSE) of ``rows`` only, against the float64 oracle over (a), by the budget."""
+    from reference.budget import compare_attention, compare_to_budget
+
+    from .backend_step import references
+
+    truth, lowp = references(outcome, scenario, inputs)
+    pick = torch.tensor(rows, dtype=torch.int64, device=outcome.out.device)
+    kv = scenario.spec.kv_dtype
+    if outcome.lse is None:
+        return [compare_to_budget("out", outcome.out[pick], truth[0][pick], lowp[0][pick], kv)]
+    return compare_attention(outcome.out[pick], outcome.lse[pick], (truth[0][pick], truth[1][pick]),
+                             (lowp[0][pick], lowp[1][pick]), kv, kernel=kernel)
+
+
+def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: AttentionInputs | None,
+                spared: list[int]) -> None:
+    """The verdict of a step whose top-k has holes: where exactly its rows with holes execute past
+    their valid count, the finding (with each row's lengths and its error against the contract and
+    the implementation oracle), every other row judged as always; a row the holes emptied on a
+    backend that executes valid counts, FlashMLA's convention for an empty row."""
+    outcome = verdict.outcome
+    n = outcome.planned_rows
+    if outcome.executed_lengths is None:
+        verdict.problems += [f"{describe_row(outcome, scenario, r)}: planned past its valid count"
+                             for r in rows_past_valid(outcome, scenario)]
+    finding = topk_holes_finding(outcome, scenario, verdict.problems)
+    if verdict.problems and finding is None:
+        verdict.failure = AssertionError(f"{verdict.where}\n" + "\n".join(verdict.problems[:12]))
+        return
+    attended = set(rows_past_valid(outcome, scenario)) if finding is not None else set()
+    empty = [] if finding is not None else rows_without_entries(scenario, n)
+    others = [r for r in range(n) if r not in attended and r not in empty and r not in spared]
+    if inputs is not None and n:
+        kernel = getattr(backend, "kernel", None)
+        verdict.comparisons = hole_row_comparisons(outcome, scenario, inputs, others, kernel) if others else []
+        bad = [c for c in verdict.comparisons if not c.ok]
+        problems = empty_row_problems(outcome, empty)
+        if bad or problems:
+            verdict.failure = AssertionError(f"rows that attend no hole are off; {verdict.where}\n"
+                                             + "\n".join(problems + [c.summary() for c in bad]))
+            return
+    if finding is not None:
+        filler = backend.minus_one_filler(inputs.q_nope.device) if inputs is not None and is_vllm_backend(backend) \
+            else None
+        rows = measure_hole_rows(outcome, scenario, sorted(attended), inputs, filler)
+        verdict.failure = TopkHolesAttended(finding + "\n" + "\n".join(row.describe() for row in rows))
 
 
 def refusal_as_finding(backend, scenario: Scenario, exc: ValueError) -> AssertionError | None:
@@ -191,6 +281,11 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
         verdict.expected.append(SLOT_ZERO)
     verdict.problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
                         + selection_problems(outcome, scenario))
+    if scenario.extra.get("topk_holes") is not None:
+        if executes_the_length_rule(backend) and topk_hole_rows(scenario, outcome.planned_rows):
+            verdict.expected.append(TOPK_HOLES)
+        judge_holes(verdict, backend, scenario, inputs if compare else None, slot_zero)
+        return verdict
     if compare and inputs is not None and outcome.planned_rows:
         verdict.comparisons = output_comparisons(outcome, scenario, inputs, kernel=getattr(backend, "kernel", None))
     if verdict.problems:
@@ -257,19 +352,30 @@ def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInput
     return AttentionInputs(inputs.q_nope, inputs.q_pe, cache)
 
 
+def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None) -> Scenario:
+    """The scenario of one step: ``spec`` built with ``seed``, its top-k rows written from the
+    scores of ``holes`` where given (``harness.topk_holes``)."""
+    scenario = build_scenario(spec, seed)
+    return scenario if holes is None else with_topk_holes(scenario, holes)
+
+
 def run_case(judge, backend, spec, device, *, seed: int = 0, twin: Twin | None = None, compare: bool = True,
-             adaptive_verification: bool = False) -> StepOutcome:
-    """One step of ``spec`` (built with ``seed``) through a fresh layer of ``backend``, judged."""
-    return run_sequence(judge, backend, [(spec, seed)], device, twin=twin, compare=compare, kind="step",
+             adaptive_verification: bool = False, holes: TopkHoles | None = None) -> StepOutcome:
+    """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given)
+    through a fresh layer of ``backend``, judged."""
+    return run_sequence(judge, backend, [(spec, seed, holes)], device, twin=twin, compare=compare, kind="step",
                         adaptive_verification=adaptive_verification)[1][0]
 
 
 def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twin: Twin | None = None,
                  compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False):
-    """``steps`` (``(spec, seed)`` pairs, in order) through one layer and, with ``with_inputs``,
-    one KV cache they share; each step judged. Returns ``(layer, outcomes)``."""
-    specs = [spec for spec, _ in steps]
-    scenarios = [build_scenario(spec, seed) for spec, seed in steps]
+    """``steps`` (``(spec, seed)`` or ``(spec, seed, holes)``, in order) through one layer and, with
+    ``with_inputs``, one KV cache they share; each step judged. A step with holes in its top-k
+    runs its plan only on a backend whose kernel would read a hole (:func:`kernel_reads_a_hole`).
+    Returns ``(layer, outcomes)``."""
+    steps = [tuple(step) + (None,) * (3 - len(step)) for step in steps]
+    specs = [spec for spec, _, _ in steps]
+    scenarios = [scenario_of_step(*step) for step in steps]
     max_tokens = max(max(s.topk_indices.shape[0] for s in scenarios), 1)
     config = layer_config(specs[0], max_tokens, adaptive_verification=adaptive_verification)
     judge.admit(backend, config)
@@ -283,10 +389,11 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
             "steps": []}
     outcomes = []
     for i, scenario in enumerate(scenarios):
-        case["steps"].append({"spec": scenario.spec, "seed": scenario.seed})
+        holes = scenario.extra.get("topk_holes")
+        case["steps"].append({"spec": scenario.spec, "seed": scenario.seed, "holes": holes})
         note_backend_case(case)
         inputs = None
-        if with_inputs:
+        if with_inputs and not (holes is not None and kernel_reads_a_hole(backend)):
             inputs = build_attention_inputs(scenario, device)
             inputs = in_one_cache(inputs, cache) if cache is not None else inputs
         label, of = (f"_step{i}", f"step {i} of the sequence's {len(scenarios)}") if kind == "sequence" else ("", "")

@@ -4,7 +4,8 @@ port), kept as the steps that rebuild it: ``NAME.case.json``.
 ``harness.judge.run_sequence`` notes what it runs (``harness.case_log.note_backend_case``):
 the backend (its name, kernel, release and the sha256 of the module text it loaded), the
 layer's row capacity, whether a twin judged the output, and each step so far as its spec and
-seed. A failing test's case is written with each step's scenario digest, and the FlashInfer the
+seed (and the score pattern of its top-k where it has holes). A failing test's case is written
+with each step's scenario digest, and the FlashInfer the
 step ran on (a release, or the stand-in class of a CPU run). A single step is a case of one
 step; a sequence keeps every step up to the failing one, so a kept plan, a clamp of a kept plan
 or a replan is carried into the failing step as the test carried it.
@@ -23,13 +24,15 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from reference.indexer import HOLE_KINDS
+
 from .checks import (
     MAX_ROWS,
     MAX_SEED,
     MAX_STEPS,
+    MAX_TOPK,
     a_bool,
     a_dict,
-    field_problem,
     fields_problem,
     int_in,
     nullable,
@@ -56,6 +59,9 @@ REQUIRED_FIELDS = {
 OPTIONAL_FIELDS = {"vllm": text, "impl": text, "nodeid": text, "flashinfer": text, "why": text, "drawn": text,
                    "adaptive_verification": a_bool}
 STEP_FIELDS = {"spec": lambda v: None, "seed": int_in(0, MAX_SEED), "scenario_digest": sha256_hex}
+#: The score pattern of a step's top-k where it has holes (``harness.topk_holes.TopkHoles``).
+OPTIONAL_STEP_FIELDS = {"holes": a_dict}
+HOLES_FIELDS = {"kind": one_of(*HOLE_KINDS), "count": int_in(1, MAX_TOPK)}
 
 
 def is_backend_case(path) -> bool:
@@ -75,13 +81,29 @@ def flashinfer_in_use() -> str:
     return f"flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}"
 
 
+def step_record(spec, seed: int, holes) -> dict:
+    """One step of a case file: its spec, seed, the score pattern of its top-k where it has holes
+    (``harness.topk_holes.TopkHoles``), and the digest of the scenario they build."""
+    from harness.judge import scenario_of_step
+
+    record = {"spec": dataclasses.asdict(spec), "seed": int(seed),
+              "scenario_digest": scenario_digest(scenario_of_step(spec, seed, holes))}
+    if holes is not None:
+        record["holes"] = {"kind": holes.kind, "count": int(holes.count)}
+    return record
+
+
+def holes_of(step: dict):
+    """The ``TopkHoles`` of a step of a case file, or None."""
+    from harness.topk_holes import TopkHoles
+
+    holes = step.get("holes")
+    return None if holes is None else TopkHoles(holes["kind"], holes["count"])
+
+
 def case_record(case: dict, **meta) -> dict:
     """The JSON of a noted backend case (``meta``: name, nodeid, vllm, why, ...)."""
-    from harness.builder import build_scenario
-
-    steps = [{"spec": dataclasses.asdict(step["spec"]), "seed": int(step["seed"]),
-              "scenario_digest": scenario_digest(build_scenario(step["spec"], step["seed"]))}
-             for step in case["steps"]]
+    steps = [step_record(step["spec"], step["seed"], step.get("holes")) for step in case["steps"]]
     return {CASE_KEY: CASE_VERSION, "kind": case["kind"], "backend": dict(case["backend"]),
             "max_tokens": int(case["max_tokens"]), "twin": bool(case["twin"]), "compare": bool(case["compare"]),
             "with_inputs": bool(case["with_inputs"]), "adaptive_verification": bool(case["adaptive_verification"]),
@@ -108,10 +130,13 @@ def case_problem(record: dict) -> str | None:
     if record["kind"] == "step" and len(steps) != 1:
         return f"case field 'steps' holds {len(steps)} steps, a case of kind 'step' one"
     for i, step in enumerate(steps):
-        if not isinstance(step, dict) or set(step) != set(STEP_FIELDS):
-            return f"case field 'steps[{i}]' is not a {{spec, seed, scenario_digest}} object"
-        for name, check in STEP_FIELDS.items():
-            problem = field_problem(f"steps[{i}].{name}", step[name], check, "case")
+        if not isinstance(step, dict):
+            return f"case field 'steps[{i}]' is not a {{spec, seed, scenario_digest[, holes]}} object"
+        problem = fields_problem(step, STEP_FIELDS, OPTIONAL_STEP_FIELDS, "case", f"steps[{i}].")
+        if problem:
+            return problem
+        if "holes" in step:
+            problem = fields_problem(step["holes"], HOLES_FIELDS, {}, "case", f"steps[{i}].holes.")
             if problem:
                 return problem
         problem = spec_problem(step["spec"], "case", f"steps[{i}].spec.")
@@ -123,13 +148,14 @@ def case_problem(record: dict) -> str | None:
 def load_backend_case(path) -> dict:
     """Read and check one case file, and check that each step's spec and seed still build the
     recorded scenario; any problem is a FixtureError naming the file and the field."""
-    from harness.builder import build_scenario
+    from harness.judge import scenario_of_step
     from harness.spec import spec_from_dict
 
     path = Path(path)
     record = load_checked(path, "case", CASE_KEY, CASE_VERSION, case_problem)
     for i, step in enumerate(record["steps"]):
-        if scenario_digest(build_scenario(spec_from_dict(step["spec"]), step["seed"])) != step["scenario_digest"]:
+        scenario = scenario_of_step(spec_from_dict(step["spec"]), step["seed"], holes_of(step))
+        if scenario_digest(scenario) != step["scenario_digest"]:
             raise FixtureError(f"{path}: case field 'steps[{i}].scenario_digest' is not the digest of the scenario "
                                f"step {i}'s spec and seed build: the step's spec or seed was changed, or the scenario "
                                "builder changed since the case was written")
@@ -137,10 +163,10 @@ def load_backend_case(path) -> dict:
 
 
 def steps_of(record: dict) -> list[tuple]:
-    """``(spec, seed)`` of each step of a loaded case."""
+    """``(spec, seed, holes)`` of each step of a loaded case."""
     from harness.spec import spec_from_dict
 
-    return [(spec_from_dict(step["spec"]), step["seed"]) for step in record["steps"]]
+    return [(spec_from_dict(step["spec"]), step["seed"], holes_of(step)) for step in record["steps"]]
 
 
 def identity_lines(record: dict, backend) -> list[str]:

@@ -15,6 +15,8 @@ a failure reports the measured ratios).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from harness.cases import Case, KernelConfig, all_regime_cases, covering_config, situation_cases
@@ -85,8 +87,9 @@ def gpu_input_space_params():
     params = []
     for case, layout in input_space_cases(1):
         spec = case.spec if case.spec.rope else case.spec.replace(rope=True, sm_scale=DEEPSEEK_V32_SM_SCALE)
-        classes = classify(spec, layout)
-        params.append(pytest.param(Case(case.name, spec), layout, id="-".join(classes[d.name] for d in SPACE)))
+        classes = classify(spec, layout, case.holes)
+        params.append(pytest.param(dataclasses.replace(case, spec=spec), layout,
+                                   id="-".join(classes[d.name] for d in SPACE)))
     return params
 
 

@@ -135,8 +135,8 @@ def test_the_input_spaces_covering_design_through_flashmla(stand_in, case, devic
     through FLASHMLA_SPARSE's build() and forward_mqa(): each served row is handed its intended
     slots with its valid count as its length, and its output and LSE are within budget. A
     configuration FlashMLA does not serve is skipped with its reason."""
-    record_input(classify(case.spec, case.layout))
-    run_case(judge, stand_in, case.spec, device)
+    record_input(classify(case.spec, case.layout, case.holes))
+    run_case(judge, stand_in, case.spec, device, holes=case.holes)
 
 
 @pytest.mark.parametrize("case, config", flashmla_cases.magnitude_params())

@@ -14,11 +14,11 @@ import torch
 import fast.sm90 as sm90
 from backends.registry import open_backend
 from backends.seam import StepOutcome
-from harness.backend_step import executed_length_problems, layer_config, selection_problems
+from harness.backend_step import executed_length_problems, selection_problems
 from harness.builder import build_scenario
 from harness.cases import LONG_CTX, case_scenario, regime_contexts
-from harness.device_inputs import build_attention_inputs
-from harness.findings import TOPK_HOLES_FINDING, TopkHolesAttended, rows_past_valid, topk_hole_rows, topk_holes_finding
+from harness.findings import rows_past_valid, topk_hole_rows, topk_holes_finding
+from harness.judge import run_case
 from harness.spec import batch
 from harness.topk_holes import TopkHoles, with_topk_holes
 from mla_constants import INVALID
@@ -26,15 +26,9 @@ from reference.indexer import HOLE_KINDS, row_with_holes, selection_order, tie_c
 from reference.rules import kv_len_rule, valid_counts
 from tests import fa3_stand_in, flashmla_stand_in
 from tests.cpu.test_rerun import ReferenceWrapper
-from tests.topk_hole_cases import (
-    check_empty_rows_as_flashmla_gives_them,
-    check_hole_step,
-    hole_params,
-    rows_without_entries,
-)
+from tests.topk_hole_cases import hole_params
 
 TOPK_SMALL = 128
-ATTENDED = pytest.mark.xfail(raises=TopkHolesAttended, strict=True, reason=TOPK_HOLES_FINDING)
 
 # --- the indexer model ---------------------------------------------------------------------------
 
@@ -160,10 +154,6 @@ def test_the_finding_is_exactly_the_rows_with_holes_reading_past_their_valid_cou
 SEED = 3
 
 
-def open_layer(backend, scenario, device):
-    return backend.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
-
-
 @pytest.fixture
 def reference_wrapper(monkeypatch):
     monkeypatch.setattr(sm90, "MLAWrapper", ReferenceWrapper)
@@ -171,23 +161,17 @@ def reference_wrapper(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
-@ATTENDED
 @pytest.mark.parametrize("case", hole_params(TOPK_SMALL))
-def test_port_plans_the_length_rule_over_holes(reference_wrapper, case, device):
-    backend = open_backend("port-fa3")
-    scenario = case_scenario(case, SEED)
-    check_hole_step(backend, open_layer(backend, scenario, device), scenario, None)
+def test_port_plans_the_length_rule_over_holes(reference_wrapper, case, device, judge):
+    run_case(judge, open_backend("port-fa3"), case.spec, device, seed=SEED, holes=case.holes)
 
 
 @pytest.mark.vllm
-@ATTENDED
 @pytest.mark.parametrize("case", hole_params(TOPK_SMALL))
-def test_vllm_executes_the_length_rule_over_holes(vllm_backend, case, device, monkeypatch):
+def test_vllm_executes_the_length_rule_over_holes(vllm_backend, case, device, monkeypatch, judge):
     bounded = vllm_backend.design == "bounded"
     fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInWrapper if bounded else fa3_stand_in.StandIn06Wrapper)
-    scenario = case_scenario(case, SEED)
-    check_hole_step(vllm_backend, open_layer(vllm_backend, scenario, device), scenario,
-                    build_attention_inputs(scenario, device), filler=vllm_backend.minus_one_filler(device))
+    run_case(judge, vllm_backend, case.spec, device, seed=SEED, holes=case.holes)
 
 
 @pytest.fixture(scope="module")
@@ -211,14 +195,7 @@ def flashmla_on_stand_in(flashmla_loaded, monkeypatch):
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", hole_params(TOPK_SMALL))
-def test_flashmla_executes_each_rows_valid_count(flashmla_on_stand_in, case, device):
+def test_flashmla_executes_each_rows_valid_count(flashmla_on_stand_in, case, device, judge):
+    outcome = run_case(judge, flashmla_on_stand_in, case.spec, device, seed=SEED, holes=case.holes)
     scenario = case_scenario(case, SEED)
-    layer_args = layer_config(scenario.spec, scenario.topk_indices.shape[0])
-    reason = flashmla_on_stand_in.unsupported(layer_args)
-    if reason:
-        pytest.skip(reason)
-    empty = rows_without_entries(scenario)
-    outcome = check_hole_step(flashmla_on_stand_in, flashmla_on_stand_in.open_layer(layer_args, device), scenario,
-                              build_attention_inputs(scenario, device), spared=lambda outcome: empty)
-    check_empty_rows_as_flashmla_gives_them(outcome, empty)
     assert topk_hole_rows(scenario) and selection_problems(outcome, scenario) == []

@@ -26,7 +26,7 @@ from harness.backend_step import executed_length_problems, layer_config, run_ste
 from harness.builder import build_scenario
 from harness.cases import KernelConfig, sequence_steps, situation_cases
 from harness.device_inputs import build_attention_inputs
-from harness.findings import Fp8PlannedAsUint8
+from harness.findings import Fp8PlannedAsUint8, TopkHolesAttended
 from harness.input_space import classify, covering_cases
 from harness.judge import run_case, run_sequence
 from harness.spec import batch, graph_padded
@@ -76,13 +76,16 @@ def test_drawn_production_inputs_through_vllm(vllm_backend, device, case, seed, 
     kpool and topk, kernel variants, heads) through vLLM's build() and forward_mqa(): every row
     executes its valid count and its intended slots. The case's kv_indices layout is the
     project's axis; vLLM lays out its own."""
-    record_input(classify(case.spec, case.layout))
+    record_input(classify(case.spec, case.layout, case.holes))
     with pytest.MonkeyPatch.context() as mp:
         fa3_stand_in.install(mp, stand_in_for(vllm_backend))
         try:
-            run_case(judge.raising_findings(), vllm_backend, case.spec, device, seed=seed, compare=False)
+            run_case(judge.raising_findings(), vllm_backend, case.spec, device, seed=seed, compare=False,
+                     holes=case.holes)
         except Fp8PlannedAsUint8:
             assert vllm_backend.plans_fp8_as_storage_dtype, "an fp8 plan refused by a release that maps it to e4m3"
+        except TopkHolesAttended:
+            assert case.holes is not None, "the top-k holes finding on a case without holes"
 
 
 def test_release_and_design_are_read_from_its_code(vllm_backend):

@@ -110,8 +110,8 @@ def test_the_input_spaces_covering_design_on_flashmla(flashmla_on_gpu, judge, ca
     """Every value class of the production input space but the kernel variant (block sizes,
     batch composition, CUDA-graph padding, context sources, kpool and topk, heads, slot ids past
     2**23) on FlashMLA's kernels, in DeepSeek-V3.2's configurations."""
-    record_input(classify(case.spec, layout))
-    run_case(judge, flashmla_on_gpu, case.spec, DEVICE)
+    record_input(classify(case.spec, layout, case.holes))
+    run_case(judge, flashmla_on_gpu, case.spec, DEVICE, holes=case.holes)
 
 
 @pytest.mark.gpu_large

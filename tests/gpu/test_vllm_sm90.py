@@ -95,4 +95,4 @@ def test_magnitude_edge_on_flashinfer(vllm_on_gpu, fa3_twin, judge, case, config
 def test_input_space_covering_design_on_flashinfer(vllm_on_gpu, fa3_twin, judge, case):
     """Every value class of every dimension of the production input space through vLLM's
     build() and forward_mqa() on FlashInfer."""
-    run_case(judge, vllm_on_gpu, case.spec, DEVICE, twin=fa3_twin)
+    run_case(judge, vllm_on_gpu, case.spec, DEVICE, twin=fa3_twin, holes=case.holes)
