@@ -36,6 +36,11 @@ WORK_CAPACITY = FA3_WORK_CAPACITY
 #: The text of the refusal a FlashInfer that checks page counts gives a strided plan of short rows.
 PLAN_REFUSAL = PAGE_COUNT_REFUSAL
 KERNELS = MLA_KERNELS
+#: Why the port takes no cache whose blocks lie apart: it ports vLLM 0.30.0's SM90 backend, which
+#: declares the LBHNC layout alone (``supported_kv_cache_layouts``) and aligns no block stride (no
+#: ``customize_spec``), so the engine never hands that code a strided cache view.
+READS_CONTIGUOUS_BLOCKS = ("the port of vLLM 0.30.0's SM90 backend reads contiguous blocks (0.30.0 declares the "
+                           "LBHNC layout alone): the engine never hands it a cache whose blocks lie apart")
 
 
 def kernel_parts(state, num_rows: int, width: int) -> torch.Tensor | None:
@@ -123,7 +128,9 @@ class PortBackend:
                 f"layout, FlashInfer {version} backend={self.kernel}")
 
     def unsupported(self, config: LayerConfig) -> str | None:
-        return None  # what FlashInfer refuses is probed at plan (fast.flashinfer_compat.unsupported_reason)
+        """A cache whose blocks lie apart (what FlashInfer refuses is probed at plan:
+        ``fast.flashinfer_compat.unsupported_reason``)."""
+        return READS_CONTIGUOUS_BLOCKS if config.blocks_apart else None
 
     def open_layer(self, config: LayerConfig, device) -> PortLayer:
         return PortLayer(self, config, torch.device(device))

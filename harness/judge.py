@@ -21,6 +21,7 @@ what it records for ``--dump-failures`` is noted here, before each step
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,9 +43,9 @@ from .backend_step import (
     run_step,
     selection_problems,
 )
-from .builder import build_scenario
+from .builder import build_scenario, with_rejected_drafts
 from .case_log import note_backend_case
-from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer
+from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer, with_blocks_apart
 from .findings import (
     FP8_AS_UINT8_FINDING,
     KPE_SCALE_FINDING,
@@ -352,32 +353,43 @@ def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInput
     return AttentionInputs(inputs.q_nope, inputs.q_pe, cache)
 
 
-def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None) -> Scenario:
-    """The scenario of one step: ``spec`` built with ``seed``, its top-k rows written from the
-    scores of ``holes`` where given (``harness.topk_holes``)."""
+def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None, *, rejected_drafts: int = 0) -> Scenario:
+    """The scenario of one step: ``spec`` built with ``seed``, its single-token decodes' host
+    bounds counting ``rejected_drafts`` rejected drafts (``harness.builder.with_rejected_drafts``),
+    its top-k rows written from the scores of ``holes`` where given (``harness.topk_holes``)."""
     scenario = build_scenario(spec, seed)
+    if rejected_drafts:
+        scenario = with_rejected_drafts(scenario, rejected_drafts)
     return scenario if holes is None else with_topk_holes(scenario, holes)
 
 
 def run_case(judge, backend, spec, device, *, seed: int = 0, twin: Twin | None = None, compare: bool = True,
-             adaptive_verification: bool = False, holes: TopkHoles | None = None) -> StepOutcome:
+             adaptive_verification: bool = False, holes: TopkHoles | None = None, rejected_drafts: int = 0,
+             kv_block_stride: int | None = None) -> StepOutcome:
     """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given)
-    through a fresh layer of ``backend``, judged."""
+    through a fresh layer of ``backend``, judged (``rejected_drafts`` and ``kv_block_stride``: as
+    :func:`run_sequence` takes them)."""
     return run_sequence(judge, backend, [(spec, seed, holes)], device, twin=twin, compare=compare, kind="step",
-                        adaptive_verification=adaptive_verification)[1][0]
+                        adaptive_verification=adaptive_verification, rejected_drafts=rejected_drafts,
+                        kv_block_stride=kv_block_stride)[1][0]
 
 
 def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twin: Twin | None = None,
-                 compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False):
+                 compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False,
+                 rejected_drafts: int = 0, kv_block_stride: int | None = None):
     """``steps`` (``(spec, seed)`` or ``(spec, seed, holes)``, in order) through one layer and, with
     ``with_inputs``, one KV cache they share; each step judged. A step with holes in its top-k
     runs its plan only on a backend whose kernel would read a hole (:func:`kernel_reads_a_hole`).
-    Returns ``(layer, outcomes)``."""
+    ``rejected_drafts``: every step's single-token decodes had that many drafts rejected, which
+    the host bound still counts (``harness.builder.with_rejected_drafts``); ``kv_block_stride``:
+    the layer's cache has its blocks that many rows apart, NaN between them
+    (``harness.device_inputs.with_blocks_apart``). Returns ``(layer, outcomes)``."""
     steps = [tuple(step) + (None,) * (3 - len(step)) for step in steps]
     specs = [spec for spec, _, _ in steps]
-    scenarios = [scenario_of_step(*step) for step in steps]
+    scenarios = [scenario_of_step(*step, rejected_drafts=rejected_drafts) for step in steps]
     max_tokens = max(max(s.topk_indices.shape[0] for s in scenarios), 1)
-    config = layer_config(specs[0], max_tokens, adaptive_verification=adaptive_verification)
+    config = dataclasses.replace(layer_config(specs[0], max_tokens, adaptive_verification=adaptive_verification),
+                                 kv_block_stride=kv_block_stride)
     judge.admit(backend, config)
     layer = backend.open_layer(config, device)
     cache = None
@@ -386,7 +398,7 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
         cache = nan_kv_buffer((blocks, specs[0].block_size, specs[0].head_dim), specs[0].kv_dtype, device)
     case = {"kind": kind, "backend": backend_identity(backend), "max_tokens": max_tokens, "twin": twin is not None,
             "compare": compare, "with_inputs": with_inputs, "adaptive_verification": adaptive_verification,
-            "steps": []}
+            "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "steps": []}
     outcomes = []
     for i, scenario in enumerate(scenarios):
         holes = scenario.extra.get("topk_holes")
@@ -396,6 +408,7 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
         if with_inputs and not (holes is not None and kernel_reads_a_hole(backend)):
             inputs = build_attention_inputs(scenario, device)
             inputs = in_one_cache(inputs, cache) if cache is not None else inputs
+            inputs = with_blocks_apart(inputs, kv_block_stride) if kv_block_stride is not None else inputs
         label, of = (f"_step{i}", f"step {i} of the sequence's {len(scenarios)}") if kind == "sequence" else ("", "")
         outcomes.append(judge.step(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label,
                                    context_of_step=of))

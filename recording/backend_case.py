@@ -27,6 +27,7 @@ from pathlib import Path
 from reference.indexer import HOLE_KINDS
 
 from .checks import (
+    MAX_BLOCK_SIZE,
     MAX_ROWS,
     MAX_SEED,
     MAX_STEPS,
@@ -57,7 +58,8 @@ REQUIRED_FIELDS = {
     "steps": lambda v: None, "name": text, "digest": sha256_hex,
 }
 OPTIONAL_FIELDS = {"vllm": text, "impl": text, "nodeid": text, "flashinfer": text, "why": text, "drawn": text,
-                   "adaptive_verification": a_bool}
+                   "adaptive_verification": a_bool, "rejected_drafts": int_in(0, MAX_TOPK),
+                   "kv_block_stride": nullable(int_in(1, 64 * MAX_BLOCK_SIZE))}
 STEP_FIELDS = {"spec": lambda v: None, "seed": int_in(0, MAX_SEED), "scenario_digest": sha256_hex}
 #: The score pattern of a step's top-k where it has holes (``harness.topk_holes.TopkHoles``).
 OPTIONAL_STEP_FIELDS = {"holes": a_dict}
@@ -81,13 +83,13 @@ def flashinfer_in_use() -> str:
     return f"flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}"
 
 
-def step_record(spec, seed: int, holes) -> dict:
+def step_record(spec, seed: int, holes, rejected_drafts: int = 0) -> dict:
     """One step of a case file: its spec, seed, the score pattern of its top-k where it has holes
     (``harness.topk_holes.TopkHoles``), and the digest of the scenario they build."""
     from harness.judge import scenario_of_step
 
     record = {"spec": dataclasses.asdict(spec), "seed": int(seed),
-              "scenario_digest": scenario_digest(scenario_of_step(spec, seed, holes))}
+              "scenario_digest": scenario_digest(scenario_of_step(spec, seed, holes, rejected_drafts=rejected_drafts))}
     if holes is not None:
         record["holes"] = {"kind": holes.kind, "count": int(holes.count)}
     return record
@@ -103,10 +105,12 @@ def holes_of(step: dict):
 
 def case_record(case: dict, **meta) -> dict:
     """The JSON of a noted backend case (``meta``: name, nodeid, vllm, why, ...)."""
-    steps = [step_record(step["spec"], step["seed"], step.get("holes")) for step in case["steps"]]
+    steps = [step_record(step["spec"], step["seed"], step.get("holes"), case["rejected_drafts"])
+             for step in case["steps"]]
     return {CASE_KEY: CASE_VERSION, "kind": case["kind"], "backend": dict(case["backend"]),
             "max_tokens": int(case["max_tokens"]), "twin": bool(case["twin"]), "compare": bool(case["compare"]),
             "with_inputs": bool(case["with_inputs"]), "adaptive_verification": bool(case["adaptive_verification"]),
+            "rejected_drafts": int(case["rejected_drafts"]), "kv_block_stride": case["kv_block_stride"],
             "steps": steps, "flashinfer": flashinfer_in_use(),
             **{k: v for k, v in meta.items() if v is not None}}
 
@@ -154,7 +158,8 @@ def load_backend_case(path) -> dict:
     path = Path(path)
     record = load_checked(path, "case", CASE_KEY, CASE_VERSION, case_problem)
     for i, step in enumerate(record["steps"]):
-        scenario = scenario_of_step(spec_from_dict(step["spec"]), step["seed"], holes_of(step))
+        scenario = scenario_of_step(spec_from_dict(step["spec"]), step["seed"], holes_of(step),
+                                    rejected_drafts=record.get("rejected_drafts", 0))
         if scenario_digest(scenario) != step["scenario_digest"]:
             raise FixtureError(f"{path}: case field 'steps[{i}].scenario_digest' is not the digest of the scenario "
                                f"step {i}'s spec and seed build: the step's spec or seed was changed, or the scenario "

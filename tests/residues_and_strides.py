@@ -1,23 +1,17 @@
 """What both tiers' tests of every residue and every stride share (docs/input-space.md#every-residue-every-stride):
-the cases as pytest parameters, one step of a scenario built and shaped beyond its spec through a
-backend, the kernel's ckv and kpe handed as contiguous copies, and why a backend takes no cache
-whose blocks lie apart.
-
-A step whose scenario or inputs are shaped beyond what its spec and seed say (a cache whose
-blocks lie apart, drafts rejected the step before) runs through :func:`run_built`, which judges it
-like ``harness.judge.run_case`` but notes nothing for ``--dump-failures``: its spec and seed would
-rebuild another step.
+the cases as pytest parameters and the kernel's ckv and kpe handed as contiguous copies. A step
+whose cache has its blocks apart, or whose single-token decodes had drafts rejected the step
+before, runs through ``harness.judge.run_case`` (``kv_block_stride``, ``rejected_drafts``), which
+records both in a written case.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import pytest
 import torch
 
-from harness.backend_step import layer_config
 from harness.builder import single_token_decodes
 from harness.cases import (
     OFFSET_BOUNDARIES,
@@ -31,11 +25,6 @@ from harness.cases import (
     slot_offset_case,
 )
 
-#: Why the project's port takes no cache whose blocks lie apart: it ports vLLM 0.30.0's SM90
-#: backend, which declares the LBHNC layout alone (``supported_kv_cache_layouts``) and aligns no
-#: block stride (no ``customize_spec``), so the engine never hands that code a strided cache view.
-PORT_READS_CONTIGUOUS_BLOCKS = ("the port of vLLM 0.30.0's SM90 backend reads contiguous blocks (0.30.0 declares "
-                                "the LBHNC layout alone): the engine never hands it a cache whose blocks lie apart")
 #: Why the kv-parts class does not reach FlashMLA: its kernels take each cache row whole.
 FLASHMLA_TAKES_WHOLE_ROWS = "FlashMLA's kernels take each cache row whole (one kv tensor), not ckv and kpe views"
 
@@ -75,30 +64,6 @@ def row_width(backend, spec) -> int:
     if backend.kernel == "flashmla" and spec.kv_dtype == "float8_e4m3fn":
         return ROW_656
     return spec.head_dim
-
-
-def blocks_apart_refusal(backend, config) -> str | None:
-    """Why ``backend`` takes no cache whose blocks lie ``config.kv_block_stride`` rows apart, or
-    None: the backend's own reason, or the port's (:data:`PORT_READS_CONTIGUOUS_BLOCKS`)."""
-    reason = backend.unsupported(config)
-    if reason is None and config.blocks_apart and backend.name.startswith("port-"):
-        reason = PORT_READS_CONTIGUOUS_BLOCKS
-    return reason
-
-
-def run_built(judge, backend, scenario, inputs, device, *, kv_block_stride: int | None = None, twin=None,
-              compare: bool = True):
-    """One step of ``scenario`` (``inputs``: on ``device``, its cache's blocks ``kv_block_stride``
-    rows apart where given) through a fresh layer of ``backend``, judged as ``run_case`` judges a
-    step; skipped with the backend's reason where it does not serve the layer. Returns the outcome."""
-    config = dataclasses.replace(layer_config(scenario.spec, max(scenario.topk_indices.shape[0], 1)),
-                                 kv_block_stride=kv_block_stride)
-    reason = blocks_apart_refusal(backend, config)
-    if reason:
-        pytest.skip(f"{backend.name}: {reason}")
-    judge.admit(backend, config)
-    layer = backend.open_layer(config, device)
-    return judge.step(backend, layer, scenario, inputs, twin=twin, compare=compare)
 
 
 @contextlib.contextmanager

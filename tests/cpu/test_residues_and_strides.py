@@ -37,7 +37,7 @@ from harness.cases import (
     straddling_slot,
 )
 from harness.device_inputs import build_attention_inputs, with_blocks_apart
-from harness.judge import run_case
+from harness.judge import run_case, scenario_of_step
 from harness.pipeline import prepare_step, selection_mismatches
 from harness.spec import batch
 from reference import kv_len_rule, valid_counts
@@ -49,7 +49,6 @@ from tests.residues_and_strides import (
     rejected_drafts_params,
     residue_params,
     row_width,
-    run_built,
     single_token_rows,
     slot_offset_params,
 )
@@ -257,15 +256,13 @@ def test_slot_ids_around_an_offset_boundary(backend, device, judge, case, width)
 
 @pytest.mark.parametrize("case, stride", blocks_apart_params())
 def test_cache_blocks_apart(backend, device, judge, case, stride):
-    scenario = build_scenario(case.spec, 0)
-    run_built(judge, backend, scenario, with_blocks_apart(build_attention_inputs(scenario, device), stride), device,
-              kv_block_stride=stride)
+    run_case(judge, backend, case.spec, device, kv_block_stride=stride)
 
 
 @pytest.mark.parametrize("case, slack", rejected_drafts_params())
 def test_single_token_decodes_with_optimistic_slack(backend, device, judge, case, slack):
-    scenario = with_rejected_drafts(build_scenario(case.spec, 0), slack)
-    outcome = run_built(judge, backend, scenario, build_attention_inputs(scenario, device), device)
+    scenario = scenario_of_step(case.spec, 0, rejected_drafts=slack)
+    outcome = run_case(judge, backend, case.spec, device, rejected_drafts=slack)
     if not outcome.host_exact:  # planned from the bound: past the valid count on single-token rows, clamped
         rows = single_token_rows(scenario, outcome.planned_rows)
         assert bool((outcome.host_lengths[rows] > valid_lengths(scenario, outcome.planned_rows)[rows]).any())
@@ -327,10 +324,8 @@ def test_a_convert_that_ignores_the_block_stride_is_caught(vllm_stand_in, device
     monkeypatch.setattr(module, "flat_kv_row_view", lambda cache, block_size: (row_view(cache, block_size)[0],
                                                                                block_size))
     case, stride = blocks_apart_cases()[1]
-    scenario = build_scenario(case.spec, 0)
     with pytest.raises(AssertionError, match="executes slots other than its selection"):
-        run_built(judge, vllm_stand_in, scenario, with_blocks_apart(build_attention_inputs(scenario, device), stride),
-                  device, kv_block_stride=stride)
+        run_case(judge, vllm_stand_in, case.spec, device, kv_block_stride=stride)
 
 
 @pytest.mark.vllm
@@ -367,5 +362,5 @@ def test_drawn_single_token_decodes_with_optimistic_slack_through_vllm(vllm_stan
     """Drawn async steps whose single-token decodes over-count their host bound: every row of
     vLLM's step executes its valid count and its intended slots."""
     spec, slack = step
-    scenario = with_rejected_drafts(build_scenario(KernelConfig("bfloat16", True, 16).apply(spec), seed), slack)
-    run_built(judge, vllm_stand_in, scenario, build_attention_inputs(scenario, device), device, compare=False)
+    run_case(judge, vllm_stand_in, KernelConfig("bfloat16", True, 16).apply(spec), device, seed=seed, compare=False,
+             rejected_drafts=slack)

@@ -27,9 +27,9 @@ from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
 from backends.registry import open_backend
 from backends.vllm_source import incompatibility
 from harness.backend_step import layer_config, valid_lengths
-from harness.builder import build_scenario, with_rejected_drafts
-from harness.device_inputs import build_attention_inputs, with_blocks_apart
-from harness.judge import port_twin, run_case
+from harness.builder import build_scenario
+from harness.device_inputs import build_attention_inputs
+from harness.judge import port_twin, run_case, scenario_of_step
 from harness.launch import DEVICE
 from tests.residues_and_strides import (
     FLASHMLA_TAKES_WHOLE_ROWS,
@@ -39,7 +39,6 @@ from tests.residues_and_strides import (
     rejected_drafts_params,
     residue_params,
     row_width,
-    run_built,
     single_token_rows,
     slot_offset_params,
 )
@@ -139,9 +138,7 @@ def test_cache_blocks_apart(backend, judge, case, stride):
     """The cache as a view of a larger buffer, its blocks ``stride`` rows apart, NaN between them:
     every row executes its intended slots (as slot ids) and its output is the oracle's, so no
     row between blocks was read."""
-    scenario = build_scenario(case.spec, 0)
-    inputs = with_blocks_apart(build_attention_inputs(scenario, DEVICE), stride)
-    run_built(judge, backend, scenario, inputs, DEVICE, kv_block_stride=stride)
+    run_case(judge, backend, case.spec, DEVICE, kv_block_stride=stride)
 
 
 @pytest.mark.parametrize("case, slack", rejected_drafts_params())
@@ -149,9 +146,8 @@ def test_single_token_decodes_with_optimistic_slack(backend, fa3_twin, judge, ca
     """Every row executes its valid count whatever the host bound over-counts; a backend that plans
     from the bound (vLLM's bounded design) plans past the valid count on single-token rows and
     its clamp cuts them back."""
-    scenario = with_rejected_drafts(build_scenario(case.spec, 0), slack)
-    outcome = run_built(judge, backend, scenario, build_attention_inputs(scenario, DEVICE), DEVICE,
-                        twin=twin_for(backend, fa3_twin))
+    scenario = scenario_of_step(case.spec, 0, rejected_drafts=slack)
+    outcome = run_case(judge, backend, case.spec, DEVICE, twin=twin_for(backend, fa3_twin), rejected_drafts=slack)
     if outcome.host_exact or outcome.host_lengths is None:
         return
     rows = single_token_rows(scenario, outcome.planned_rows)
