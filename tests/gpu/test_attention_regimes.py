@@ -31,9 +31,9 @@ from harness.launch import (
     prepared,
 )
 from harness.pipeline import describe_rows
+from pytest_sparse_mla.port_reports import note_baseline, record_errors
 from reference import check_plan_invariants
 from reference.rules import valid_counts, valid_first
-from tests.gpu.notes import note_baseline, record_errors
 from tests.regime_c import REGIME_CASES, raise_regime_c_finding, regime_c_marks
 
 pytestmark = pytest.mark.gpu

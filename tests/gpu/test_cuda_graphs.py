@@ -33,7 +33,7 @@ from harness.launch import (
     state_matches_step,
     sync,
 )
-from tests.gpu.notes import record_errors
+from pytest_sparse_mla.port_reports import record_errors
 
 pytestmark = pytest.mark.gpu
 

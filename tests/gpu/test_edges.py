@@ -53,9 +53,9 @@ from harness.launch import (
 from harness.pipeline import as_planned, describe_rows, prepare_step
 from harness.scenario import with_empty_rows
 from mla_constants import TOPK
+from pytest_sparse_mla.port_reports import note_baseline, record_errors
 from recording.case_log import note_step
 from reference.budget import compare_attention
-from tests.gpu.notes import note_baseline, record_errors
 
 pytestmark = pytest.mark.gpu
 

@@ -43,9 +43,9 @@ from harness.launch import (
     references,
     sync,
 )
+from pytest_sparse_mla.port_reports import record_errors
 from reference import compare_to_budget, lse_to_base2
 from reference.budget import LSE_ULPS
-from tests.gpu.notes import record_errors
 
 pytestmark = pytest.mark.gpu
 

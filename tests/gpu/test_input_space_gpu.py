@@ -31,8 +31,8 @@ from harness.launch import (
 )
 from harness.pipeline import selection_mismatches
 from pytest_sparse_mla.coverage import record_input
+from pytest_sparse_mla.port_reports import record_errors
 from tests.cpu.test_input_space import MAX_ROWS, EvolvingBatch
-from tests.gpu.notes import record_errors
 
 pytestmark = pytest.mark.gpu
 

@@ -26,7 +26,7 @@ from harness.launch import (
     sync,
 )
 from mla_constants import TOPK
-from tests.gpu.notes import record_errors
+from pytest_sparse_mla.port_reports import record_errors
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
-"""What the GPU tests attach to their reports: the measured error ratios (summed up at the end
-of the run) and, with ``--record-baseline`` / ``--compare-baseline``, each case's outputs and
-ratios or the plan the installed FlashInfer refused, and in the upgrade check's timing pass its
-times."""
+"""What the port's GPU tests (its state API, ``harness.launch``) attach to their reports: the
+measured error ratios (summed up at the end of the run) and, with ``--record-baseline`` /
+``--compare-baseline``, each case's outputs and ratios or the plan the installed FlashInfer
+refused, and in the upgrade check's timing pass its times."""
 
 from __future__ import annotations
 
