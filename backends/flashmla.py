@@ -499,6 +499,16 @@ class FlashMLALayer:
         self.attention_layer.impl = self.impl
         self.plans = 0  # tile schedules FlashMLA's decode kernel built (one per fresh FlashMLASchedMeta)
 
+    #: Why the forward is not captured in a CUDA graph here (``backends.seam.Layer``).
+    capture_unsupported = ("the FlashMLA layer reads every kernel call's arguments back on the host at FlashMLA's door "
+                           "(KernelRecorder: indices, topk_length, LSE), which a CUDA graph capture cannot hold")
+
+    def float_workspaces(self) -> list[torch.Tensor]:
+        """The builder's tile-scheduler and split-count buffers (int32: poisoned, they read -1), where the
+        release allocates them."""
+        names = ("tile_scheduler_metadata_buffer", "num_splits_buffer")
+        return [b for b in (getattr(self.builder, name, None) for name in names) if isinstance(b, torch.Tensor)]
+
     @contextlib.contextmanager
     def engine(self):
         """This layer's configuration in force and the engine's workspace on its device."""

@@ -154,7 +154,20 @@ class PortLayer:
         rows = max(config.max_tokens, 1)
         self.topk = torch.full((rows, config.width), -1, dtype=torch.int32, device=device)
 
+    def float_workspaces(self) -> list[torch.Tensor]:
+        """FlashInfer's float workspace of the layer's wrapper (split partials are written there at run)."""
+        return [self.state.workspace]
+
     def step(self, step: StepInput) -> StepOutcome:
+        outcome = self.plan_step(step)
+        if not step.runs_kernel:
+            return outcome
+        self.launch(step, outcome)
+        return self.finish(step, outcome)
+
+    def plan_step(self, step: StepInput) -> StepOutcome:
+        """The host lengths and the plan; with queries, the step's inputs staged in the layer's
+        buffers (the top-k rows, block table, request ids, padded queries, NaN output)."""
         cfg, impl, state = self.config, self.impl, self.state
         meta = step.meta
         host = impl.kv_lens(meta, topk=cfg.topk, kpool=cfg.kpool, async_scheduling=cfg.async_scheduling)
@@ -165,22 +178,33 @@ class PortLayer:
             backend=self.backend.name, planned_rows=n, host_lengths=host.to(torch.int64), host_exact=True,
             planned_lengths=planned.to(torch.int64), plans=state.plans,
         )
-        if not step.runs_kernel:
-            return outcome
+        if step.runs_kernel:
+            self._stage(step)
+        return outcome
+
+    def _stage(self, step: StepInput) -> None:
         rows = step.topk_indices.shape[0]
         self.topk.fill_(-1)
         self.topk[:rows] = step.topk_indices.to(self.device)
+        padded = self.topk.shape[0]
         table = _block_table_buffer(step.block_table, self.device)
-        req = impl.request_ids(meta.query_start_loc_cpu.to(self.device), self.topk.shape[0])
-        heads = cfg.num_heads
-        out = torch.full((self.topk.shape[0], heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16,
-                         device=self.device)
-        lse = torch.full((self.topk.shape[0], heads), float("nan"), dtype=torch.float32, device=self.device)
-        q_nope, q_pe = _padded(step.q_nope, self.topk.shape[0]), _padded(step.q_pe, self.topk.shape[0])
+        req = self.impl.request_ids(step.meta.query_start_loc_cpu.to(self.device), padded)
+        heads = self.config.num_heads
+        self.out = torch.full((padded, heads, KV_LORA_RANK), float("nan"), dtype=torch.bfloat16, device=self.device)
+        self.lse = torch.full((padded, heads), float("nan"), dtype=torch.float32, device=self.device)
+        q_nope, q_pe = _padded(step.q_nope, padded), _padded(step.q_pe, padded)
         flat = step.kv_cache.view(-1, 1, step.kv_cache.shape[-1])
-        state.step(self.topk, table, req, q_nope, q_pe, flat[..., :KV_LORA_RANK], flat[..., KV_LORA_RANK:], out, lse)
+        self.staged = (self.topk, table, req, q_nope, q_pe, flat[..., :KV_LORA_RANK], flat[..., KV_LORA_RANK:])
+
+    def launch(self, step: StepInput, outcome: StepOutcome) -> None:
+        """Convert, layout and the kernel on the staged inputs, into the layer's output buffers."""
+        self.state.step(*self.staged, self.out, self.lse)
+
+    def finish(self, step: StepInput, outcome: StepOutcome) -> StepOutcome:
+        """The output, LSE and the kernel's lengths, slots and works of the planned rows."""
+        state, n = self.state, outcome.planned_rows
         lengths = state.kv_len[:n].to("cpu", torch.int64)
-        outcome.out, outcome.lse = out[:n], lse[:n]
+        outcome.out, outcome.lse = self.out[:n], self.lse[:n]
         outcome.executed_lengths = lengths
         outcome.executed_slots = spans_selection(state.kv_indptr[: n + 1].to("cpu", torch.int64), lengths,
                                                 state.kv_indices.to("cpu", torch.int64))

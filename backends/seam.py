@@ -184,7 +184,45 @@ def slots_of_cache_rows(rows: torch.Tensor, block_size: int, block_stride: int) 
 
 @runtime_checkable
 class Layer(Protocol):
+    """``step`` is the one member a layer must have. A layer may also have these optional members
+    (docs/input-space.md#plan-history, #poisoned-workspaces, #graph-against-eager):
+
+    - ``float_workspaces() -> list[torch.Tensor]``: the buffers the kernel may read partials or
+      metadata from that the step does not write first (FlashInfer's float workspace, FlashMLA's
+      scheduler buffers): a test fills every byte with :data:`POISON_BYTE` before a step's kernel
+      and no output may change;
+    - ``plan_step(step) -> StepOutcome``, ``launch(step, outcome)``, ``finish(step, outcome) ->
+      StepOutcome``: ``step`` in three parts. ``plan_step`` runs the host part (build, plan) and
+      stages the step's inputs in the layer's own device buffers; ``launch`` runs the device part
+      only (the forward: convert, layout, kernel), which a CUDA graph can capture and replay, its
+      output left in the layer's buffers; ``finish`` reads the output and what the kernel executed
+      back into the outcome. ``finish(s, launch(s, plan_step(s)))`` is ``step(s)``;
+    - ``capture_unsupported: str``: why the layer's forward cannot be captured in a CUDA graph,
+      where it cannot.
+    """
+
     def step(self, step: StepInput) -> StepOutcome: ...
+
+
+#: Every byte of a poisoned workspace: NaN read as float32 or bf16, -1 read as an integer.
+POISON_BYTE = 0xFF
+
+
+def float_workspaces(layer) -> list[torch.Tensor]:
+    """The layer's ``float_workspaces()``, or none where the layer has no such member."""
+    member = getattr(layer, "float_workspaces", None)
+    return list(member()) if callable(member) else []
+
+
+def poison(buffers: list[torch.Tensor]) -> None:
+    """Every byte of ``buffers`` set to :data:`POISON_BYTE`."""
+    for buffer in buffers:
+        buffer.view(torch.uint8).fill_(POISON_BYTE)
+
+
+def split_step_missing(layer) -> list[str]:
+    """The members of the plan/launch/finish split (:class:`Layer`) that ``layer`` lacks."""
+    return [name for name in ("plan_step", "launch", "finish") if not callable(getattr(layer, name, None))]
 
 
 @runtime_checkable

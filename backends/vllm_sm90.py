@@ -288,21 +288,33 @@ class VllmLayer:
         """The host lengths of the plan in force (before any clamp)."""
         return self.state._lens_cpu[:num_rows].clone()
 
+    def float_workspaces(self) -> list[torch.Tensor]:
+        """The float workspace vLLM's state hands FlashInfer's wrapper (split partials are written there at run)."""
+        return [self.state.workspace]
+
     def step(self, step: StepInput) -> StepOutcome:
         """build (plan, clamp), the schedule read back, then forward when the step has queries."""
+        outcome = self.plan_step(step)
+        if not step.runs_kernel:
+            return outcome
+        self.launch(step, outcome)
+        return self.finish(step, outcome)
+
+    def plan_step(self, step: StepInput) -> StepOutcome:
+        """build (plan, clamp) and the schedule read back; with queries, the indexer's rows in the
+        top-k buffer."""
         rows_with_padding = step.topk_indices.shape[0]
         cam = common_metadata(step.meta, step.block_table, rows_with_padding, self.device)
-        metadata = self.build(cam)
+        self.metadata = self.build(cam)
         _, host, exact = self.host_lengths
         n = step.planned_rows
-        schedule = self.schedule()
+        self.schedule_of_step = schedule = self.schedule()
         extents = fa3_schedule.row_extents(schedule, n)
         problems = [f"row {r} : {'; '.join(e.problems)}" for r, e in enumerate(extents) if e.problems]
         stray = fa3_schedule.stray_works(schedule, n)
         if stray:
             problems.append(f"work items name rows {stray[:8]} past the {n} planned rows")
         lengths = torch.tensor([e.length for e in extents], dtype=torch.int64)
-        indptr = self.state.wrapper._kv_indptr_buf[: n + 1].detach().to("cpu", torch.int64)
         outcome = StepOutcome(
             backend=self.backend.name, planned_rows=n, host_lengths=host.to(torch.int64), host_exact=bool(exact),
             planned_lengths=self.planned_lengths(n).to(torch.int64), executed_lengths=lengths,
@@ -310,9 +322,20 @@ class VllmLayer:
         )
         if step.runs_kernel:
             self.write_topk(step.topk_indices)
-            q_rows = step.meta.num_decode_tokens if step.prefills_to_mha else rows_with_padding
-            outcome.out = self.forward(step.q_nope[:q_rows], step.q_pe[:q_rows], step.kv_cache, metadata)[:n]
-            # kv_indices as forward_mqa's convert and pack left them for the run, as slot ids
-            outcome.executed_slots = spans_selection(indptr, lengths, self.slots_of_indices(step.kv_cache))
-            outcome.executed_parts = fa3_schedule.column_parts(schedule, n, outcome.executed_slots[0].shape[1])
+        return outcome
+
+    def launch(self, step: StepInput, outcome: StepOutcome) -> None:
+        """vLLM's ``forward_mqa`` on the step's rows (convert, pack, FlashInfer's run)."""
+        q_rows = step.meta.num_decode_tokens if step.prefills_to_mha else step.topk_indices.shape[0]
+        self.out = self.forward(step.q_nope[:q_rows], step.q_pe[:q_rows], step.kv_cache, self.metadata)
+
+    def finish(self, step: StepInput, outcome: StepOutcome) -> StepOutcome:
+        """The output and kv_indices as forward_mqa's convert and pack left them for the run, as slot ids."""
+        n = outcome.planned_rows
+        indptr = self.state.wrapper._kv_indptr_buf[: n + 1].detach().to("cpu", torch.int64)
+        outcome.out = self.out[:n]
+        outcome.executed_slots = spans_selection(indptr, outcome.executed_lengths,
+                                                 self.slots_of_indices(step.kv_cache))
+        outcome.executed_parts = fa3_schedule.column_parts(self.schedule_of_step, n,
+                                                           outcome.executed_slots[0].shape[1])
         return outcome

@@ -1,0 +1,238 @@
+"""The CPU twin of ``tests/gpu/test_plan_history_and_state.py`` (docs/input-space.md#plan-history,
+#poisoned-workspaces, #graph-against-eager): plan history, poisoned workspaces and graph against
+eager through the port (on the reference wrapper; its graphs the simulated machine's), vLLM's SM90
+backend (on FlashInfer's fa3 stand-in) and FlashMLA (on its stand-in kernels), each step judged by
+``harness.judge``; and each check shown to fail on the bug it exists for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fast.sm90 as sm90
+from backends.registry import open_backend
+from backends.seam import float_workspaces
+from tests import fa3_stand_in, flashmla_stand_in, simulated_sm90
+from tests.cpu.test_rerun import ReferenceWrapper
+from tests.plan_history_cases import (
+    PLAN_HISTORY_ULPS,
+    WrappedBackend,
+    WrappedLayer,
+    capture_problem,
+    check_graph_against_eager,
+    check_plan_history,
+    check_poisoned_workspaces,
+    keeps_plans,
+    ulp_distance_bf16,
+)
+
+
+@pytest.fixture
+def reference_wrapper(monkeypatch):
+    monkeypatch.setattr(sm90, "MLAWrapper", ReferenceWrapper)
+    monkeypatch.setattr(sm90, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+@pytest.fixture
+def simulated_machine(monkeypatch):
+    """The simulated SM90 machine's patches: the port's wrapper stand-in and its CUDA graphs."""
+    for module, name, value in simulated_sm90.patches():
+        monkeypatch.setattr(module, name, value)
+
+
+@pytest.fixture
+def vllm_on_stand_in(vllm_backend, monkeypatch):
+    bounded = vllm_backend.design == "bounded"
+    fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInWrapper if bounded else fa3_stand_in.StandIn06Wrapper)
+    return vllm_backend
+
+
+@pytest.fixture(scope="module")
+def flashmla_loaded(flashmla_source):
+    from backends.flashmla import FlashMLABackend
+
+    flashmla_stand_in.register(flashmla_source)
+    with pytest.MonkeyPatch.context() as mp:
+        flashmla_stand_in.hopper(mp)
+        return FlashMLABackend(flashmla_source)
+
+
+@pytest.fixture
+def flashmla_on_stand_in(flashmla_loaded, monkeypatch):
+    flashmla_stand_in.hopper(monkeypatch)
+    flashmla_stand_in.interpreter_bool_masks(monkeypatch)
+    flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
+    return flashmla_loaded
+
+
+# --- the port ------------------------------------------------------------------------------------
+
+
+def test_port_plan_history(reference_wrapper, device, judge):
+    check_plan_history(judge, open_backend("port-fa3"), device)
+
+
+def test_port_poisoned_workspaces(reference_wrapper, device, judge):
+    check_poisoned_workspaces(judge, open_backend("port-fa3"), device)
+
+
+def test_port_graph_against_eager(simulated_machine, device, judge):
+    check_graph_against_eager(judge, open_backend("port-fa3"), device)
+
+
+# --- vLLM's SM90 backend and FlashMLA ------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_vllm_plan_history(vllm_on_stand_in, device, judge):
+    """On the bounded design the kept history keeps its plan (planned one less than fresh's) and
+    clamps; on the stand-in, which attends a row unsplit, every history's output is fresh's."""
+    outcomes = check_plan_history(judge, vllm_on_stand_in, device)
+    assert int(ulp_distance_bf16(outcomes["kept"].out.cpu(), outcomes["fresh"].out.cpu()).max()) == 0
+
+
+@pytest.mark.vllm
+def test_vllm_poisoned_workspaces(vllm_on_stand_in, device, judge):
+    check_poisoned_workspaces(judge, vllm_on_stand_in, device)
+
+
+@pytest.mark.vllm
+def test_vllm_graph_is_unsupported_on_the_simulated_machine(vllm_on_stand_in, simulated_machine, device):
+    """The simulated machine's graphs hold the port's attention state alone: vLLM's capture is
+    skipped with that reason here and runs on a GPU."""
+    from harness.backend_step import layer_config
+    from tests.plan_history_cases import histories
+
+    spec = histories()["fresh"][0][0]
+    layer = vllm_on_stand_in.open_layer(layer_config(spec, 8), device)
+    assert "simulated machine" in capture_problem(layer)
+
+
+@pytest.mark.vllm
+def test_flashmla_plan_history(flashmla_on_stand_in, device, judge):
+    check_plan_history(judge, flashmla_on_stand_in, device)
+
+
+@pytest.mark.vllm
+def test_flashmla_poisoned_workspaces(flashmla_on_stand_in, device, judge):
+    check_poisoned_workspaces(judge, flashmla_on_stand_in, device)
+
+
+@pytest.mark.vllm
+def test_flashmla_graph_says_why_it_is_not_captured(flashmla_on_stand_in, device, judge):
+    with pytest.raises(pytest.skip.Exception, match="unsupported: the FlashMLA layer reads every kernel call"):
+        check_graph_against_eager(judge, flashmla_on_stand_in, device)
+
+
+# --- each check fails on its bug -----------------------------------------------------------------
+
+
+class ReadsStalePartials(WrappedLayer):
+    """A layer that merges an empty split's stale partial from its float workspace with weight 0
+    (0 x a NaN partial is NaN); its workspace is zero when opened, so a clean run is right."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        for buffer in float_workspaces(layer):
+            buffer.zero_()
+
+    def finish(self, step, outcome):
+        outcome = self.layer.finish(step, outcome)
+        partial = float_workspaces(self.layer)[0][:4].view(torch.float32)[0]
+        outcome.out = (outcome.out.float() + 0.0 * partial).to(outcome.out.dtype)
+        return outcome
+
+    def step(self, step):
+        outcome = self.layer.plan_step(step)
+        if step.runs_kernel:
+            self.layer.launch(step, outcome)
+            outcome = self.finish(step, outcome)
+        return outcome
+
+
+def nudged(out: torch.Tensor, ulps: int) -> torch.Tensor:
+    """``out`` with its first element ``ulps`` bf16 values further from zero."""
+    out = out.clone()
+    out.view(torch.int16).view(-1)[0] += ulps
+    return out
+
+
+class KeptPlanDrifts(WrappedLayer):
+    """A layer whose output on a kept plan (no plan made this step) is 2 bf16 ULPs off in one element."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.plans_seen = -1
+
+    def step(self, step):
+        outcome = self.layer.step(step)
+        if outcome.out is not None and outcome.plans == self.plans_seen:
+            outcome.out = nudged(outcome.out, PLAN_HISTORY_ULPS + 1)
+        self.plans_seen = outcome.plans
+        return outcome
+
+
+def smallest_nudged(q: torch.Tensor) -> torch.Tensor:
+    """``q`` with the smallest nonzero element of its first row and head one bf16 ULP further from zero."""
+    q = q.clone()
+    first = q[0, 0]
+    magnitude = torch.where(first == 0, torch.full_like(first, float("inf")), first.abs())
+    first.view(torch.int16)[int(magnitude.float().argmin())] += 1
+    return q
+
+
+class CapturedQueryDiffers(WrappedLayer):
+    """A layer whose captured forward reads a query one bf16 ULP off in its smallest element (the
+    step's numerics depend on the graph mode, well within the error budget)."""
+
+    def launch(self, step, outcome):
+        if torch.cuda.is_current_stream_capturing():
+            staged = list(self.layer.staged)
+            staged[3] = smallest_nudged(staged[3])
+            self.layer.staged = tuple(staged)
+        self.layer.launch(step, outcome)
+
+
+def test_poisoned_workspaces_catch_a_read_of_stale_partials(reference_wrapper, device, judge):
+    """The clean run passes; with the workspace poisoned the judge finds the NaN output."""
+    check_plan_history(judge, WrappedBackend(open_backend("port-fa3"), ReadsStalePartials), device)
+    with pytest.raises(AssertionError, match=r"NaN \(first at"):
+        check_poisoned_workspaces(judge.raising_findings(), WrappedBackend(open_backend("port-fa3"),
+                                                                           ReadsStalePartials), device)
+
+
+@pytest.mark.vllm
+def test_plan_history_catches_a_kept_plan_beyond_the_bound(vllm_on_stand_in, device, judge):
+    if not keeps_plans(vllm_on_stand_in):
+        backend = vllm_on_stand_in
+        pytest.skip(f"vLLM {backend.version}'s {backend.design} design plans every step: no plan is kept")
+    with pytest.raises(AssertionError, match=f"beyond the plan-history bound of {PLAN_HISTORY_ULPS}"):
+        check_plan_history(judge, WrappedBackend(vllm_on_stand_in, KeptPlanDrifts), device)
+
+
+def test_plan_history_catches_other_bits_on_the_same_plan(reference_wrapper, device, judge):
+    """The port plans the same lengths after every history: any drift between histories is a bug."""
+    with pytest.raises(AssertionError, match="the same planned lengths as fresh, output not bit for bit"):
+        check_plan_history(judge, WrappedBackend(open_backend("port-fa3"), KeptPlanDriftsOnReplan), device)
+
+
+class KeptPlanDriftsOnReplan(WrappedLayer):
+    """A layer whose output after any earlier step is 2 bf16 ULPs off in one element."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.steps = 0
+
+    def step(self, step):
+        outcome = self.layer.step(step)
+        if outcome.out is not None and self.steps:
+            outcome.out = nudged(outcome.out, PLAN_HISTORY_ULPS + 1)
+        self.steps += 1
+        return outcome
+
+
+def test_graph_against_eager_catches_a_capture_that_computes_otherwise(simulated_machine, device, judge):
+    with pytest.raises(AssertionError, match="the graph replay's (output|LSE) is not the eager run's"):
+        check_graph_against_eager(judge, WrappedBackend(open_backend("port-fa3"), CapturedQueryDiffers), device)
