@@ -368,3 +368,16 @@ def rejected_drafts_cases() -> list[tuple[Case, int]]:
             batch((TOPK + 3, 4), (LONG_CTX, 4), (TOPK - 1, 1), (TOPK + 2, 1), (40, 1), kpool=1,
                   host_bound_slack=2, **async_spec))), 3),
     ]
+
+
+def longest_request_cases(kpool: int = 4) -> list[Case]:
+    """Spec-decode steps (decode threshold 4, bf16 with rope) for a builder under adaptive
+    verification, which bounds every row by the longest request's host bound because the
+    device's query split may differ from the host's: the longest request first, in the middle
+    and last, the others short enough that a bound from any other request falls short of its
+    rows' valid counts (docs/input-space.md#situations)."""
+    short, middle, longest = (40, 4), (TOPK // 2, 4), (TOPK + 9, 4)
+    orders = {"first": (longest, short, middle), "middle": (short, longest, middle), "last": (short, middle, longest)}
+    config = KernelConfig("bfloat16", True, 16)
+    return [Case(f"adaptive-longest-{where}-kpool{kpool}", config.apply(batch(*reqs, kpool=kpool, decode_threshold=4)))
+            for where, reqs in orders.items()]

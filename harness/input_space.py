@@ -7,8 +7,10 @@ concrete case.
 - :func:`classify`: a batch spec, a layout and the case's top-k holes -> the class of each
   dimension (:func:`classify_case` for an :class:`InputCase`);
 - :func:`feasible`: whether a (partial) assignment of classes can occur at all;
+- :data:`SITUATIONS`: combinations of classes of several dimensions that a covering design
+  reaches whole (what a bug that needs all of them at once takes to show);
 - :func:`covering_assignments`: assignments that reach every class (strength 1) or every
-  feasible pair of classes (strength 2);
+  feasible pair of classes (strength 2), and every situation;
 - :func:`realize`: an assignment -> an :class:`InputCase`, its free values (contexts, sizes,
   counts) picked by a :class:`Chooser` (Hypothesis draws, or a seeded generator);
 - :func:`pair_universe` and :func:`coverage_of`: what a set of classified cases reached and
@@ -64,7 +66,8 @@ SPACE: tuple[Dimension, ...] = (
     Dimension("padded_rows", ("none", "piecewise", "full-graph"), "batch-composition"),
     Dimension("prefill_route", ("no-prefill", "sparse", "dense-mha"), "batch-composition"),
     Dimension("scheduling", ("sync", "async"), "context-sources"),
-    Dimension("context_source", ("host-bound", "positions", "seq-lens"), "context-sources"),
+    Dimension("context_source", ("bound-and-positions", "bound-only", "positions-only", "neither"),
+              "context-sources"),
     Dimension("drafts", ("none-pending", "partly-rejected", "all-rejected"), "context-sources"),
     Dimension("layout", ("strided", "packed", "compacted"), "layouts"),
     Dimension("variant", (BF16_ROPE64, FP8_ROPE64, BF16_NOPE, FP8_NOPE), "kernel-variants-and-heads"),
@@ -126,11 +129,26 @@ def _prefill_route_class(spec: BatchSpec) -> str:
     return "dense-mha" if max(r.seq_len for r in spec.requests[first:]) <= spec.topk else "sparse"
 
 
+CONTEXT_SOURCES = {  # (host bound present, positions present) -> class
+    (True, True): "bound-and-positions",
+    (True, False): "bound-only",
+    (False, True): "positions-only",
+    (False, False): "neither",
+}
+
+
 def _context_source_class(spec: BatchSpec) -> str:
-    """The source the production builder reads (fast.kvlen.row_contexts' rule)."""
-    if not spec.async_scheduling and spec.with_host_bound:
-        return "host-bound"
-    return "positions" if spec.with_positions else "seq-lens"
+    """Which of the optional context sources the step's metadata holds (seq_lens it always
+    holds): what each builder chooses from, whatever rule it chooses by."""
+    return CONTEXT_SOURCES[(spec.with_host_bound, spec.with_positions)]
+
+
+def holds_host_bound(context_source: str) -> bool:
+    return context_source in ("bound-and-positions", "bound-only")
+
+
+def holds_positions(context_source: str) -> bool:
+    return context_source in ("bound-and-positions", "positions-only")
 
 
 def _drafts_class(spec: BatchSpec) -> str:
@@ -200,10 +218,9 @@ def _conflict(a: Assignment) -> bool:
         has(prefill_route=("sparse", "dense-mha"), batch=("empty", "decodes")),
         # a request without query rows in the middle sits before a request with rows
         has(no_query_requests="middle", batch="empty"),
-        # under async scheduling the builder never reads the host bound
-        has(scheduling="async", context_source="host-bound"),
         # rejected drafts: async scheduling, speculative rows, a host bound to be optimistic
         has(drafts=("partly-rejected", "all-rejected"), scheduling="sync"),
+        has(drafts=("partly-rejected", "all-rejected"), context_source=("positions-only", "neither")),
         has(drafts=("partly-rejected", "all-rejected"), spec_rows="none"),
         has(drafts=("partly-rejected", "all-rejected"), batch=("empty", "prefills")),
         # a FULL graph runs uniform decode batches, its padded requests trailing
@@ -245,6 +262,28 @@ def _complete(a: Assignment) -> Assignment | None:
     return None
 
 
+@dataclass(frozen=True)
+class Situation:
+    """Classes of several dimensions that production combines in one step and that a bug can
+    need all at once (docs/input-space.md#situations): a covering design reaches them whole."""
+
+    name: str
+    classes: tuple[tuple[str, str], ...]  # (dimension, class)
+
+    def reached_by(self, a: Assignment) -> bool:
+        return all(a.get(k) == v for k, v in self.classes)
+
+
+SITUATIONS: tuple[Situation, ...] = (
+    # decodes with draft rows, then prefills routed to dense MHA: only the decode tokens are planned
+    Situation("drafts-beside-dense-mha",
+              (("batch", "mixed"), ("spec_rows", "spec-decode"), ("prefill_route", "dense-mha"))),
+    # async scheduling, a host bound that over-counts rejected drafts, and no positions to read
+    Situation("async-bound-without-positions",
+              (("scheduling", "async"), ("context_source", "bound-only"), ("drafts", "all-rejected"))),
+)
+
+
 @functools.lru_cache(maxsize=1)
 def pair_universe() -> frozenset:
     """Every feasible pair ``((dim, class), (dim, class))`` (dims in :data:`SPACE` order)."""
@@ -265,7 +304,8 @@ def pairs_of(a: Assignment) -> set:
 @functools.lru_cache(maxsize=2)
 def covering_assignments(strength: int) -> tuple[tuple[tuple[str, str], ...], ...]:
     """Full feasible assignments (as sorted item tuples) that together reach every value class
-    (strength 1) or every feasible pair (strength 2): a greedy covering design."""
+    (strength 1) or every feasible pair (strength 2), and every situation of :data:`SITUATIONS`:
+    a greedy covering design, a row for each situation it did not reach appended."""
     if strength not in (1, 2):
         raise ValueError(f"strength must be 1 or 2, got {strength}")
     rows: list[Assignment] = []
@@ -282,7 +322,15 @@ def covering_assignments(strength: int) -> tuple[tuple[tuple[str, str], ...], ..
             row = _greedy_row(lambda a, w=wanted: len(pairs_of(a) & w), seed_items=list(first))
             wanted -= pairs_of(row)
             rows.append(row)
+    rows += situation_rows(rows)
     return tuple(tuple(sorted(r.items())) for r in rows)
+
+
+def situation_rows(rows: list[Assignment]) -> list[Assignment]:
+    """One full assignment per situation of :data:`SITUATIONS` that ``rows`` do not reach: the
+    situation's classes, the other dimensions completed with their first feasible class."""
+    missing = [s for s in SITUATIONS if not any(s.reached_by(r) for r in rows)]
+    return [_greedy_row(lambda a: 0, seed_items=list(s.classes)) for s in missing]
 
 
 def _greedy_row(gain: Callable[[Assignment], int], seed_items) -> Assignment:
@@ -310,6 +358,8 @@ class Coverage:
     pairs_reached: int
     pairs_total: int
     pairs_missed: list
+    situations_reached: list  # names of SITUATIONS reached
+    situations_missed: list
 
     @property
     def every_class(self) -> bool:
@@ -329,8 +379,10 @@ def coverage_of(assignments) -> Coverage:
         seen_pairs |= pairs_of({k: v for k, v in a.items() if k in DIMENSIONS and v in DIMENSIONS[k].classes})
     universe = pair_universe()
     missing = sorted(universe - seen_pairs)
+    situations = [s.name for s in SITUATIONS if any(s.reached_by(a) for a in assignments)]
     return Coverage(
-        reached, missed, {k: v for k, v in outside.items() if v}, len(universe & seen_pairs), len(universe), missing
+        reached, missed, {k: v for k, v in outside.items() if v}, len(universe & seen_pairs), len(universe), missing,
+        situations, [s.name for s in SITUATIONS if s.name not in situations],
     )
 
 
@@ -442,11 +494,6 @@ def realize(assignment, ch: Chooser) -> InputCase:
         requests = with_a_long_row(requests, ch, topk, threshold)
         holes = TopkHoles(ch.pick(HOLE_KINDS), ch.integer(1, 3))
     async_ = a["scheduling"] == "async"
-    source = a["context_source"]
-    with_host_bound = (
-        True if source == "host-bound" or a["drafts"] != "none-pending" else (async_ and ch.pick((True, False)))
-    )
-    with_positions = source != "seq-lens"
     slack = {
         "none-pending": 0,
         "partly-rejected": ch.integer(1, drafts - 1) if drafts > 1 else 0,
@@ -468,8 +515,8 @@ def realize(assignment, ch: Chooser) -> InputCase:
         decode_threshold=threshold,
         padded_rows=ch.integer(1, 7) if a["padded_rows"] == "piecewise" else 0,
         min_block_id=SLOT_IDS_PAST // block_size + 1 if a["slot_ids"] == "past-2^23" else 1,
-        with_host_bound=with_host_bound,
-        with_positions=with_positions,
+        with_host_bound=holds_host_bound(a["context_source"]),
+        with_positions=holds_positions(a["context_source"]),
     )
     if a["padded_rows"] == "full-graph":
         rows = sum(r.q_len for r in spec.requests)

@@ -4,9 +4,10 @@ of every dimension, and which feasible pairs of classes, the run's drawn cases r
 Tests call :func:`record_input` with each case they check (the classes come from
 ``harness.input_space.classify``). The classes go into the test's report
 (``user_properties``), so under xdist they travel to the controller, which sums them up. The
-summary ends with one line (classes and pairs reached); ``--input-coverage`` adds the table:
-per dimension the classes reached and missed, the pairs missed, and drawn values outside the
-production space.
+summary ends with one line (classes, pairs and situations reached); ``--input-coverage`` adds
+the table: per dimension the classes reached and missed, the situations
+(``harness.input_space.SITUATIONS``) reached and missed, the pairs missed, and drawn values
+outside the production space.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ def pytest_configure(config):
 
 def coverage_lines(cases, full: bool) -> list[str]:
     """The summary line, and with ``full`` the table, for a set of classified cases."""
-    from harness.input_space import SPACE, coverage_of
+    from harness.input_space import SITUATIONS, SPACE, coverage_of
 
     cov = coverage_of(dict(c) for c in cases)
     classes = sum(len(v) for v in cov.classes_reached.values())
     total = sum(len(d.classes) for d in SPACE)
     lines = [f"input space: {len(cases)} distinct cases; {classes}/{total} value classes, "
-             f"{cov.pairs_reached}/{cov.pairs_total} feasible pairs of classes reached"
+             f"{cov.pairs_reached}/{cov.pairs_total} feasible pairs of classes, "
+             f"{len(cov.situations_reached)}/{len(SITUATIONS)} situations reached"
              + ("" if full else " (--input-coverage for the table)")]
     if not full:
         return lines
@@ -83,6 +85,8 @@ def coverage_lines(cases, full: bool) -> list[str]:
         missed = cov.classes_missed[d.name]
         lines.append(f"  {d.name:18} reached {', '.join(cov.classes_reached[d.name]) or '-'}"
                      + (f" | MISSED {', '.join(missed)}" if missed else ""))
+    lines.append(f"  {'situations':18} reached {', '.join(cov.situations_reached) or '-'}"
+                 + (f" | MISSED {', '.join(cov.situations_missed)}" if cov.situations_missed else ""))
     for name, values in cov.outside.items():
         lines.append(f"  {name:18} drawn outside the production space: {', '.join(values)}")
     if cov.pairs_missed:

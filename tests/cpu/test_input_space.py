@@ -23,6 +23,7 @@ from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import case_scenario
 from harness.findings import topk_hole_rows
 from harness.input_space import (
+    SITUATIONS,
     SPACE,
     classify,
     classify_case,
@@ -99,7 +100,21 @@ def test_ci_draw_reaches_every_value_class():
     collect()
     cov = coverage_of(drawn)
     assert cov.every_class, f"value classes the ci draw misses: { {k: v for k, v in cov.classes_missed.items() if v} }"
+    assert not cov.situations_missed, f"situations the ci draw misses: {cov.situations_missed}"
     assert not cov.outside, f"drawn values outside the production space: {cov.outside}"
+
+
+def test_ci_design_reaches_every_class_and_situation_in_its_coverage_table():
+    """The ci profile's covering design alone (its explicit examples, what every backend's
+    drawn-input test runs under ci) shows in the --input-coverage table with no class and no
+    situation MISSED, the new ones included."""
+    lines = coverage_lines([tuple(sorted(a)) for a in covering_assignments(1)], full=True)
+    assert not [line for line in lines if "MISSED" in line], lines
+    table = "\n".join(lines)
+    for name in ("bound-only", "positions-only", "neither", "holes", "fp8-nope", "full-graph"):
+        assert name in table, f"{name} not in the table:\n{table}"
+    for situation in SITUATIONS:
+        assert situation.name in table, f"{situation.name} not in the table:\n{table}"
 
 
 def test_covering_designs_reach_what_they_promise():
@@ -115,7 +130,10 @@ def test_covering_designs_reach_what_they_promise():
     assert coverage_of(dict(a) for a in covering_assignments(1)).every_class
     pairs = coverage_of(dict(a) for a in covering_assignments(2))
     assert pairs.pairs_reached == pairs.pairs_total == len(pair_universe()), pairs.pairs_missed[:5]
-    assert sum(len(d.classes) for d in SPACE) == 45
+    for strength in (1, 2):
+        assert not coverage_of(dict(a) for a in covering_assignments(strength)).situations_missed
+    # 16 dimensions; context_source holds 4 classes (which optional sources the metadata holds)
+    assert sum(len(d.classes) for d in SPACE) == 46
 
 
 # --- a batch evolving over steps, buffers carried -------------------------------------------
@@ -352,4 +370,4 @@ def test_coverage_table_shows_the_gaps():
     assert any(line.strip().startswith("variant") and f"MISSED {dropped}" in line for line in lines), lines
     assert any("pairs missed" in line for line in lines), lines
     full = coverage_lines([tuple(sorted(dict(a).items())) for a in covering_assignments(2)], full=True)
-    assert "every feasible pair reached" in full[-1] and "45/45 value classes" in full[0], full[:2]
+    assert "every feasible pair reached" in full[-1] and "46/46 value classes" in full[0], full[:2]
