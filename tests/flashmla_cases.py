@@ -19,6 +19,7 @@ import dataclasses
 
 import pytest
 
+from harness.builder import build_scenario
 from harness.cases import Case, KernelConfig, all_regime_cases, covering_config, situation_cases
 from harness.spec import batch
 from mla_constants import DEEPSEEK_V32_SM_SCALE, TOPK
@@ -91,6 +92,19 @@ def gpu_input_space_params():
         params.append(pytest.param(dataclasses.replace(case, spec=spec), layout,
                                    id="-".join(classes[d.name] for d in SPACE)))
     return params
+
+
+#: Why a step with prefills and no host bound does not reach FlashMLA's kernels.
+BUILDER_NEEDS_HOST_BOUND = ("vLLM's FLASHMLA_SPARSE builder asserts seq_lens_cpu_upper_bound on a step with prefills "
+                            "(flashmla_sparse.py, build(): it reads the prefills' lengths from it, without a D2H sync)")
+
+
+def builder_refusal(spec) -> str | None:
+    """Why vLLM's FLASHMLA_SPARSE builder refuses the step of ``spec`` (an assertion, not a
+    finding: the SM90 backend takes such a step through its exact host lengths), or None."""
+    if spec.with_host_bound:
+        return None
+    return BUILDER_NEEDS_HOST_BOUND if build_scenario(spec, 0).meta.num_prefills else None
 
 
 #: FlashMLA's two paths for the spec-decode cases: bf16 (the prefill kernel on every row), fp8 at
