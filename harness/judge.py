@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -340,6 +341,19 @@ def module_digest(backend) -> str | None:
         return hashlib.sha256(source.read()).hexdigest()
 
 
+def flashinfer_in_use() -> str:
+    """The FlashInfer MLA wrapper the process runs: ``flashinfer X.Y.Z``, or the stand-in class
+    (``module:Class``) a CPU run installed as ``flashinfer.mla``; "none" where there is neither."""
+    mla = sys.modules.get("flashinfer.mla")
+    wrapper = getattr(mla, "BatchMLAPagedAttentionWrapper", None)
+    if wrapper is None:
+        return "none"
+    module = getattr(wrapper, "__module__", "")
+    if not module.startswith("flashinfer"):
+        return f"{module}:{wrapper.__qualname__}"
+    return f"flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}"
+
+
 def backend_identity(backend) -> dict:
     """What a written case records of the backend it failed on."""
     return {"name": backend.name, "kernel": getattr(backend, "kernel", None),
@@ -400,7 +414,8 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
         cache = nan_kv_buffer((blocks, specs[0].block_size, specs[0].head_dim), specs[0].kv_dtype, device)
     case = {"kind": kind, "backend": backend_identity(backend), "max_tokens": max_tokens, "twin": twin is not None,
             "compare": compare, "with_inputs": with_inputs, "adaptive_verification": adaptive_verification,
-            "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "steps": []}
+            "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "steps": [],
+            "flashinfer": flashinfer_in_use()}
     outcomes = []
     for i, scenario in enumerate(scenarios):
         holes = scenario.extra.get("topk_holes")

@@ -21,7 +21,6 @@ longer rebuild bit-exactly, is a :class:`~recording.fixture.FixtureError` naming
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from reference.indexer import HOLE_KINDS
@@ -70,19 +69,6 @@ def is_backend_case(path) -> bool:
     return str(path).endswith(CASE_SUFFIX)
 
 
-def flashinfer_in_use() -> str:
-    """The FlashInfer MLA wrapper the process runs: ``flashinfer X.Y.Z``, or the stand-in class
-    (``module:Class``) a CPU run installed as ``flashinfer.mla``; "none" where there is neither."""
-    mla = sys.modules.get("flashinfer.mla")
-    wrapper = getattr(mla, "BatchMLAPagedAttentionWrapper", None)
-    if wrapper is None:
-        return "none"
-    module = getattr(wrapper, "__module__", "")
-    if not module.startswith("flashinfer"):
-        return f"{module}:{wrapper.__qualname__}"
-    return f"flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}"
-
-
 def step_record(spec, seed: int, holes, rejected_drafts: int = 0) -> dict:
     """One step of a case file: its spec, seed, the score pattern of its top-k where it has holes
     (``harness.topk_holes.TopkHoles``), and the digest of the scenario they build."""
@@ -111,7 +97,7 @@ def case_record(case: dict, **meta) -> dict:
             "max_tokens": int(case["max_tokens"]), "twin": bool(case["twin"]), "compare": bool(case["compare"]),
             "with_inputs": bool(case["with_inputs"]), "adaptive_verification": bool(case["adaptive_verification"]),
             "rejected_drafts": int(case["rejected_drafts"]), "kv_block_stride": case["kv_block_stride"],
-            "steps": steps, "flashinfer": flashinfer_in_use(),
+            "steps": steps, "flashinfer": case["flashinfer"],
             **{k: v for k, v in meta.items() if v is not None}}
 
 
@@ -177,7 +163,7 @@ def steps_of(record: dict) -> list[tuple]:
 def identity_lines(record: dict, backend) -> list[str]:
     """What differs between the backend a case was written on and the one replaying it: the
     release, the module text (its sha256), the FlashInfer; one line each, none where they agree."""
-    from harness.judge import backend_identity
+    from harness.judge import backend_identity, flashinfer_in_use
 
     recorded, now = record["backend"], backend_identity(backend)
     lines = []

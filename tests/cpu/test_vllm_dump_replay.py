@@ -1,6 +1,6 @@
 """A failing case of vLLM's own SM90 backend, handed on: bugs planted in a copy of the release's
-module make its tests fail; ``--dump-failures`` writes each failing case (single steps and
-sequences, with the release and the module's digest); ``--replay`` of those files fails on the
+module make its tests fail; ``--dump-failures`` writes each failing case (single steps, sequences
+and a Hypothesis test's failing example, with the release and the module's digest); ``--replay`` of those files fails on the
 planted copy and passes on the release as it shipped, which is also named as a different module.
 
 The bugs are ``scripts/vllm_planted_bugs.py``'s: the kept-plan condition, the device clamp and
@@ -23,12 +23,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.suite_self_test]
 ROOT = Path(__file__).resolve().parents[2]
 SEQUENCE = "(sequence_keeps and 4)"
 SINGLE_STEP = "(step_executes and decode-mixed-lengths-kpool4)"
-#: bug -> (the tests that run, the case kinds written)
-RUNS = {
-    "kept-plan": (SEQUENCE, {"sequence"}),
-    "clamp": (f"{SEQUENCE} or {SINGLE_STEP}", {"sequence", "step"}),
-    "host-lengths": (f"{SEQUENCE} or {SINGLE_STEP}", {"sequence", "step"}),
-}
+#: A Hypothesis test: its failing example is written.
+DRAWN = "drawn_production_inputs"
+#: (bug, the tests that run, the case kinds written)
+RUNS = [
+    ("kept-plan", SEQUENCE, {"sequence"}),
+    ("clamp", f"{SEQUENCE} or {SINGLE_STEP}", {"sequence", "step"}),
+    ("host-lengths", f"{SEQUENCE} or {SINGLE_STEP}", {"sequence", "step"}),
+    ("clamp", DRAWN, {"step"}),
+]
 
 
 def pytest_run(*args: str) -> tuple[int, str, dict[str, int]]:
@@ -41,9 +44,9 @@ def pytest_run(*args: str) -> tuple[int, str, dict[str, int]]:
     return done.returncode, out, counts
 
 
-@pytest.mark.parametrize("bug", RUNS)
-def test_a_dumped_case_replays_red_under_the_bug_and_green_without_it(vllm_backend, bug, tmp_path):
-    tests, kinds = RUNS[bug]
+@pytest.mark.parametrize(("bug", "tests", "kinds"), RUNS, ids=[f"{bug}-{'drawn' if tests == DRAWN else 'cases'}"
+                                                                 for bug, tests, _ in RUNS])
+def test_a_dumped_case_replays_red_under_the_bug_and_green_without_it(vllm_backend, bug, tests, kinds, tmp_path):
     bugged = planted_copy(vllm_backend.source.root, tmp_path / "vllm-planted", BUGS_BY_NAME[bug])
     if bugged is None:
         pytest.skip(f"the planted line is vLLM 0.33.0's; vLLM {vllm_backend.version}'s module does not hold it: "
