@@ -1,7 +1,8 @@
 """A failing case of vLLM's own SM90 backend, handed on: bugs planted in a copy of the release's
 module make its tests fail; ``--dump-failures`` writes each failing case (single steps, sequences
-and a Hypothesis test's failing example, with the release and the module's digest); ``--replay`` of those files fails on the
-planted copy and passes on the release as it shipped, which is also named as a different module.
+and a Hypothesis test's failing example, with the release and the module's digest); ``--replay``
+of those files fails on the planted copy and passes on the release as it shipped, which is also
+named as a different module.
 
 The bugs are ``scripts/vllm_planted_bugs.py``'s: the kept-plan condition, the device clamp and
 the host lengths. The suite runs in child pytest processes, as a user runs it."""
