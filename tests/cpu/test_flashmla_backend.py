@@ -68,24 +68,6 @@ FULL_GRAPH_CASE = Case("full-graph-decodes", graph_padded(
     batch((TOPK + 3, 2), (40, 2), (LONG_CTX, 2), topk=TOPK, kpool=4, decode_threshold=2), 10))
 
 
-@pytest.fixture(scope="module")
-def flashmla_backend(flashmla_source):
-    """The release's FLASHMLA_SPARSE on the stand-in kernels (loaded once per process, on a
-    platform that says SM90 as the engine's would)."""
-    flashmla_stand_in.register(flashmla_source)
-    with pytest.MonkeyPatch.context() as mp:
-        flashmla_stand_in.hopper(mp)
-        return FlashMLABackend(flashmla_source)
-
-
-@pytest.fixture
-def stand_in(flashmla_backend, monkeypatch):
-    flashmla_stand_in.hopper(monkeypatch)
-    flashmla_stand_in.interpreter_bool_masks(monkeypatch)
-    flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
-    return flashmla_backend
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The kernel calls of each step: (op, heads the kernel ran, rows)."""
@@ -105,10 +87,10 @@ def kernel_calls(monkeypatch):
 # --- every case ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case, config", step_params())
-def test_kernel_is_handed_each_rows_selection(stand_in, case, config, device, judge):
+def test_kernel_is_handed_each_rows_selection(flashmla_on_stand_in, case, config, device, judge):
     """Every row served by the sparse kernel is handed exactly its intended selection (a), its
     valid count as its length, and its output and LSE are within budget of the oracle."""
-    run_case(judge, stand_in, config.apply(case.spec), device)
+    run_case(judge, flashmla_on_stand_in, config.apply(case.spec), device)
 
 
 #: Decode rows and prefills that fit in topk (routed to dense MHA where the layer has that path).
@@ -117,19 +99,19 @@ TO_MHA_CASE = next(c for c in situation_cases(4) if c.name.startswith("decode+pr
 
 @pytest.mark.parametrize(("config", "dense"), [(BF16, True), (KernelConfig("float8_e4m3fn", False, 16), False)],
                          ids=["bf16-rope64", "fp8-nope"])
-def test_prefills_reach_the_sparse_kernel_only_where_the_layer_has_no_dense_path(stand_in, config, dense, device,
-                                                                                 judge):
+def test_prefills_reach_the_sparse_kernel_only_where_the_layer_has_no_dense_path(flashmla_on_stand_in, config, dense,
+                                                                                 device, judge):
     """vLLM's FLASHMLA_SPARSE has no dense-MHA prefill for a NoPE model on an fp8 cache (the
     576-byte rows do not fit the dense workspace): there every row of a step whose prefills fit
     in topk is served by the sparse kernel and checked; elsewhere the decode rows alone."""
     scenario = build_scenario(config.apply(TO_MHA_CASE.spec), 0)
-    outcome = _run(stand_in, TO_MHA_CASE, config, device, judge)
+    outcome = _run(flashmla_on_stand_in, TO_MHA_CASE, config, device, judge)
     assert scenario.prefills_to_mha and outcome.dense_prefill is dense
     assert outcome.planned_rows == (scenario.meta.num_decode_tokens if dense else scenario.num_rows)
 
 
 @pytest.mark.parametrize("case", covering_cases(1), ids=lambda c: c.id)
-def test_the_input_spaces_covering_design_through_flashmla(stand_in, case, device, judge):
+def test_the_input_spaces_covering_design_through_flashmla(flashmla_on_stand_in, case, device, judge):
     """Every value class of every dimension of the production input space (block sizes, batch
     composition, CUDA-graph padding, context sources, kpool and topk, kernel variants, heads)
     through FLASHMLA_SPARSE's build() and forward_mqa(): each served row is handed its intended
@@ -139,32 +121,32 @@ def test_the_input_spaces_covering_design_through_flashmla(stand_in, case, devic
     refusal = flashmla_cases.builder_refusal(case.spec)
     if refusal:
         pytest.skip(refusal)
-    run_case(judge, stand_in, case.spec, device, holes=case.holes)
+    run_case(judge, flashmla_on_stand_in, case.spec, device, holes=case.holes)
 
 
 @pytest.mark.parametrize("case, config", flashmla_cases.magnitude_params())
-def test_magnitude_edge_through_flashmla(stand_in, case, config, device, judge):
+def test_magnitude_edge_through_flashmla(flashmla_on_stand_in, case, config, device, judge):
     """Raw scores far from zero, mixed within rows and across the batch: each row's selection,
     length and output through vLLM's FLASHMLA_SPARSE code (the stand-in attends exactly; how
     FlashMLA's kernels round at these offsets is not yet measured on a GPU: docs/flashmla.md)."""
-    run_case(judge, stand_in, config.apply(case.spec), device)
+    run_case(judge, flashmla_on_stand_in, config.apply(case.spec), device)
 
 
 @pytest.mark.parametrize("case, config", flashmla_cases.trap_params())
-def test_spec_decode_rows_below_the_buffer_width(stand_in, case, config, device, judge):
+def test_spec_decode_rows_below_the_buffer_width(flashmla_on_stand_in, case, config, device, judge):
     """Speculative decode with 1 to 3 drafts on both of FlashMLA's paths, rows whose valid counts
     lie below the top-k buffer's width: each is handed its valid count as ``topk_length`` and its
     intended slots."""
-    outcome = run_case(judge, stand_in, config.apply(case.spec), device)
+    outcome = run_case(judge, flashmla_on_stand_in, config.apply(case.spec), device)
     assert outcome.planned_rows == sum(r.q_len for r in case.spec.requests)
 
 
 @pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)
-def test_sequence_through_one_layer(stand_in, config, device, judge):
+def test_sequence_through_one_layer(flashmla_on_stand_in, config, device, judge):
     """Steps through one layer and one cache: each step's rows as above; the fp8 decode kernel
     builds a fresh tile schedule every step that runs it (vLLM's builder hands a new
     FlashMLASchedMeta each build)."""
-    layer, outcomes = run_sequence(judge, stand_in, sequence_steps(4, config), device)
+    layer, outcomes = run_sequence(judge, flashmla_on_stand_in, sequence_steps(4, config), device)
     decode_steps = sum(1 for o in outcomes if o.planned_rows)
     expected = decode_steps if config.kv_dtype == "float8_e4m3fn" else 0
     assert layer.plans == expected, f"{layer.plans} tile schedules for {decode_steps} steps that ran"
@@ -181,31 +163,33 @@ def scenario_and_inputs(case, config, device):
     return scenario, build_attention_inputs(scenario, device)
 
 
-def test_bf16_cache_runs_the_prefill_kernel_on_every_row(stand_in, kernel_calls, device, judge):
-    outcome = _run(stand_in, MIXED_CASE, BF16, device, judge)
+def test_bf16_cache_runs_the_prefill_kernel_on_every_row(flashmla_on_stand_in, kernel_calls, device, judge):
+    outcome = _run(flashmla_on_stand_in, MIXED_CASE, BF16, device, judge)
     assert {op for op, _, _ in kernel_calls} == {"sparse_prefill_fwd"}
     assert sum(rows for _, _, rows in kernel_calls) == outcome.planned_rows
 
 
-def test_fp8_cache_below_32_heads_runs_one_mixed_batch_on_the_decode_kernel(stand_in, kernel_calls, device, judge):
-    outcome = _run(stand_in, MIXED_CASE, FP8_MIXED, device, judge)
+def test_fp8_cache_below_32_heads_runs_one_mixed_batch_on_the_decode_kernel(flashmla_on_stand_in, kernel_calls, device,
+                                                                            judge):
+    outcome = _run(flashmla_on_stand_in, MIXED_CASE, FP8_MIXED, device, judge)
     assert kernel_calls == [("sparse_decode_fwd", 64, outcome.planned_rows)], kernel_calls
 
 
 @pytest.mark.parametrize("config", [BF16, FP8_MIXED, FP8_APART], ids=lambda c: c.id)
-def test_a_full_graph_step_runs_its_padded_rows_and_serves_its_query_rows(stand_in, kernel_calls, config, device,
-                                                                          judge):
+def test_a_full_graph_step_runs_its_padded_rows_and_serves_its_query_rows(flashmla_on_stand_in, kernel_calls, config,
+                                                                          device, judge):
     """vLLM hands FlashMLA's kernels every token of a FULL graph's metadata (``num_actual_tokens``,
     padded rows included); the 6 query rows among the 10 are served and checked."""
-    outcome = _run(stand_in, FULL_GRAPH_CASE, config, device, judge)
+    outcome = _run(flashmla_on_stand_in, FULL_GRAPH_CASE, config, device, judge)
     assert outcome.planned_rows == 6 and outcome.out.shape[0] == 6
     assert sum(rows for _, _, rows in kernel_calls) == 10, kernel_calls
 
 
-def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(stand_in, kernel_calls, device, judge):
+def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(flashmla_on_stand_in, kernel_calls, device,
+                                                                       judge):
     """Decode rows on the decode kernel, prefill rows on the prefill kernel over the upconverted
     workspace (whose indices the recorder maps back to cache slots for the selection check)."""
-    outcome = _run(stand_in, MIXED_CASE, FP8_APART, device, judge)
+    outcome = _run(flashmla_on_stand_in, MIXED_CASE, FP8_APART, device, judge)
     decodes = MIXED_CASE.spec.requests[0].q_len + MIXED_CASE.spec.requests[1].q_len
     assert kernel_calls[0] == ("sparse_decode_fwd", 64, decodes), kernel_calls
     assert {op for op, _, _ in kernel_calls[1:]} == {"sparse_prefill_fwd"}
@@ -214,13 +198,13 @@ def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(stand_in,
 
 @pytest.mark.parametrize("heads", [16, 32, 64, 128])
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_kernels_see_the_head_count_vllm_pads_to(stand_in, kernel_calls, heads, kv_dtype, device, judge):
+def test_kernels_see_the_head_count_vllm_pads_to(flashmla_on_stand_in, kernel_calls, heads, kv_dtype, device, judge):
     """Each kernel call runs a head count FlashMLA's SM90 kernels take, no fewer than the layer's,
     and the one ``backends.flashmla.kernel_heads`` says (the rule ``unsupported`` judges by)."""
     config = KernelConfig(kv_dtype, True, heads, 0.5 if kv_dtype == "float8_e4m3fn" else 1.0)
-    _run(stand_in, MIXED_CASE, config, device, judge)
+    _run(flashmla_on_stand_in, MIXED_CASE, config, device, judge)
     seen = {h for _, h, _ in kernel_calls}
-    expected = set(flashmla_backend_module.kernel_heads(stand_in.module, layer_config(config.apply(
+    expected = set(flashmla_backend_module.kernel_heads(flashmla_on_stand_in.module, layer_config(config.apply(
         MIXED_CASE.spec), 1)))
     assert seen <= set(flashmla_backend_module.SM90_KERNEL_HEADS) and min(seen) >= heads, seen
     assert seen == expected, f"kernels ran {sorted(seen)} heads, kernel_heads says {sorted(expected)}"
@@ -237,29 +221,29 @@ def _convert_wrapped(monkeypatch, module, change):
     monkeypatch.setattr(module, "triton_convert_req_index_to_global_index", wrapped)
 
 
-def test_a_slot_lost_in_conversion_fails_the_selection_check(stand_in, device, monkeypatch):
+def test_a_slot_lost_in_conversion_fails_the_selection_check(flashmla_on_stand_in, device, monkeypatch):
     def drop_first_slot_of_row0(result):
         slots, counts = result
         slots[0, 0] = -1
         return slots, counts
 
-    _convert_wrapped(monkeypatch, stand_in.module, drop_first_slot_of_row0)
+    _convert_wrapped(monkeypatch, flashmla_on_stand_in.module, drop_first_slot_of_row0)
     scenario, inputs = scenario_and_inputs(MIXED_CASE, BF16, device)
-    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    layer = flashmla_on_stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
     outcome = run_step(layer, scenario, inputs)
     problems = selection_problems(outcome, scenario)
     assert problems and problems[0].startswith("row 0 ") and "regime" in problems[0], problems
 
 
-def test_a_topk_length_one_short_fails_the_length_check(stand_in, device, monkeypatch):
-    _convert_wrapped(monkeypatch, stand_in.module, lambda result: (result[0], result[1] - 1))
+def test_a_topk_length_one_short_fails_the_length_check(flashmla_on_stand_in, device, monkeypatch):
+    _convert_wrapped(monkeypatch, flashmla_on_stand_in.module, lambda result: (result[0], result[1] - 1))
     scenario, inputs = scenario_and_inputs(MIXED_CASE, BF16, device)
-    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    layer = flashmla_on_stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
     problems = executed_length_problems(run_step(layer, scenario, inputs), scenario)
     assert len(problems) == scenario.planned_rows and all("is cut short" in p for p in problems), problems[:3]
 
 
-def test_a_wrong_tile_scale_fails_the_output_check(stand_in, device, monkeypatch):
+def test_a_wrong_tile_scale_fails_the_output_check(flashmla_on_stand_in, device, monkeypatch):
     """The fp8 cache packed with twice the k_scale: slots and lengths stay right, the output
     and LSE move beyond the budget."""
     def doubled_scale(cache, k_scale):
@@ -267,23 +251,23 @@ def test_a_wrong_tile_scale_fails_the_output_check(stand_in, device, monkeypatch
 
     monkeypatch.setattr(flashmla_backend_module, "pack", doubled_scale)
     scenario, inputs = scenario_and_inputs(context_case(3000, 4), FP8_MIXED, device)
-    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    layer = flashmla_on_stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
     outcome = run_step(layer, scenario, inputs)
     assert not selection_problems(outcome, scenario) and not executed_length_problems(outcome, scenario)
-    comparisons = output_comparisons(outcome, scenario, inputs, kernel=stand_in.kernel)
+    comparisons = output_comparisons(outcome, scenario, inputs, kernel=flashmla_on_stand_in.kernel)
     assert [c.name for c in comparisons if not c.ok] == ["out", "lse"], [c.summary() for c in comparisons]
 
 
-def test_an_index_outside_the_cache_handed_to_the_decode_kernel_is_refused(stand_in, device, monkeypatch):
+def test_an_index_outside_the_cache_handed_to_the_decode_kernel_is_refused(flashmla_on_stand_in, device, monkeypatch):
     """The decode kernel takes only -1 as invalid; the stand-in refuses where it would read out of
     bounds (on the GPU the recorder reports the index)."""
     def past_the_cache(result):
         result[0, 0] = 1 << 30
         return result
 
-    _convert_wrapped(monkeypatch, stand_in.module, past_the_cache)
+    _convert_wrapped(monkeypatch, flashmla_on_stand_in.module, past_the_cache)
     scenario, inputs = scenario_and_inputs(MIXED_CASE, FP8_MIXED, device)
-    layer = stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
+    layer = flashmla_on_stand_in.open_layer(layer_config(scenario.spec, scenario.topk_indices.shape[0]), device)
     with pytest.raises(RuntimeError, match="outside the cache"):
         run_step(layer, scenario, inputs)
 

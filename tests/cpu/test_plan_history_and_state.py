@@ -13,7 +13,7 @@ import torch
 import fast.sm90 as sm90
 from backends.registry import open_backend
 from backends.seam import float_workspaces
-from tests import fa3_stand_in, flashmla_stand_in, simulated_sm90
+from tests import simulated_sm90
 from tests.cpu.test_rerun import ReferenceWrapper
 from tests.plan_history_cases import (
     PLAN_HISTORY_ULPS,
@@ -40,31 +40,6 @@ def simulated_machine(monkeypatch):
     """The simulated SM90 machine's patches: the port's wrapper stand-in and its CUDA graphs."""
     for module, name, value in simulated_sm90.patches():
         monkeypatch.setattr(module, name, value)
-
-
-@pytest.fixture
-def vllm_on_stand_in(vllm_backend, monkeypatch):
-    bounded = vllm_backend.design == "bounded"
-    fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInWrapper if bounded else fa3_stand_in.StandIn06Wrapper)
-    return vllm_backend
-
-
-@pytest.fixture(scope="module")
-def flashmla_loaded(flashmla_source):
-    from backends.flashmla import FlashMLABackend
-
-    flashmla_stand_in.register(flashmla_source)
-    with pytest.MonkeyPatch.context() as mp:
-        flashmla_stand_in.hopper(mp)
-        return FlashMLABackend(flashmla_source)
-
-
-@pytest.fixture
-def flashmla_on_stand_in(flashmla_loaded, monkeypatch):
-    flashmla_stand_in.hopper(monkeypatch)
-    flashmla_stand_in.interpreter_bool_masks(monkeypatch)
-    flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
-    return flashmla_loaded
 
 
 # --- the port ------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.flashmla import FlashMLABackend
 from backends.seam import BETWEEN_BLOCKS_BYTE, ROW_BETWEEN_BLOCKS, block_stride_of, slots_of_cache_rows
 from fast.impl import FastImpl
 from harness.backend_step import layer_config, valid_lengths
@@ -41,7 +40,7 @@ from harness.judge import run_case, scenario_of_step
 from harness.pipeline import prepare_step, selection_mismatches
 from harness.spec import batch
 from reference import kv_len_rule, valid_counts
-from tests import fa3_stand_in, flashmla_stand_in
+from tests import fa3_stand_in
 from tests.residues_and_strides import (
     blocks_apart_params,
     kv_parts_handed,
@@ -212,34 +211,9 @@ def test_the_port_plans_slot_ids_around_an_offset_boundary(impl, device, case, w
 
 # --- vLLM's SM90 backend and FlashMLA, stand-in kernels ----------------------------------------
 
-@pytest.fixture(scope="module")
-def flashmla_backend(flashmla_source):
-    """The release's FLASHMLA_SPARSE on the stand-in kernels (loaded once per process, on a
-    platform that says SM90)."""
-    flashmla_stand_in.register(flashmla_source)
-    with pytest.MonkeyPatch.context() as mp:
-        flashmla_stand_in.hopper(mp)
-        return FlashMLABackend(flashmla_source)
-
-
-@pytest.fixture
-def vllm_stand_in(vllm_backend, monkeypatch):
-    wrapper = fa3_stand_in.StandInWrapper if vllm_backend.design == "bounded" else fa3_stand_in.StandIn06Wrapper
-    fa3_stand_in.install(monkeypatch, wrapper)
-    return vllm_backend
-
-
-@pytest.fixture
-def flashmla(flashmla_backend, monkeypatch):
-    flashmla_stand_in.hopper(monkeypatch)
-    flashmla_stand_in.interpreter_bool_masks(monkeypatch)
-    flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
-    return flashmla_backend
-
-
 @pytest.fixture(params=[pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("flashmla", marks=pytest.mark.vllm)])
 def backend(request):
-    return request.getfixturevalue({"vllm": "vllm_stand_in", "flashmla": "flashmla"}[request.param])
+    return request.getfixturevalue({"vllm": "vllm_on_stand_in", "flashmla": "flashmla_on_stand_in"}[request.param])
 
 
 @pytest.mark.parametrize("case", residue_params())
@@ -270,15 +244,15 @@ def test_single_token_decodes_with_optimistic_slack(backend, device, judge, case
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", kv_parts_params())
-def test_ckv_and_kpe_views_give_the_bits_of_contiguous_copies(vllm_stand_in, device, judge, case):
+def test_ckv_and_kpe_views_give_the_bits_of_contiguous_copies(vllm_on_stand_in, device, judge, case):
     scenario = build_scenario(case.spec, 0)
     inputs = build_attention_inputs(scenario, device)
     config = layer_config(scenario.spec, scenario.topk_indices.shape[0])
     outputs = {}
     for contiguous in (False, True):
-        layer = vllm_stand_in.open_layer(config, device)
+        layer = vllm_on_stand_in.open_layer(config, device)
         with kv_parts_handed(layer, contiguous) as handed:
-            outputs[contiguous] = judge.step(vllm_stand_in, layer, scenario, inputs).out
+            outputs[contiguous] = judge.step(vllm_on_stand_in, layer, scenario, inputs).out
         assert handed and not any(ckv or kpe for ckv, kpe in handed)
     assert torch.equal(outputs[False], outputs[True])
 
@@ -292,7 +266,7 @@ def contiguous_strides(shape) -> tuple[int, ...]:
 
 
 @pytest.mark.vllm
-def test_a_kernel_that_reads_the_views_as_contiguous_is_caught(vllm_stand_in, device, judge, monkeypatch):
+def test_a_kernel_that_reads_the_views_as_contiguous_is_caught(vllm_on_stand_in, device, judge, monkeypatch):
     """Planted: the kernel reads ckv and kpe as if they were contiguous (their strides dropped).
     The step with contiguous copies passes; the same step with the views fails the judge."""
     run = fa3_stand_in.StandInWrapper.run
@@ -305,27 +279,27 @@ def test_a_kernel_that_reads_the_views_as_contiguous_is_caught(vllm_stand_in, de
     scenario = build_scenario(kv_parts_cases()[0].spec, 0)
     inputs = build_attention_inputs(scenario, device)
     config = layer_config(scenario.spec, scenario.topk_indices.shape[0])
-    layer = vllm_stand_in.open_layer(config, device)
+    layer = vllm_on_stand_in.open_layer(config, device)
     with kv_parts_handed(layer, contiguous=True):
-        judge.step(vllm_stand_in, layer, scenario, inputs)
+        judge.step(vllm_on_stand_in, layer, scenario, inputs)
     with pytest.raises(AssertionError, match="beyond the error budget"):
-        judge.step(vllm_stand_in, vllm_stand_in.open_layer(config, device), scenario, inputs)
+        judge.step(vllm_on_stand_in, vllm_on_stand_in.open_layer(config, device), scenario, inputs)
 
 
 @pytest.mark.vllm
-def test_a_convert_that_ignores_the_block_stride_is_caught(vllm_stand_in, device, judge, monkeypatch):
+def test_a_convert_that_ignores_the_block_stride_is_caught(vllm_on_stand_in, device, judge, monkeypatch):
     """Planted: vLLM's row view of the cache says the blocks are contiguous (its convert then
     maps tokens to rows as if they were). Its rows land between blocks and in other blocks: the
     executed slots are not the intended ones."""
-    if not vllm_stand_in.reads_block_stride:
-        pytest.skip(f"vLLM {vllm_stand_in.version} reads contiguous blocks")
-    module = vllm_stand_in.module
+    if not vllm_on_stand_in.reads_block_stride:
+        pytest.skip(f"vLLM {vllm_on_stand_in.version} reads contiguous blocks")
+    module = vllm_on_stand_in.module
     row_view = module.flat_kv_row_view
     monkeypatch.setattr(module, "flat_kv_row_view", lambda cache, block_size: (row_view(cache, block_size)[0],
                                                                                block_size))
     case, stride = blocks_apart_cases()[1]
     with pytest.raises(AssertionError, match="executes slots other than its selection"):
-        run_case(judge, vllm_stand_in, case.spec, device, kv_block_stride=stride)
+        run_case(judge, vllm_on_stand_in, case.spec, device, kv_block_stride=stride)
 
 
 @pytest.mark.vllm
@@ -358,9 +332,9 @@ def rejected_drafts_steps(draw):
 @pytest.mark.vllm
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=12)
 @given(step=rejected_drafts_steps(), seed=st.integers(0, 2**31 - 1))
-def test_drawn_single_token_decodes_with_optimistic_slack_through_vllm(vllm_stand_in, device, judge, step, seed):
+def test_drawn_single_token_decodes_with_optimistic_slack_through_vllm(vllm_on_stand_in, device, judge, step, seed):
     """Drawn async steps whose single-token decodes over-count their host bound: every row of
     vLLM's step executes its valid count and its intended slots."""
     spec, slack = step
-    run_case(judge, vllm_stand_in, KernelConfig("bfloat16", True, 16).apply(spec), device, seed=seed, compare=False,
+    run_case(judge, vllm_on_stand_in, KernelConfig("bfloat16", True, 16).apply(spec), device, seed=seed, compare=False,
              rejected_drafts=slack)

@@ -24,7 +24,6 @@ from harness.topk_holes import TopkHoles, with_topk_holes
 from mla_constants import INVALID
 from reference.indexer import HOLE_KINDS, row_with_holes, selection_order, tie_capacity, topk_with_holes
 from reference.rules import kv_len_rule, valid_counts
-from tests import fa3_stand_in, flashmla_stand_in
 from tests.cpu.test_rerun import ReferenceWrapper
 from tests.topk_hole_cases import hole_params
 
@@ -168,29 +167,8 @@ def test_port_plans_the_length_rule_over_holes(reference_wrapper, case, device, 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", hole_params(TOPK_SMALL))
-def test_vllm_executes_the_length_rule_over_holes(vllm_backend, case, device, monkeypatch, judge):
-    bounded = vllm_backend.design == "bounded"
-    fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInWrapper if bounded else fa3_stand_in.StandIn06Wrapper)
-    run_case(judge, vllm_backend, case.spec, device, seed=SEED, holes=case.holes)
-
-
-@pytest.fixture(scope="module")
-def flashmla_loaded(flashmla_source):
-    """The release's FLASHMLA_SPARSE, loaded once on a platform that says SM90."""
-    from backends.flashmla import FlashMLABackend
-
-    flashmla_stand_in.register(flashmla_source)
-    with pytest.MonkeyPatch.context() as mp:
-        flashmla_stand_in.hopper(mp)
-        return FlashMLABackend(flashmla_source)
-
-
-@pytest.fixture
-def flashmla_on_stand_in(flashmla_loaded, monkeypatch):
-    flashmla_stand_in.hopper(monkeypatch)
-    flashmla_stand_in.interpreter_bool_masks(monkeypatch)
-    flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
-    return flashmla_loaded
+def test_vllm_executes_the_length_rule_over_holes(vllm_on_stand_in, case, device, judge):
+    run_case(judge, vllm_on_stand_in, case.spec, device, seed=SEED, holes=case.holes)
 
 
 @pytest.mark.vllm
