@@ -29,7 +29,7 @@ from fast.sm90 import AttentionConfig as AttentionConfig
 from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
-from .seam import LayerConfig, StepInput, StepOutcome, spans_selection
+from .seam import LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
 
 #: Work items FA3's scheduler holds per plan (rows at page size 1; measured, docs/findings.md).
 WORK_CAPACITY = FA3_WORK_CAPACITY
@@ -159,11 +159,7 @@ class PortLayer:
         return [self.state.workspace]
 
     def step(self, step: StepInput) -> StepOutcome:
-        outcome = self.plan_step(step)
-        if not step.runs_kernel:
-            return outcome
-        self.launch(step, outcome)
-        return self.finish(step, outcome)
+        return planned_then_run(self, step)
 
     def plan_step(self, step: StepInput) -> StepOutcome:
         """The host lengths and the plan; with queries, the step's inputs staged in the layer's

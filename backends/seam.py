@@ -220,6 +220,16 @@ def poison(buffers: list[torch.Tensor]) -> None:
         buffer.view(torch.uint8).fill_(POISON_BYTE)
 
 
+def planned_then_run(layer, step: StepInput) -> StepOutcome:
+    """One step of a layer that has the plan/launch/finish split: the plan (and the outcome of
+    a step planned only), then, where the step has queries, the kernel and its read-back."""
+    outcome = layer.plan_step(step)
+    if not step.runs_kernel:
+        return outcome
+    layer.launch(step, outcome)
+    return layer.finish(step, outcome)
+
+
 def split_step_missing(layer) -> list[str]:
     """The members of the plan/launch/finish split (:class:`Layer`) that ``layer`` lacks."""
     return [name for name in ("plan_step", "launch", "finish") if not callable(getattr(layer, name, None))]

@@ -33,7 +33,15 @@ import torch
 from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
-from .seam import LayerConfig, StepInput, StepOutcome, block_stride_of, slots_of_cache_rows, spans_selection
+from .seam import (
+    LayerConfig,
+    StepInput,
+    StepOutcome,
+    block_stride_of,
+    planned_then_run,
+    slots_of_cache_rows,
+    spans_selection,
+)
 from .vllm_shims import load_sm90_module, stand_ins_in_use
 from .vllm_source import VllmSource, design_of, flashinfer_pin
 
@@ -294,11 +302,7 @@ class VllmLayer:
 
     def step(self, step: StepInput) -> StepOutcome:
         """build (plan, clamp), the schedule read back, then forward when the step has queries."""
-        outcome = self.plan_step(step)
-        if not step.runs_kernel:
-            return outcome
-        self.launch(step, outcome)
-        return self.finish(step, outcome)
+        return planned_then_run(self, step)
 
     def plan_step(self, step: StepInput) -> StepOutcome:
         """build (plan, clamp) and the schedule read back; with queries, the indexer's rows in the
