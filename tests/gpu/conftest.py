@@ -61,3 +61,45 @@ def large_cases_give_their_memory_back(request):
 
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def vllm_pairing(vllm_backend) -> str | None:
+    """Why the vLLM release under test cannot run on the installed FlashInfer, or None
+    (``backends.vllm_source.incompatibility``)."""
+    import flashinfer
+
+    from backends.vllm_source import incompatibility
+    from fast.flashinfer_compat import parse_version
+
+    return incompatibility(vllm_backend.design, parse_version(flashinfer.__version__))
+
+
+@pytest.fixture(scope="module")
+def vllm_on_gpu(vllm_backend, vllm_pairing):
+    """The vLLM release under test (``--vllm``), skipped where it cannot run on the installed
+    FlashInfer (``test_vllm_release_runs_on_this_flashinfer`` fails with the reason)."""
+    if vllm_pairing:
+        pytest.skip(f"not run: {vllm_pairing} (test_vllm_release_runs_on_this_flashinfer fails with it)")
+    return vllm_backend
+
+
+@pytest.fixture(scope="module")
+def flashmla_load(flashmla_source):
+    """``(backend, None)``, or ``(None, why)`` where FlashMLA's kernels cannot be opened here."""
+    from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
+
+    try:
+        return FlashMLABackend(flashmla_source), None
+    except FlashMLAUnavailable as exc:
+        return None, str(exc)
+
+
+@pytest.fixture(scope="module")
+def flashmla_on_gpu(flashmla_load):
+    """FlashMLA's backend of the release under test, skipped where its kernels cannot be opened
+    (``test_flashmla_kernels_load_here`` fails with the reason)."""
+    backend, why = flashmla_load
+    if backend is None:
+        pytest.skip(f"not run: {why} (test_flashmla_kernels_load_here fails with it)")
+    return backend

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 
-from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
 from backends.registry import open_backend
 from harness.backend_step import layer_config
 from harness.builder import build_scenario
@@ -36,23 +35,6 @@ from tests.flashmla_cases import gpu_regime_params, gpu_shaped_params, trap_para
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 GPU_PARAMS = gpu_regime_params() + gpu_shaped_params()
-
-
-@pytest.fixture(scope="module")
-def flashmla_load(flashmla_source):
-    """``(backend, None)``, or ``(None, why)`` where FlashMLA cannot be opened here."""
-    try:
-        return FlashMLABackend(flashmla_source), None
-    except FlashMLAUnavailable as exc:
-        return None, str(exc)
-
-
-@pytest.fixture
-def flashmla_on_gpu(flashmla_load):
-    backend, why = flashmla_load
-    if backend is None:
-        pytest.skip(f"not run: {why} (test_flashmla_kernels_load_here fails with it)")
-    return backend
 
 
 def test_flashmla_kernels_load_here(flashmla_load):

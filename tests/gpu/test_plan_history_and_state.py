@@ -33,14 +33,7 @@ def backend(request):
     """Each backend the run has: the port always, vLLM's and FlashMLA's with ``--vllm``."""
     if request.param == "port-fa3":
         return open_backend("port-fa3")
-    if request.param == "vllm":
-        return request.getfixturevalue("vllm_backend")
-    from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
-
-    try:
-        return FlashMLABackend(request.getfixturevalue("flashmla_source"))
-    except FlashMLAUnavailable as exc:
-        pytest.skip(f"not run: {exc}")
+    return request.getfixturevalue("vllm_on_gpu" if request.param == "vllm" else "flashmla_on_gpu")
 
 
 def test_plan_history(backend, judge):

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
 from backends.registry import open_backend
-from backends.vllm_source import incompatibility
 from harness.backend_step import layer_config, valid_lengths
 from harness.builder import build_scenario
 from harness.device_inputs import build_attention_inputs
@@ -48,39 +46,13 @@ pytestmark = pytest.mark.gpu
 BACKENDS = ("port-fa3", "vllm", "flashmla")
 
 
-def _installed_flashinfer() -> tuple[int, int, int]:
-    import flashinfer
-
-    from fast.flashinfer_compat import parse_version
-
-    return parse_version(flashinfer.__version__)
-
-
-@pytest.fixture(scope="module")
-def flashmla_load(flashmla_source):
-    """``(backend, None)``, or ``(None, why)`` where FlashMLA cannot be opened here."""
-    try:
-        return FlashMLABackend(flashmla_source), None
-    except FlashMLAUnavailable as exc:
-        return None, str(exc)
-
-
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request):
     """Each backend under test: the port on fa3; vLLM's SM90 backend and FlashMLA with ``--vllm``
     (skipped without it, or where the release cannot run here: the reason is its own test's)."""
     if request.param == "port-fa3":
         return open_backend("port-fa3")
-    if request.param == "vllm":
-        vllm = request.getfixturevalue("vllm_backend")
-        pairing = incompatibility(vllm.design, _installed_flashinfer())
-        if pairing:
-            pytest.skip(f"not run: {pairing} (test_vllm_release_runs_on_this_flashinfer fails with it)")
-        return vllm
-    flashmla, why = request.getfixturevalue("flashmla_load")
-    if flashmla is None:
-        pytest.skip(f"not run: {why} (test_flashmla_kernels_load_here fails with it)")
-    return flashmla
+    return request.getfixturevalue("vllm_on_gpu" if request.param == "vllm" else "flashmla_on_gpu")
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
 from backends.registry import open_backend
-from backends.vllm_source import incompatibility
-from fast.flashinfer_compat import parse_version
 from harness.judge import run_case
 from harness.launch import DEVICE
 from mla_constants import TOPK
@@ -37,33 +34,15 @@ def test_port_plans_the_length_rule_over_holes(kernel, case, judge):
     run_case(judge, open_backend(f"port-{kernel}"), case.spec, DEVICE, seed=SEED, holes=case.holes)
 
 
-@pytest.fixture(scope="module")
-def vllm_here(vllm_backend):
-    import flashinfer
-
-    pairing = incompatibility(vllm_backend.design, parse_version(flashinfer.__version__))
-    if pairing:
-        pytest.skip(f"not run: {pairing}")
-    return vllm_backend
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", hole_params(TOPK))
-def test_vllm_executes_the_length_rule_over_holes(vllm_here, case, judge):
-    run_case(judge, vllm_here, case.spec, DEVICE, seed=SEED, holes=case.holes)
-
-
-@pytest.fixture(scope="module")
-def flashmla_here(flashmla_source):
-    try:
-        return FlashMLABackend(flashmla_source)
-    except FlashMLAUnavailable as exc:
-        pytest.skip(f"not run: {exc}")
+def test_vllm_executes_the_length_rule_over_holes(vllm_on_gpu, case, judge):
+    run_case(judge, vllm_on_gpu, case.spec, DEVICE, seed=SEED, holes=case.holes)
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", hole_params(TOPK, ROPE_CONFIGS))
-def test_flashmla_executes_each_rows_valid_count(flashmla_here, case, judge):
+def test_flashmla_executes_each_rows_valid_count(flashmla_on_gpu, case, judge):
     """FlashMLA is handed each row's valid count (``topk_length``) and its valid entries: the
     contract's semantics, right on every row."""
-    run_case(judge, flashmla_here, case.spec, DEVICE, seed=SEED, holes=case.holes)
+    run_case(judge, flashmla_on_gpu, case.spec, DEVICE, seed=SEED, holes=case.holes)

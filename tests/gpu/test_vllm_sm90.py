@@ -20,33 +20,12 @@ from __future__ import annotations
 
 import pytest
 
-from backends.vllm_source import incompatibility
 from harness.cases import KernelConfig, sequence_steps
 from harness.judge import port_twin, run_case, run_sequence
 from harness.launch import DEVICE
 from tests.vllm_cases import input_space_params, large_params, magnitude_params, step_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-
-
-def _installed_flashinfer() -> tuple[int, int, int]:
-    import flashinfer
-
-    from fast.flashinfer_compat import parse_version
-
-    return parse_version(flashinfer.__version__)
-
-
-@pytest.fixture(scope="module")
-def pairing(vllm_backend) -> str | None:
-    return incompatibility(vllm_backend.design, _installed_flashinfer())
-
-
-@pytest.fixture
-def vllm_on_gpu(vllm_backend, pairing):
-    if pairing:
-        pytest.skip(f"not run: {pairing} (test_vllm_release_runs_on_this_flashinfer fails with it)")
-    return vllm_backend
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +35,8 @@ def fa3_twin():
     return port_twin(DEVICE)
 
 
-def test_vllm_release_runs_on_this_flashinfer(vllm_backend, pairing):
-    assert pairing is None, f"vLLM {vllm_backend.version} cannot run here: {pairing}"
+def test_vllm_release_runs_on_this_flashinfer(vllm_backend, vllm_pairing):
+    assert vllm_pairing is None, f"vLLM {vllm_backend.version} cannot run here: {vllm_pairing}"
 
 
 @pytest.mark.parametrize("case, config", step_params())
