@@ -164,12 +164,16 @@ def references(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs
 
 
 def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs,
-                       kernel: str | None = None) -> list[Comparison]:
-    """The output of the planned rows (and the LSE where the backend returns one) against the
-    float64 oracle over (a), by the budget of ``kernel``."""
+                       kernel: str | None = None, rows: list[int] | None = None) -> list[Comparison]:
+    """The output of the planned rows (``rows`` of them only, where given) and the LSE where the
+    backend returns one, against the float64 oracle over (a), by the budget of ``kernel``."""
     n = outcome.planned_rows
     truth, lowp = references(outcome, scenario, inputs)
+    pick = slice(0, n) if rows is None else torch.tensor(rows, dtype=torch.int64, device=outcome.out.device)
+    out = outcome.out[pick]
+    if rows is not None:
+        truth, lowp = tuple(t[pick] for t in truth), tuple(t[pick] for t in lowp)
     kv_dtype = scenario.spec.kv_dtype
     if outcome.lse is None:
-        return [compare_to_budget("out", outcome.out[:n], truth[0], lowp[0], kv_dtype)]
-    return compare_attention(outcome.out[:n], outcome.lse[:n], truth, lowp, kv_dtype, kernel=kernel)
+        return [compare_to_budget("out", out, truth[0], lowp[0], kv_dtype)]
+    return compare_attention(out, outcome.lse[pick], truth, lowp, kv_dtype, kernel=kernel)

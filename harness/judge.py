@@ -22,6 +22,7 @@ what it records for ``--dump-failures`` is noted here, before each step
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import sys
 from collections.abc import Callable
@@ -163,22 +164,6 @@ def empty_row_problems(outcome: StepOutcome, rows: list[int]) -> list[str]:
     return [f"rows {rows} have no valid entry and are not out 0 / LSE +inf: out max |{float(out.abs().max()):.3g}|"]
 
 
-def hole_row_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs, rows: list[int],
-                         kernel: str | None) -> list[Comparison]:
-    """The output (and LSE) of ``rows`` only, against the float64 oracle over (a), by the budget."""
-    from reference.budget import compare_attention, compare_to_budget
-
-    from .backend_step import references
-
-    truth, lowp = references(outcome, scenario, inputs)
-    pick = torch.tensor(rows, dtype=torch.int64, device=outcome.out.device)
-    kv = scenario.spec.kv_dtype
-    if outcome.lse is None:
-        return [compare_to_budget("out", outcome.out[pick], truth[0][pick], lowp[0][pick], kv)]
-    return compare_attention(outcome.out[pick], outcome.lse[pick], (truth[0][pick], truth[1][pick]),
-                             (lowp[0][pick], lowp[1][pick]), kv, kernel=kernel)
-
-
 def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: AttentionInputs | None,
                 spared: list[int]) -> None:
     """The verdict of a step whose top-k has holes: where exactly its rows with holes execute past
@@ -199,7 +184,7 @@ def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: Attention
     others = [r for r in range(n) if r not in attended and r not in empty and r not in spared]
     if inputs is not None and n:
         kernel = getattr(backend, "kernel", None)
-        verdict.comparisons = hole_row_comparisons(outcome, scenario, inputs, others, kernel) if others else []
+        verdict.comparisons = output_comparisons(outcome, scenario, inputs, kernel, rows=others) if others else []
         bad = [c for c in verdict.comparisons if not c.ok]
         problems = empty_row_problems(outcome, empty)
         if bad or problems:
@@ -333,10 +318,13 @@ def port_twin(device) -> Twin:
 def module_digest(backend) -> str | None:
     """sha256 of the text of the code under test that the backend loaded (``backend.module``'s
     file: a vLLM release's SM90 module or FLASHMLA_SPARSE); None for the project's own port."""
-    module = getattr(backend, "module", None)
-    path = getattr(module, "__file__", None)
-    if not path:
-        return None
+    path = getattr(getattr(backend, "module", None), "__file__", None)
+    return file_digest(path) if path else None
+
+
+@functools.lru_cache(maxsize=16)
+def file_digest(path: str) -> str:
+    """sha256 of a file's bytes (a loaded module's file does not change while the process runs)."""
     with open(path, "rb") as source:
         return hashlib.sha256(source.read()).hexdigest()
 
