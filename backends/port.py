@@ -19,17 +19,17 @@ from pathlib import Path
 
 import torch
 
-from fast import sm90
-from fast.flashinfer_compat import FA3_WORK_CAPACITY, MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
-from fast.flashinfer_compat import parse_version as parse_version
-from fast.flashinfer_compat import signature_features as signature_features
 from fast.impl import FastImpl, default_impl
 from fast.layouts import indices_capacity as indices_capacity
-from fast.sm90 import AttentionConfig as AttentionConfig
 from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
+from . import sm90_state as sm90
+from .flashinfer_compat import FA3_WORK_CAPACITY, MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
+from .flashinfer_compat import parse_version as parse_version
+from .flashinfer_compat import signature_features as signature_features
 from .seam import LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
+from .sm90_state import AttentionConfig as AttentionConfig
 
 #: Work items FA3's scheduler holds per plan (rows at page size 1; measured, docs/findings.md).
 WORK_CAPACITY = FA3_WORK_CAPACITY
@@ -92,10 +92,20 @@ def wrapper_class():
 
 def open_wrapper(device, *, kernel: str = "fa3", **buffers) -> MLAWrapper:
     """A wrapper with its own workspace and the reserved metadata ``buffers`` (qo_indptr,
-    kv_indptr, kv_indices, kv_len_arr): the one the port's state makes (read from ``fast.sm90``
+    kv_indptr, kv_indices, kv_len_arr): the one the port's state makes (read from ``backends.sm90_state``
     when called, so a stand-in put there is the one made)."""
     workspace = torch.empty(sm90.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return sm90.MLAWrapper(workspace, kernel=kernel, **buffers)
+
+
+def make_attention_state(impl, config: AttentionConfig, device="cuda", **kwargs):
+    """The port's SM90 attention state (:class:`backends.sm90_state.SM90AttentionState`) on the
+    host stages of ``impl``; an ``impl`` with a ``make_attention_state(config, device, **kwargs)``
+    of its own makes the state itself (a planted bug in the state, a user's own state)."""
+    own = getattr(impl, "make_attention_state", None)
+    if callable(own):
+        return own(config, device, **kwargs)
+    return sm90.make_attention_state(impl, config, device, **kwargs)
 
 
 def attention_config(config: LayerConfig, *, kernel: str = "fa3", layout: str = "compacted") -> AttentionConfig:
@@ -129,7 +139,7 @@ class PortBackend:
 
     def unsupported(self, config: LayerConfig) -> str | None:
         """A cache whose blocks lie apart (what FlashInfer refuses is probed at plan:
-        ``fast.flashinfer_compat.unsupported_reason``)."""
+        ``backends.flashinfer_compat.unsupported_reason``)."""
         return READS_CONTIGUOUS_BLOCKS if config.blocks_apart else None
 
     def open_layer(self, config: LayerConfig, device) -> PortLayer:
@@ -149,7 +159,7 @@ class PortLayer:
     def __init__(self, backend: PortBackend, config: LayerConfig, device: torch.device):
         self.backend, self.config, self.device = backend, config, device
         self.impl = backend.impl
-        self.state = sm90.make_attention_state(self.impl, attention_config(config, kernel=backend.kernel,
+        self.state = make_attention_state(self.impl, attention_config(config, kernel=backend.kernel,
                                                                       layout=backend.layout), device)
         rows = max(config.max_tokens, 1)
         self.topk = torch.full((rows, config.width), -1, dtype=torch.int32, device=device)

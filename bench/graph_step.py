@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from backends.port import make_attention_state
 from harness.timing import estimate_seconds, summarize, synchronize
 
 from .context import Context, error_text
@@ -18,7 +19,7 @@ def measure_graph(ctx: Context, prep: Prepared, lens: torch.Tensor, layout: str)
     from harness.launch import attention_config
 
     rows = prep.rows
-    state = ctx.impl.make_attention_state(attention_config(prep.scenario, layout, rows), ctx.device)
+    state = make_attention_state(ctx.impl, attention_config(prep.scenario, layout, rows), ctx.device)
     try:
         state.plan(rows, lens)
     except Exception as exc:

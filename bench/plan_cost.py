@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from backends.port import make_attention_state
 from harness import build_scenario
 from harness.timing import summarize, synchronize
 from mla_constants import variant_name
@@ -44,7 +45,7 @@ def plan_state(ctx: Context, scenario, layout: str, rows: int, reuse: bool, max_
     from harness.launch import attention_config
 
     config = dataclasses.replace(attention_config(scenario, layout, max_rows or rows), reuse_plan=reuse)
-    return ctx.impl.make_attention_state(config, ctx.device)
+    return make_attention_state(ctx.impl, config, ctx.device)
 
 
 def time_plans(ctx: Context, state, rows: int, lens: torch.Tensor) -> dict:

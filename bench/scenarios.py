@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.port import make_attention_state
 from harness import AttentionInputs, batch, build_scenario
 from harness.cases import KernelConfig
 from harness.timing import synchronize
@@ -143,7 +144,7 @@ def prepare(ctx: Context, scenario, lens: torch.Tensor, caches, generator, layou
 
     rows = lens.numel()
     sets = make_sets(scenario, caches, rows, ctx.device, generator, ctx.l2_bytes)
-    state = ctx.impl.make_attention_state(attention_config(scenario, layout, rows), ctx.device)
+    state = make_attention_state(ctx.impl, attention_config(scenario, layout, rows), ctx.device)
     state.plan(rows, lens)
     launch = launch_inputs(ctx.impl, scenario, sets.inputs(0), rows)
     state.write_indices(launch.topk_indices, launch.block_table, launch.req_id)

@@ -14,10 +14,12 @@ Every method has the semantics of the production path it names:
   convert kernel;
 - ``kv_indptr(layout, lens, max_rows, width)`` and
   ``write_kv_indices(layout, slots, lens, indptr, out)``: the kv_indices layouts;
-- ``make_attention_state(config, device)`` (GPU tier): the attention state of one step,
+- optionally ``make_attention_state(config, device)``: an attention state of the impl's own,
   with the methods of :class:`AttentionState` (plan on the host, then convert -> layout ->
-  run on the device, capturable in a CUDA graph). ``config`` is a
-  :class:`fast.sm90.AttentionConfig`.
+  run on the device, capturable in a CUDA graph), in place of the port's
+  (``backends.port.make_attention_state``, FlashInfer's wrapper driven by these host stages).
+
+``fast/`` is host stages only: it imports no vendor package.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class AttentionState(Protocol):
     """What the GPU tier drives: ``num_rows`` planned rows, the reserved device buffers
     (``kv_indices``, ``kv_indptr``, ``kv_len``), the host staging of the last plan
     (``planned_kv_indptr``, ``planned_kv_len``), and ``features`` (a
-    :class:`fast.flashinfer_compat.Features`)."""
+    :class:`backends.flashinfer_compat.Features`)."""
 
     num_rows: int
 
@@ -70,7 +72,7 @@ class AttentionState(Protocol):
 
 
 class FastImpl:
-    """The project's production path (``fast/``)."""
+    """The project's host stages of the production path (``fast/``)."""
 
     name = "fast"
 
@@ -93,11 +95,6 @@ class FastImpl:
 
     def write_kv_indices(self, layout, slots, lens, indptr, out):
         _layouts.write_kv_indices(layout, slots, lens, indptr, out)
-
-    def make_attention_state(self, config, device="cuda", **kwargs):
-        from .sm90 import make_attention_state  # FlashInfer is imported only here
-
-        return make_attention_state(self, config, device, **kwargs)
 
 
 def default_impl() -> FastImpl:

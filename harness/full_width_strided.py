@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from backends.port import make_attention_state
 from mla_constants import TOPK
 
 COVERAGE_REFUSAL = "ValueError: KV cache does not cover"
@@ -46,7 +47,7 @@ def main(seed: int) -> dict:
     scenario = build_scenario(batch((300, 1), (1500, 1), (9, 1), topk=TOPK, kpool=1), seed)
     inputs = build_attention_inputs(scenario, "cuda")
     rows = scenario.topk_indices.shape[0]
-    state = impl.make_attention_state(attention_config(scenario, "strided", rows), "cuda")
+    state = make_attention_state(impl, attention_config(scenario, "strided", rows), "cuda")
     launch = launch_inputs(impl, scenario, inputs, rows)
     out, lse = nan_buffers(rows, scenario.spec.num_heads)
     full = torch.full((rows,), scenario.spec.resolved_width, dtype=torch.int32)

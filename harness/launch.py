@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from backends.port import PLAN_REFUSAL as PAGE_COUNT_REFUSAL
-from backends.port import AttentionConfig, kernel_parts
+from backends.port import AttentionConfig, kernel_parts, make_attention_state
 from mla_constants import KV_LORA_RANK
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
@@ -341,7 +341,7 @@ def launch_step(impl, features, step: Step, *, log: LaunchLog, inputs: Attention
     scenario = step.scenario
     inputs = inputs if inputs is not None else build_attention_inputs(scenario, DEVICE)
     config = dataclasses.replace(attention_config(scenario, step.layout, step.max_rows), **config_changes)
-    state = impl.make_attention_state(config, DEVICE)
+    state = make_attention_state(impl, config, DEVICE)
     launch = launch_inputs(impl, scenario, inputs, step.max_rows)
     out, lse = nan_buffers(step.max_rows, scenario.spec.num_heads)
     refusal = plan_or_refusal(features, state, step, log)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from backends.port import make_attention_state
 from fast.impl import default_impl
 from mla_constants import KERNEL_VARIANTS, ROPE_DIM, TOPK
 
@@ -33,7 +34,7 @@ from .scenario import batch, build_scenario
 def build_variant(impl, kv_dtype: str, rope: bool, k_scale: float) -> float:
     config = KernelConfig(kv_dtype, rope, 16, k_scale)
     scenario = build_scenario(config.apply(batch((9, 1), topk=TOPK, kpool=1)), seed=0)
-    state = impl.make_attention_state(attention_config(scenario, "packed", 1), "cuda")
+    state = make_attention_state(impl, attention_config(scenario, "packed", 1), "cuda")
     started = time.perf_counter()
     state.plan(1, torch.tensor([9], dtype=torch.int32))
     torch.cuda.synchronize()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.port import make_attention_state
 from mla_constants import TOPK
 
 from .cases import LONG_CTX, LONG_CTX_128K, VARIANTS, KernelConfig, regime_contexts
@@ -177,7 +178,7 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
                       bad_row_regimes=sorted({scenario.row_regime[r] for r in mismatches if r < n}))
         return result | {"seconds": times}
     inputs = build_attention_inputs_on(scenario, device)
-    state = impl.make_attention_state(attention_config(scenario, SCALE_LAYOUT, step.max_rows), device)
+    state = make_attention_state(impl, attention_config(scenario, SCALE_LAYOUT, step.max_rows), device)
     launch = launch_inputs(impl, scenario, inputs, step.max_rows)
     out, lse = nan_buffers(step.max_rows, case.config.num_heads, device)
     reached("plan")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends.port import make_attention_state
 from fast.layouts import indices_capacity
 from reference import intended_selection, kv_len_rule, planned_selection
 from reference.invariants import same_multisets
@@ -193,7 +194,7 @@ def run_state_sequence(impl, features, sequence: Sequence) -> list[StepResult]:
     steps = [launch.prepared(impl, s, sequence.layout, max_rows=static.max_rows) for s in scenarios]
     config = dataclasses.replace(launch.attention_config(scenarios[0], sequence.layout, static.max_rows),
                                  reuse_plan=sequence.reuse_plan)
-    state = impl.make_attention_state(config, launch.DEVICE)
+    state = make_attention_state(impl, config, launch.DEVICE)
     inputs = [build_attention_inputs(s, launch.DEVICE) for s in scenarios]
     graph, results, refusals = None, [], _Refusals()
     for i, (scenario, step) in enumerate(zip(scenarios, steps, strict=True)):

@@ -20,6 +20,7 @@ import json
 
 import torch
 
+from backends.port import make_attention_state
 from reference.rules import convert_rule
 
 from .environment import flashinfer_version
@@ -124,7 +125,7 @@ def _rerun_pipeline(fx: Fixture, impl, impl_spec: str | None, device) -> Rerun:
         block_size=1, sm_scale=float(meta["sm_scale"]), rope_dim=int(meta["head_dim_kpe"]), kv_dtype=fx["ckv"].dtype,
         k_scale=float(meta["k_scale"]),
     )
-    state = impl.make_attention_state(config, device)
+    state = make_attention_state(impl, config, device)
     topk, table, req = identity_cache_inputs(fx, max_rows, device)
     ckv, kpe = kv_views(fx, device)
     out, lse = _nan_buffers(max_rows, fx, device)

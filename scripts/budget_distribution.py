@@ -83,7 +83,7 @@ def works_per_row(state, rows: int) -> list[int]:
 def measure(variant: str, cases: int, seed: int, out: Path, start: int = 0) -> int:
     import torch
 
-    from fast.flashinfer_compat import detect_features
+    from backends.flashinfer_compat import detect_features
     from fast.impl import default_impl
     from harness import build_scenario
     from harness.launch import compare_with_references, launch_step, prepared

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from backends.port import make_attention_state
 from fast.impl import FastImpl
 from harness import batch, build_attention_inputs, build_scenario
 from harness.findings import REGIME_C_FINDING
@@ -146,7 +147,7 @@ CASES = [
 
 def run_eager(impl, step, scenario):
     inputs = build_attention_inputs(scenario, DEVICE)
-    state = impl.make_attention_state(attention_config(scenario, step.layout, step.max_rows), DEVICE)
+    state = make_attention_state(impl, attention_config(scenario, step.layout, step.max_rows), DEVICE)
     launch = launch_inputs(impl, scenario, inputs, step.max_rows)
     out, lse = nan_buffers(step.max_rows, scenario.spec.num_heads)
     eager_step(state, launch, step, out, lse)
@@ -163,7 +164,7 @@ def run_graph_replay(impl, case, scenario, step):
     big_step = prepared(impl, big, case.layout, max_rows=static.max_rows)
     step = prepared(impl, scenario, case.layout, max_rows=static.max_rows)
     inputs_big, inputs = build_attention_inputs(big, DEVICE), build_attention_inputs(scenario, DEVICE)
-    state = impl.make_attention_state(attention_config(big, case.layout, static.max_rows), DEVICE)
+    state = make_attention_state(impl, attention_config(big, case.layout, static.max_rows), DEVICE)
     static.load(big, inputs_big)
     state.plan(big_step.num_planned, big_step.planned_lens)
     state.step(*static.args())

@@ -34,6 +34,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from backends.port import make_attention_state
+
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("memcheck", "initcheck")
 DRIVER_HEADS = 16
@@ -179,7 +181,7 @@ def driver(variant: str, device=None) -> dict:
     scenario = build_scenario(config.apply(driver_spec()), DRIVER_SEED)
     step = prepare_step(impl, scenario, "compacted", device=device)
     inputs = build_attention_inputs(scenario, device)
-    state = impl.make_attention_state(launch.attention_config(scenario, "compacted", step.max_rows), device)
+    state = make_attention_state(impl, launch.attention_config(scenario, "compacted", step.max_rows), device)
     steps = launch.launch_inputs(impl, scenario, inputs, step.max_rows)
     out, lse = launch.nan_buffers(step.max_rows, config.num_heads, device)
     state.plan(step.num_planned, step.planned_lens)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fast.sm90 as sm90
+import backends.sm90_state as sm90
 from backends.seam import float_workspaces, poison, split_step_missing
 from harness.bits import bitwise_equal
 from harness.cases import KernelConfig

@@ -39,9 +39,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import backends.flashinfer_compat as compat
+import backends.sm90_state as sm90
 import fast.convert
-import fast.flashinfer_compat as compat
-import fast.sm90 as sm90
 import harness.availability
 from reference.oracle import LOG2_E
 from tests.cpu.test_rerun import ReferenceWrapper

@@ -65,10 +65,7 @@ def rerun_on_installed(request, fx):
         return restage_fixture(fx, request.getfixturevalue("impl"), request.config.stash.get(IMPL_SPEC, None),
                                request.getfixturevalue("device")), why
     impl = request.getfixturevalue("impl")
-    from recording.rerun import is_captured
 
-    if not is_captured(fx) and not callable(getattr(impl, "make_attention_state", None)):
-        return None, "the implementation under test has no attention state (make_attention_state)"
     from harness.launch import DEVICE
     from pytest_sparse_mla.impl import IMPL_SPEC
     from recording.rerun import rerun_fixture
@@ -148,7 +145,7 @@ def replay_sequence(path, request, regime_log) -> None:
     features = None
     how = "its host stages, buffers carried from step to step"
     if sequence.kind == "attention-state" and rerun_unavailable_reason(request.config) is None:
-        from fast import flashinfer_compat
+        from backends import flashinfer_compat
 
         features = flashinfer_compat.detect_features()
         how = "one attention state on the installed FlashInfer"

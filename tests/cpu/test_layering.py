@@ -6,7 +6,9 @@ import each other (reference and fast in particular), and nothing outside tests/
 
 harness/ and recording/ reach a vendor only through the backend seam: they import no vendor
 package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and from backends/ only
-the seam, the registry and the port's public face (:data:`SEAM_MODULES`).
+the seam, the registry and the port's public face (:data:`SEAM_MODULES`). fast/ holds the port's
+host stages: it imports no vendor package (FlashInfer's wrapper and the port's attention state
+are backends/').
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ LAYERS = {
 #: What harness/ and recording/ may import from backends/.
 SEAM_MODULES = ("backends.seam", "backends.registry", "backends.port")
 #: Vendor packages and the project's modules that wrap them.
-VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "fast.flashinfer_compat", "fast.sm90")
+VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "backends.flashinfer_compat", "backends.sm90_state")
 BEHIND_THE_SEAM = ("harness", "recording")
+#: Packages that import no vendor package at all.
+HOST_STAGES = ("fast",)
 SKIPPED_DIRS = {"venv", "build", "dist", "__pycache__", "node_modules", "mutants"}  # mutants: mutmut's work folder
 
 
@@ -167,14 +171,15 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
 
 def vendor_imports(root: Path = ROOT) -> list[str]:
     """One line per import in harness/ or recording/ of a vendor module, or of a backends module
-    other than the seam."""
+    other than the seam; and per import in fast/ of a vendor module."""
     problems = []
     for path in project_modules(root):
-        if top_level_of(path, root) not in BEHIND_THE_SEAM:
+        top = top_level_of(path, root)
+        if top not in BEHIND_THE_SEAM + HOST_STAGES:
             continue
         for line, module in sorted(imported_modules(path.read_text(), path, root)):
             vendor = any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
-            past_seam = module.startswith("backends") and module not in SEAM_MODULES
+            past_seam = top in BEHIND_THE_SEAM and module.startswith("backends") and module not in SEAM_MODULES
             if vendor or past_seam:
                 problems.append(f"{path.relative_to(root)}:{line}: imports {module} (reach it through backends.seam)")
     return problems
@@ -192,6 +197,13 @@ def test_the_seam_check_sees_a_vendor_import(tmp_path):
     found = vendor_imports(tmp_path)
     assert [p.split(": ")[1] for p in found] == ["imports flashinfer.mla (reach it through backends.seam)",
                                                  "imports backends.vllm_sm90 (reach it through backends.seam)"]
+
+
+def test_the_seam_check_sees_a_vendor_import_in_the_host_stages(tmp_path):
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "fast" / "x.py").write_text("def f():\n    import flashinfer\nimport torch\n")
+    assert [p.split(": ")[1] for p in vendor_imports(tmp_path)] == [
+        "imports flashinfer (reach it through backends.seam)"]
 
 
 def test_no_module_imports_from_a_higher_layer_or_a_peer():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fast.sm90 as sm90
+import backends.sm90_state as sm90
 from backends.registry import open_backend
 from backends.seam import float_workspaces
 from tests import simulated_sm90

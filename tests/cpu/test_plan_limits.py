@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fast.flashinfer_compat import FA3_WORK_CAPACITY
+from backends.flashinfer_compat import FA3_WORK_CAPACITY
 from harness.plan_limits import (
     INT32_ROWS_BOUND,
     PLAN_WIDTH,

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import fast.flashinfer_compat as compat
-import fast.sm90 as sm90
+import backends.flashinfer_compat as compat
+import backends.sm90_state as sm90
 from fast.impl import FastImpl
 from recording.fixture import load_fixture
 from recording.replay import Rerun, agreeing_groups, output_drift, replay
@@ -28,7 +28,7 @@ STRIDED_REFUSAL = "ValueError: CSR metadata page counts in kv_indptr must equal 
 
 
 class ReferenceWrapper:
-    """Stands in for fast.flashinfer_compat.MLAWrapper: plans like FlashInfer under CUDA graphs
+    """Stands in for backends.flashinfer_compat.MLAWrapper: plans like FlashInfer under CUDA graphs
     (the CSR arrays copied into the reserved buffers; kv_indices read at run) and runs the
     low-precision reference."""
 

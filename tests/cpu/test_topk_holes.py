@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import fast.sm90 as sm90
+import backends.sm90_state as sm90
 from backends.registry import open_backend
 from backends.seam import StepOutcome
 from harness.backend_step import executed_length_problems, selection_problems

@@ -13,9 +13,9 @@ from pytest_sparse_mla.keys import WARNING_KEY
 
 @pytest.fixture(scope="session")
 def features():
-    """Features of the installed FlashInfer (fast.flashinfer_compat.Features), its checks
+    """Features of the installed FlashInfer (backends.flashinfer_compat.Features), its checks
     before launch probed on this process's GPU."""
-    from fast.flashinfer_compat import detect_features
+    from backends.flashinfer_compat import detect_features
     from harness.launch import DEVICE
 
     return detect_features(DEVICE)
@@ -41,7 +41,7 @@ def gpu(impl, features, request, regime_log) -> GpuTest:
 @pytest.fixture(autouse=True)
 def flashinfer_warnings(request):
     """Record the warnings FlashInfer raised during the test into its report."""
-    from fast.flashinfer_compat import distinct_warnings, recorded_warnings
+    from backends.flashinfer_compat import distinct_warnings, recorded_warnings
 
     start = len(recorded_warnings())
     yield
@@ -69,8 +69,8 @@ def vllm_pairing(vllm_backend) -> str | None:
     (``backends.vllm_source.incompatibility``)."""
     import flashinfer
 
+    from backends.flashinfer_compat import parse_version
     from backends.vllm_source import incompatibility
-    from fast.flashinfer_compat import parse_version
 
     return incompatibility(vllm_backend.design, parse_version(flashinfer.__version__))
 

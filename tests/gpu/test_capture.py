@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backends.port import make_attention_state
 from harness import AttentionInputs, batch, build_attention_inputs, build_scenario
 from harness.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
 from recording.capture import capture_mla
@@ -22,7 +23,7 @@ def program(impl, layout: str, regime_log) -> list[torch.Tensor]:
              batch((2050, 1), (9, 1), topk=256, kpool=4, num_heads=16, block_size=16),
              batch((5000, 4), (261, 4), topk=256, kpool=4, num_heads=16, block_size=16, decode_threshold=4)]
     scenarios = [build_scenario(s, seed=50 + i) for i, s in enumerate(specs)]
-    state = impl.make_attention_state(attention_config(scenarios[0], layout, max_rows=8), DEVICE)
+    state = make_attention_state(impl, attention_config(scenarios[0], layout, max_rows=8), DEVICE)
     # One KV cache for the whole program, as in an engine (a FlashInfer that checks cache
     # coverage at run, Features.run_checks_cache_coverage, refuses a cache short of the
     # planned slots).

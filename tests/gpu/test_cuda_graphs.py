@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fast.flashinfer_compat import fa3_mla_cluster_size
-from fast.sm90 import PlanDuringCaptureError
+from backends.flashinfer_compat import fa3_mla_cluster_size
+from backends.port import make_attention_state
+from backends.sm90_state import PlanDuringCaptureError
 from harness import build_attention_inputs, build_scenario
 from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import covering_config, graph_replay_sequence
@@ -67,7 +68,7 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
         regime_log.record(step.regimes(), focus=case.focus or None)
         assert_launchable(step, features.version)
     width = scenarios[0].spec.resolved_width
-    state = impl.make_attention_state(attention_config(scenarios[0], layout, static.max_rows), DEVICE)
+    state = make_attention_state(impl, attention_config(scenarios[0], layout, static.max_rows), DEVICE)
 
     first = steps[0]
     if plan_or_refusal(features, state, first, regime_log) is not None:

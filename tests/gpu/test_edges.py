@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from backends.port import make_attention_state
 from fast.layouts import LAYOUTS
 from harness import batch, build_attention_inputs, build_scenario
 from harness.case_log import note_sequence, note_sequence_step
@@ -378,7 +379,7 @@ def test_previous_steps_slots_change_nothing(gpu, layout, kind, config):
     assert steps[1].num_planned == steps[0].num_planned > steps[2].num_planned, "test setup: as many rows, then fewer"
     # Plans are kept where rows and lens repeat (AttentionConfig.reuse_plan), as an engine may.
     base = attention_config(scenarios[0], layout, max_rows)
-    reused = impl.make_attention_state(dataclasses.replace(base, reuse_plan=True), DEVICE)
+    reused = make_attention_state(impl, dataclasses.replace(base, reuse_plan=True), DEVICE)
     note_sequence("attention-state", layout, max_rows, reuse_plan=True)
 
     for index, (case, scenario, step) in enumerate(zip(cases, scenarios, steps, strict=True)):

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from fast.flashinfer_compat import (
+from backends.flashinfer_compat import (
     CANONICAL_MIN_VERSION,
     RELEASES_READ,
     Behaviour,
@@ -27,6 +27,7 @@ from fast.flashinfer_compat import (
     recorded_warnings,
     unsupported_reason,
 )
+from backends.port import make_attention_state
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import covering_config
 from harness.full_width_strided import outcome_problem
@@ -67,7 +68,7 @@ def launch_compacted(impl, scenario, regime_log=None, **state_kwargs):
     assert_launchable(step, "n/a")
     inputs = build_attention_inputs(scenario, DEVICE)
     rows = step.max_rows
-    state = impl.make_attention_state(attention_config(scenario, "compacted", rows), DEVICE, **state_kwargs)
+    state = make_attention_state(impl, attention_config(scenario, "compacted", rows), DEVICE, **state_kwargs)
     launch = launch_inputs(impl, scenario, inputs, rows)
     out, lse = nan_buffers(rows, scenario.spec.num_heads)
     eager_step(state, launch, step, out, lse)
@@ -102,7 +103,7 @@ def test_lse_base_returned_and_normalised(impl, features, request, regime_log, c
     """Raw FlashInfer LSE is base 2 (lse_e * log2 e); the layer's LSE is natural log."""
     scenario = small_scenario(config_index, seed=31)
     step, inputs, state, launch, out, lse = launch_compacted(impl, scenario, regime_log)
-    raw = impl.make_attention_state(attention_config(scenario, "compacted", step.max_rows), DEVICE, lse_base_e=False)
+    raw = make_attention_state(impl, attention_config(scenario, "compacted", step.max_rows), DEVICE, lse_base_e=False)
     out2, lse2 = nan_buffers(step.max_rows, scenario.spec.num_heads)
     eager_step(raw, launch, step, out2, lse2)
     sync()
@@ -144,7 +145,7 @@ def test_fp8_cache_in_uint8_storage_is_planned_as_e4m3(impl, features, request, 
     step, inputs, state, launch, out, lse = launch_compacted(impl, scenario, regime_log)
     raw = dataclasses.replace(inputs, kv_cache=inputs.kv_cache.view(torch.uint8))
     config = dataclasses.replace(attention_config(scenario, "compacted", step.max_rows), kv_dtype=torch.uint8)
-    state2 = impl.make_attention_state(config, DEVICE)
+    state2 = make_attention_state(impl, config, DEVICE)
     launch2 = dataclasses.replace(launch, inputs=raw)
     out2, lse2 = nan_buffers(step.max_rows, scenario.spec.num_heads)
     eager_step(state2, launch2, step, out2, lse2)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 
+from backends.port import make_attention_state
 from harness import build_attention_inputs
 from harness.case_log import note_sequence_step
 from harness.cases import case_scenario, input_space_cases
@@ -63,7 +64,7 @@ def run_on_gpu(impl, features, scenario, layout, log, state=None, max_rows=None,
         return state
     assert_launchable(step, features.version)
     if state is None:
-        state = impl.make_attention_state(attention_config(scenario, layout, max_rows), DEVICE)
+        state = make_attention_state(impl, attention_config(scenario, layout, max_rows), DEVICE)
     if plan_or_refusal(features, state, step, log) is not None:
         return state
     inputs = build_attention_inputs(scenario, DEVICE)

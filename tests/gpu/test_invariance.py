@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from fast.sm90 import AttentionConfig
+from backends.port import make_attention_state
+from backends.sm90_state import AttentionConfig
 from harness.cases import VARIANTS, KernelConfig
 from harness.invariance import (
     FILLERS,
@@ -83,7 +84,7 @@ def test_row_output_against_the_batch_it_is_planned_in(impl, features, record_pr
     batches = {p: build_batch(*placement_rows(target, p, topk=topk), config, SEED, max_rows, DEVICE, topk)
                for p in PLACEMENTS}
     cache = pool_cache(list(batches.values()), config, SEED, DEVICE)
-    state = impl.make_attention_state(AttentionConfig(
+    state = make_attention_state(impl, AttentionConfig(
         num_heads=config.num_heads, max_rows=max_rows, width=topk, layout="compacted", block_size=1,
         sm_scale=config.sm_scale, rope_dim=config.rope_dim, kv_dtype=config.torch_kv_dtype,
         k_scale=config.k_scale), DEVICE)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from fast.flashinfer_compat import FA3_WORK_CAPACITY
+from backends.flashinfer_compat import FA3_WORK_CAPACITY
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
 from harness.plan_limits import (
     BAD_ROWS_OUTCOMES,

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from backends.port import make_attention_state
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import covering_config
 from harness.launch import (
@@ -67,8 +68,8 @@ def test_kept_plan_equals_a_fresh_plan(impl, features, request, regime_log, mode
     assert torch.equal(steps[0].planned_lens, steps[1].planned_lens), "test setup: the same lens twice"
     assert not torch.equal(steps[0].planned_lens[:3], steps[2].planned_lens), "test setup: other lens"
     base = attention_config(scenarios[0], layout, static.max_rows)
-    kept = impl.make_attention_state(dataclasses.replace(base, reuse_plan=True), DEVICE)
-    fresh = impl.make_attention_state(base, DEVICE)
+    kept = make_attention_state(impl, dataclasses.replace(base, reuse_plan=True), DEVICE)
+    fresh = make_attention_state(impl, base, DEVICE)
     inputs = [build_attention_inputs(s, DEVICE) for s in scenarios]
 
     order = list(range(len(scenarios)))

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fast.layouts import check_layout, indices_capacity
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
 from .flashinfer_compat import MLA_KERNELS, Features, MLAWrapper, planning_kv_dtype
 from .flashinfer_compat import WORKSPACE_BYTES as WORKSPACE_BYTES  # re-exported: the state allocates it
-from .layouts import check_layout, indices_capacity
 
 
 @dataclass(frozen=True)
