@@ -15,10 +15,12 @@ bf16 for the prefill kernel.
 What this module adds, and why:
 
 - the engine around one layer: the configuration objects vLLM's constructors read
-  (:func:`vllm_config`), the step's common metadata (``backends.vllm_sm90.common_metadata``),
-  the shared top-k buffer, and the MLA layer's routing: ``forward_mqa`` gets the step's actual
-  tokens, or its decode tokens where the builder routes the prefills to dense MHA and the impl
-  allows it (vLLM's ``MLAAttention.forward_impl``, not loaded: it needs the model's weights);
+  (:func:`vllm_config`), the step's common metadata (``backends.vllm_sm90.common_metadata``: the
+  host's query split on the host, the device's on the device, where adaptive verification
+  makes them differ), the shared top-k buffer, and the MLA layer's routing: ``forward_mqa``
+  gets the step's actual tokens, or its decode tokens where the builder routes the prefills to
+  dense MHA and the impl allows it (vLLM's ``MLAAttention.forward_impl``, not loaded: it needs
+  the model's weights);
 - the fp8 cache in FlashMLA's layout: the project's fp8 cache (one per-tensor ``k_scale``)
   packed losslessly by ``reference.flashmla_layout.pack``, where the engine's cache writer
   (vLLM's ``concat_and_cache_mla``, in its ``_C`` library) would have quantised bf16 tokens;

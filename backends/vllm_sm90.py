@@ -61,8 +61,8 @@ class StepCommonMetadata:
 
     num_reqs: int
     num_actual_tokens: int
-    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device
-    query_start_loc_cpu: torch.Tensor
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device: the split the step runs
+    query_start_loc_cpu: torch.Tensor  # the host's split (a placeholder under adaptive verification)
     seq_lens: torch.Tensor  # int32 [num_reqs], device
     seq_lens_cpu_upper_bound: torch.Tensor | None
     positions: torch.Tensor | None  # int64, device
@@ -86,14 +86,22 @@ def engine_block_table(block_table: torch.Tensor, device) -> torch.Tensor:
     return buffer
 
 
+def device_split(meta) -> torch.Tensor:
+    """The query split the step runs on the device: the metadata's ``query_start_loc`` where it
+    carries one that differs from the host's (adaptive verification), else ``query_start_loc_cpu``."""
+    split = getattr(meta, "query_start_loc", None)
+    return meta.query_start_loc_cpu if split is None else split
+
+
 def common_metadata(meta, block_table: torch.Tensor, rows_with_padding: int, device) -> StepCommonMetadata:
     """The step's common metadata on ``device`` from the project's step metadata (the fields
-    of ``harness.spec.StepMetadata``)."""
+    of ``harness.spec.StepMetadata``): the host's query split on the host, the device's on the
+    device."""
     qsl = meta.query_start_loc_cpu.to(torch.int32)
     return StepCommonMetadata(
         num_reqs=meta.num_reqs,
         num_actual_tokens=meta.num_actual_tokens,
-        query_start_loc=qsl.to(device),
+        query_start_loc=device_split(meta).to(torch.int32).to(device),
         query_start_loc_cpu=qsl,
         seq_lens=meta.seq_lens.to(torch.int32).to(device),
         seq_lens_cpu_upper_bound=meta.seq_lens_cpu_upper_bound,

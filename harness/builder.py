@@ -195,3 +195,58 @@ def with_rejected_drafts(scenario: Scenario, slack: int) -> Scenario:
     upper = meta.seq_lens_cpu_upper_bound.clone()
     upper[single_token_decodes(spec)] += slack
     return dataclasses.replace(scenario, meta=dataclasses.replace(meta, seq_lens_cpu_upper_bound=upper))
+
+
+def even_host_split(spec: BatchSpec, verifying: int) -> list[int]:
+    """The host's placeholder query split under adaptive verification for a step whose device split
+    is ``spec``'s own: the first ``verifying`` requests (the verification requests, which vLLM's
+    runner keeps first) each keep their one non-draft token and share the step's draft budget (their
+    device drafts together) evenly, the first ones one more; every other request keeps its query
+    length (docs/input-space.md#a-device-query-split-that-differs-from-the-hosts)."""
+    q_lens = [r.q_len for r in spec.requests]
+    if not 1 <= verifying <= leading_decodes(spec) or 0 in q_lens[:verifying]:
+        raise ValueError(f"the {verifying} verification requests must be decodes with a query row each: "
+                         f"{spec.requests}")
+    budget = sum(q_lens[:verifying]) - verifying
+    shares = [1 + budget // verifying + (i < budget % verifying) for i in range(verifying)]
+    return shares + q_lens[verifying:]
+
+
+def host_split_problem(spec: BatchSpec, host_q_lens) -> str | None:
+    """Why ``host_q_lens`` is not a host split vLLM's runner makes beside ``spec``'s device split,
+    or None: as many requests and rows; adaptive verification moves draft rows between decode
+    requests only (a request without query rows and every prefill keep theirs), and a decode holds
+    at most ``decode_threshold`` rows on either split."""
+    device = [r.q_len for r in spec.requests]
+    host = [int(q) for q in host_q_lens]
+    decodes = leading_decodes(spec)
+    if len(host) != len(device) or sum(host) != sum(device):
+        return f"the host split {host} must hold the {len(device)} requests and {sum(device)} rows of {device}"
+    if spec.full_graph:
+        return "a FULL graph step's uniform decode batch has one split"
+    moved = [i for i, (h, d) in enumerate(zip(host, device, strict=True))
+             if h != d and (i >= decodes or d == 0 or not 1 <= h <= spec.decode_threshold)]
+    if moved:
+        return (f"requests {moved}: only decode rows move between the splits, each decode 1 to "
+                f"{spec.decode_threshold} rows (host {host}, device {device})")
+    return None
+
+
+def with_host_query_split(scenario: Scenario, host_q_lens) -> Scenario:
+    """The scenario as vLLM's runner hands it to attention under adaptive verification: the host
+    holds a placeholder query split (``query_start_loc_cpu`` from ``host_q_lens``, e.g.
+    :func:`even_host_split`), the device the split the step runs (``query_start_loc``: the spec's
+    own), which decides each row's request, and with it its context, its indexer row, its position
+    and its intended selection, as the scenario built them. The host bound stays each request's
+    (at least its seq_len on the device), so every row's context is below the largest. A scenario
+    whose two splits agree is returned as it is."""
+    spec, meta = scenario.spec, scenario.meta
+    problem = host_split_problem(spec, host_q_lens)
+    if problem:
+        raise ValueError(problem)
+    if [int(q) for q in host_q_lens] == [r.q_len for r in spec.requests]:
+        return scenario
+    host = torch.zeros(len(spec.requests) + 1, dtype=torch.int32)
+    host[1:] = torch.cumsum(torch.tensor([int(q) for q in host_q_lens], dtype=torch.int32), 0)
+    meta = dataclasses.replace(meta, query_start_loc_cpu=host, query_start_loc=meta.query_start_loc_cpu)
+    return dataclasses.replace(scenario, meta=meta)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mla_constants import DEEPSEEK_V32_SM_SCALE, GLM_NOPE_SM_SCALE, KERNEL_VARIANTS, TOPK, variant_name
 from reference import classify_row
 
-from .builder import build_scenario, plan_rows
+from .builder import build_scenario, even_host_split, plan_rows
 from .input_space import covering_cases
 from .scenario import BatchSpec, batch
 from .spec import KernelVariantDims, Scenario
@@ -381,3 +381,20 @@ def longest_request_cases(kpool: int = 4) -> list[Case]:
     config = KernelConfig("bfloat16", True, 16)
     return [Case(f"adaptive-longest-{where}-kpool{kpool}", config.apply(batch(*reqs, kpool=kpool, decode_threshold=4)))
             for where, reqs in orders.items()]
+
+
+def device_split_cases() -> list[tuple[Case, list[int]]]:
+    """``(case, the host's query split)``: spec-decode steps (decode threshold 4) under adaptive
+    verification whose device split (the spec's own) differs from the host's placeholder split
+    (:func:`harness.builder.even_host_split`: the draft budget dealt evenly over the verification
+    requests), so rows the host counts to a short request run for a long one on the device: the
+    longest request past topk gaining rows from a short one before it (kpool 4, bf16 with rope),
+    and a request at topk / 2 gaining a row from a short one after it, beside a longer decode and a
+    sparse prefill whose rows stay where they are (kpool 1, bf16 NoPE)."""
+    threshold = dict(decode_threshold=4)
+    gains = KernelConfig("bfloat16", True, 16).apply(
+        batch((40, 1), (TOPK + 9, 4), (TOPK // 2, 3), kpool=4, **threshold))
+    beside_prefill = KernelConfig("bfloat16", False, 32).apply(
+        batch((TOPK // 2, 4), (30, 1), (TOPK + 50, 2), (TOPK + 300, 16), kpool=1, **threshold))
+    return [(Case("device-split-longest-gains-rows-kpool4", gains), even_host_split(gains, 3)),
+            (Case("device-split-beside-prefill-kpool1", beside_prefill), even_host_split(beside_prefill, 3))]

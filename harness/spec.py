@@ -195,6 +195,17 @@ class StepMetadata:
     num_decode_tokens: int
     num_prefills: int
     num_actual_tokens: int  # the query rows; under a FULL CUDA graph the padded rows too
+    # int32 [num_reqs + 1]: the device's query split where it differs from the host's (adaptive
+    # verification: the host holds a placeholder split, the device the one the step runs); None
+    # where the device holds the host's
+    query_start_loc: torch.Tensor | None = None
+
+
+def device_query_start_loc(meta) -> torch.Tensor:
+    """The query split the step runs on the device: ``meta.query_start_loc`` where the metadata
+    carries one, else the host's ``query_start_loc_cpu``."""
+    device = getattr(meta, "query_start_loc", None)
+    return meta.query_start_loc_cpu if device is None else device
 
 
 @dataclass
@@ -230,7 +241,8 @@ class Scenario:
         return self.meta.num_decode_tokens if self.prefills_to_mha else self.num_rows
 
     def request_ids(self) -> torch.Tensor:
-        return request_ids_per_row(self.meta.query_start_loc_cpu, self.topk_indices.shape[0])
+        """The request of every row (padding rows: 0) under the split the step runs on the device."""
+        return request_ids_per_row(device_query_start_loc(self.meta), self.topk_indices.shape[0])
 
     def intended_slots(self) -> torch.Tensor:
         """The convert rule applied to the indexer rows: ``[rows incl. padding, width]``."""

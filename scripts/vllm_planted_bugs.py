@@ -7,7 +7,9 @@ Each bug is one line of vLLM 0.33.0's ``flashinfer_mla_sparse_sm90.py`` changed:
 - ``kept-plan``: the kept-plan condition keeps a plan while the bounds have outgrown it by up to
   40 tokens (only a sequence shows it: a plan is kept from one step to the next);
 - ``clamp``: the device clamp cuts rows past topk one token short;
-- ``host-lengths``: the host bounds are 64 tokens low.
+- ``host-lengths``: the host bounds are 64 tokens low;
+- ``host-split-bound`` (:data:`HOST_SPLIT_BOUND`, not a journey's): under adaptive verification each
+  row is bounded by its request under the host's query split, not by the longest request.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ BUGS = (
                "return num_rows, torch.clamp(ctx - 64, min=1, max=state.max_valid), False"),
 )
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
+#: Under adaptive verification, each row bounded by its request under the host's query split (the
+#: path without adaptive verification) where 0.31.0 to 0.34.0 bound every row by the longest
+#: request. Right wherever the device runs the host's split; caught only by a step whose device
+#: split differs (``harness.cases.device_split_cases``, ``tests/cpu/test_query_split.py``). Not one of
+#: :data:`BUGS`: a written case holds no host split, so its journey has no case to replay.
+HOST_SPLIT_BOUND = PlantedBug("host-split-bound", "ctx = torch.full((num_rows,), int(sl_host[:num_reqs].max()))",
+                              "ctx = self._row_contexts(qsl, sl_host[:num_reqs])")
 
 
 def planted_copy(source_root: Path, to: Path, bug: PlantedBug) -> Path | None:
