@@ -176,10 +176,23 @@ def replay_backend_case(path, request, record: dict) -> None:
     device = request.getfixturevalue("device")
     lines = [f"case {path}: {record['kind']} of {len(record['steps'])} steps on {record['backend']['name']} "
              f"({record.get('nodeid', 'no test id')})", *identity_lines(record, backend),
-             f"  replay: {replay_command(path, **run_options(request.config))}"]
+             f"  replay: {replay_command(path, **run_options(request.config))}",
+             *standalone_lines(path, record, request.config)]
     request.node.user_properties.append((REPLAY_KEY, "\n".join(lines)))
     twin = port_twin(device) if record.get("twin") else None
     run_sequence(StepJudge(request), backend, steps_of(record), device, with_inputs=record["with_inputs"],
                  twin=twin, compare=record["compare"], kind=record["kind"],
                  adaptive_verification=record.get("adaptive_verification", False),
                  rejected_drafts=record.get("rejected_drafts", 0), kv_block_stride=record.get("kv_block_stride"))
+
+def standalone_lines(path, record: dict, config) -> list[str]:
+    """For a case of vLLM's SM90 backend, the line with the commands that write its standalone
+    reproducer (``recording.vllm_repro``) and run it on the release this run loaded."""
+    from backends.registry import family_and_release
+    from recording.commands import standalone_command
+
+    backend = record["backend"]
+    if family_and_release(backend["name"])[0] != "vllm" or backend.get("kernel") != "fa3":
+        return []
+    root = getattr(config.stash.get(VLLM_SOURCE, None), "root", None)
+    return [f"  standalone: {standalone_command(path, root)}"]

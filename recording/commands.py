@@ -1,5 +1,6 @@
 """The commands a written case prints and carries: how the project replays it, as the run that
-wrote or replayed it ran (no torch here: the controlling pytest process imports it)."""
+wrote or replayed it ran, and how a vLLM case's standalone reproducer is written and run (no torch
+here: the controlling pytest process imports it)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,18 @@ def replay_command(path, impl_spec: str | None = None, vllm: str | None = None, 
         words.append(f"--vllm={shlex.quote(vllm)}")
     words += [f"--backend={shlex.quote(spec)}" for spec in backends]
     return " ".join(words)
+
+
+def standalone_folder(case_path) -> str:
+    """The folder of a vLLM case's standalone reproducer: ``NAME.standalone`` beside ``NAME.case.json``."""
+    path = str(case_path)
+    return path.removesuffix(".case.json") + ".standalone"
+
+
+def standalone_command(case_path, vllm_root=None) -> str:
+    """The commands that write the standalone reproducer of a vLLM case (``recording.vllm_repro``)
+    and run it on ``vllm_root`` (a folder holding vllm/; VLLM_ROOT where none is known)."""
+    folder = standalone_folder(case_path)
+    root = shlex.quote(str(vllm_root)) if vllm_root else "VLLM_ROOT"
+    return (f"python3 -m recording.vllm_repro {shlex.quote(str(case_path))} --out {shlex.quote(folder)} && "
+            f"python3 {shlex.quote(folder + '/repro.py')} {root}")
