@@ -578,9 +578,11 @@ def judge_step(i: int, count: int, step: dict, layer: Layer, base: torch.Tensor 
         lines += [row_line(step, r, valid, host, planned, executed, max_error(out[r], contract[r]),
                            max_error(out[r], given[r])) for r in sorted(off_rows)]
         return StepVerdict("plan", lines)
+    if n == 0:
+        lines.append("  no row planned")
+        return StepVerdict(None, lines)
     lowp = [working_precision(q[r], flat[handed[r]].cpu(), part_starts(works, r), rank, sm, ks) for r in range(n)]
-    truth = torch.stack(given) if n else torch.zeros(0)
-    failed, numbers = budget_problems(out, truth, torch.stack(lowp) if n else torch.zeros(0))
+    failed, numbers = budget_problems(out, torch.stack(given), torch.stack(lowp))
     if not failed:
         lines.append(f"  every row executes its valid count over its valid slots; out within the budget ({numbers})")
         return StepVerdict(None, lines)
