@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 import time
 
@@ -492,12 +493,26 @@ def pytest_runtest_makereport(item, call):
     report.user_properties.append((DUMP_KEY, {"path": path, "problem": problem, "nothing": nothing, "bytes": size,
                                               "seconds": round(seconds, 2)}))
     if path:
-        _append_to_failure(report, f"failing case written to {path} ({size / 1e3:.0f} KB, written and shrunk in "
-                                   f"{seconds:.1f} s)\nreplay: {replay_command(path, **run_options(item.config))}")
+        _append_to_failure(report, "\n".join([
+            f"failing case written to {path} ({size / 1e3:.0f} KB, written and shrunk in {seconds:.1f} s)",
+            f"replay: {replay_command(path, **run_options(item.config))}",
+            *(line.strip() for line in standalone_lines_of(path, item.config))]))
     elif problem:
         _append_to_failure(report, problem)
     elif nothing:
         _append_to_failure(report, f"nothing written under --dump-failures: {nothing}")
+
+
+def standalone_lines_of(path, config) -> list[str]:
+    """The ``standalone:`` line of a written case of vLLM's SM90 backend (none for any other case)."""
+    from recording.backend_case import is_backend_case
+
+    from .judge import standalone_lines
+
+    if not is_backend_case(path):
+        return []
+    with open(path) as file:
+        return standalone_lines(path, json.load(file), config)
 
 
 def _append_to_failure(report, text: str) -> None:

@@ -23,6 +23,7 @@ import torch
 from harness.judge import backend_identity
 from harness.spec import batch
 from recording.backend_case import write_backend_case
+from recording.commands import standalone_command
 from recording.vllm_repro import ALLOWED_IMPORTS, DATA_NAME, SCRIPT_NAME, write_standalone
 from scripts.vllm_planted_bugs import BUGS_BY_NAME, planted_copy
 from tests import fa3_stand_in
@@ -65,6 +66,8 @@ def test_red_naming_vllms_plan_under_the_bug_and_green_on_the_release(bug, vllm_
                                      SINGLE_STEP, f"--dump-failures={tmp_path / 'dumps'}")
     assert status == 1 and counts.get("failed") == 1, f"the planted {bug} bug failed no test:\n{out[-3000:]}"
     (case,) = sorted((tmp_path / "dumps").glob("*.case.json"))
+    printed = [line for line in out.splitlines() if line.startswith("standalone: ")]
+    assert printed == [f"standalone: {standalone_command(case, bugged)}"], out[-3000:]
     folder = write_standalone(case, tmp_path / "standalone")
     assert sorted(p.name for p in folder.iterdir()) == sorted([SCRIPT_NAME, DATA_NAME])
     torch.load(folder / DATA_NAME, weights_only=True)  # tensors and plain values only
