@@ -3,10 +3,14 @@
 ``port-fa3`` / ``port-fa2``: the seed's logic (vLLM 0.30.0's SM90 backend as ``fast/`` ports
 it: exact host lengths, the dense-MHA routing, the convert kernel, a plan every step) on
 FlashInfer's ``BatchMLAPagedAttentionWrapper`` with ``backend="fa3"`` (what production runs on
-SM90) or ``"fa2"``. A :class:`PortLayer` plans each step's exact lengths with the compacted
-layout (the layout that lays out any selection; the strided and packed layouts are the port's own
-tests' to check) and reads back what the kernel was handed: each planned row's kv_len and the
-kv_indices its span holds.
+SM90) or ``"fa2"``, under one of the three kv_indices layouts (``compacted`` by default: the layout
+that lays out any selection; ``strided`` and ``packed`` plan regime C rows as a prefix,
+docs/findings.md#regime-c-planned-as-a-prefix). A :class:`PortLayer` plans each step's exact
+lengths, rehearses its host stages' convert and layout before launch (:func:`lay_out`, the
+``laid_out`` of the plan-only outcome), runs convert, layout and kernel on its attention state, and
+reads back what the kernel was handed: each planned row's kv_len, the kv_indices its span holds,
+and what the state's buffers hold against the rehearsal (:func:`state_problems`). The port
+promises bitwise repeatability within one plan (``rerun``).
 
 The rest of this module is what harness/ and recording/ need to know about FlashInfer through
 this seam (the port's state and wrapper, its configuration, the refusal texts and capacities
@@ -15,20 +19,23 @@ that were measured, where its JIT cache lives), so that they import no vendor mo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from fast.impl import FastImpl, default_impl
+from fast.layouts import check_layout
 from fast.layouts import indices_capacity as indices_capacity
 from mla_constants import KV_LORA_RANK
 
 from . import fa3_schedule
+from . import flashinfer_compat as compat
 from . import sm90_state as sm90
 from .flashinfer_compat import FA3_WORK_CAPACITY, MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
 from .flashinfer_compat import parse_version as parse_version
 from .flashinfer_compat import signature_features as signature_features
-from .seam import LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
+from .seam import LaidOut, LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
 from .sm90_state import AttentionConfig as AttentionConfig
 
 #: Work items FA3's scheduler holds per plan (rows at page size 1; measured, docs/findings.md).
@@ -41,6 +48,17 @@ KERNELS = MLA_KERNELS
 #: ``customize_spec``), so the engine never hands that code a strided cache view.
 READS_CONTIGUOUS_BLOCKS = ("the port of vLLM 0.30.0's SM90 backend reads contiguous blocks (0.30.0 declares the "
                            "LBHNC layout alone): the engine never hands it a cache whose blocks lie apart")
+
+
+#: What a plan accepted where the page-count refusal was expected says (the step fails before launch).
+REFUSAL_EXPECTED = ("plan() accepted a strided plan with rows shorter than W, where the probe found that this "
+                    "FlashInfer checks page counts (Features.plan_checks_page_counts)")
+
+
+def plan_refused(features, layout: str, planned: torch.Tensor, width: int) -> bool:
+    """A FlashInfer whose plan() checks page counts (probed: ``features.plan_checks_page_counts``)
+    refuses a strided plan whose planned rows are not all ``width`` long, with :data:`PLAN_REFUSAL`."""
+    return layout == "strided" and bool(features.plan_checks_page_counts) and bool((planned != width).any())
 
 
 def kernel_parts(state, num_rows: int, width: int) -> torch.Tensor | None:
@@ -124,18 +142,21 @@ class PortBackend:
 
     returns_lse = True
 
-    def __init__(self, kernel: str = "fa3", impl=None, layout: str = "compacted"):
+    def __init__(self, kernel: str = "fa3", impl=None, layout: str = "compacted", *, reuse_plan: bool = False):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        check_layout(layout)
         self.kernel = kernel
         self.name = f"port-{kernel}"
         self.impl = impl if impl is not None else default_impl()
         self.layout = layout
+        self.reuse_plan = reuse_plan  # the state keeps its last plan where rows and lengths repeat
 
     def describe(self) -> str:
         version = installed_flashinfer_version() or "not importable"
+        kept = ", plans kept where rows and lengths repeat" if self.reuse_plan else ""
         return (f"the project's port of the seed (vLLM 0.30.0's logic), {host_stages(self.impl)}, {self.layout} "
-                f"layout, FlashInfer {version} backend={self.kernel}")
+                f"layout{kept}, FlashInfer {version} backend={self.kernel}")
 
     def unsupported(self, config: LayerConfig) -> str | None:
         """A cache whose blocks lie apart (what FlashInfer refuses is probed at plan:
@@ -152,15 +173,66 @@ def host_stages(impl) -> str:
     return "its own host stages" if kind is FastImpl else f"host stages of {kind.__module__}.{kind.__qualname__}"
 
 
+def lay_out(impl, layout: str, step: StepInput, planned: torch.Tensor, *, block_size: int, max_rows: int,
+            width: int, device) -> LaidOut:
+    """The host stages' convert, kv_indptr and kv_indices layout of ``step`` for the ``planned``
+    lengths, in buffers of their own: what the layer's device part is to hand the kernel, known
+    before it runs."""
+    rows = step.topk_indices.shape[0]
+    req = impl.request_ids(step.meta.query_start_loc_cpu.to(device), rows)
+    slots, counts = impl.convert(step.topk_indices.to(device), step.block_table.to(device), req, block_size,
+                                 with_counts=True)
+    indptr = impl.kv_indptr(layout, planned, max_rows, width)
+    lens = torch.zeros(rows, dtype=torch.int32)
+    lens[: planned.numel()] = planned[:rows]
+    kv_indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=device)
+    impl.write_kv_indices(layout, slots, lens.to(device), indptr[: rows + 1].to(device), kv_indices)
+    return LaidOut(layout, max_rows, width, slots, counts, indptr, kv_indices)
+
+
+def state_problems(state, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, planned: torch.Tensor) -> list[str]:
+    """What the state hands the kernel against what was laid out (``kv_indptr``, ``kv_indices``)
+    for the ``planned`` lengths: kv_indptr, kv_len on the host and the device, no stale length
+    past the planned rows, kv_indices."""
+    n = planned.numel()
+    problems = []
+    indptr = state.planned_kv_indptr
+    if not torch.equal(indptr[: n + 1], kv_indptr[: n + 1]):
+        problems.append(f"kv_indptr differs: state {indptr[: n + 1].tolist()[:8]} vs laid out "
+                        f"{kv_indptr[: n + 1].tolist()[:8]}")
+    if not torch.equal(state.planned_kv_len[:n], planned.to(torch.int32)):
+        problems.append("kv_len differs from the planned lens")
+    if bool((state.planned_kv_len[n:] != 0).any()):
+        problems.append(f"stale kv_len past row {n}: {state.planned_kv_len[n:].nonzero().flatten()[:8].tolist()}")
+    if bool((state.kv_len[n:] != 0).any()):
+        problems.append("stale device kv_len past the planned rows")
+    end = int(kv_indptr[n])
+    mine, theirs = state.kv_indices[:end].cpu(), kv_indices[:end].cpu()
+    if not torch.equal(mine, theirs):
+        at = int((mine != theirs).nonzero()[0])
+        problems.append(f"kv_indices differ first at entry {at}: state {int(mine[at])} vs laid out {int(theirs[at])}")
+    return problems
+
+
+def rows_written_past(out: torch.Tensor, rows: int) -> list[str]:
+    """Rows of ``out`` past the first ``rows`` that the kernel wrote (they were filled with NaN)."""
+    if bool(torch.isnan(out[rows:].float()).all()):
+        return []
+    return [f"the kernel wrote rows past the {rows} planned rows"]
+
+
 class PortLayer:
-    """One SM90 attention state; each step plans the port's exact lengths, then convert, layout
-    and run."""
+    """One SM90 attention state; each step plans the port's exact lengths, rehearses its layout,
+    then convert, layout and run."""
 
     def __init__(self, backend: PortBackend, config: LayerConfig, device: torch.device):
         self.backend, self.config, self.device = backend, config, device
         self.impl = backend.impl
-        self.state = make_attention_state(self.impl, attention_config(config, kernel=backend.kernel,
-                                                                      layout=backend.layout), device)
+        self.layout = backend.layout
+        state_config = attention_config(config, kernel=backend.kernel, layout=backend.layout)
+        if backend.reuse_plan:
+            state_config = dataclasses.replace(state_config, reuse_plan=True)
+        self.state = make_attention_state(self.impl, state_config, device)
         rows = max(config.max_tokens, 1)
         self.topk = torch.full((rows, config.width), -1, dtype=torch.int32, device=device)
 
@@ -172,21 +244,44 @@ class PortLayer:
         return planned_then_run(self, step)
 
     def plan_step(self, step: StepInput) -> StepOutcome:
-        """The host lengths and the plan; with queries, the step's inputs staged in the layer's
-        buffers (the top-k rows, block table, request ids, padded queries, NaN output)."""
+        """The host lengths, the rehearsed layout (``laid_out``) and the plan, or the plan's
+        refusal where the installed FlashInfer is expected to refuse it (:func:`plan_refused`; a
+        plan accepted there is a schedule problem); with queries and a plan, the step's inputs
+        staged in the layer's buffers (the top-k rows, block table, request ids, padded queries,
+        NaN output)."""
         cfg, impl, state = self.config, self.impl, self.state
         meta = step.meta
         host = impl.kv_lens(meta, topk=cfg.topk, kpool=cfg.kpool, async_scheduling=cfg.async_scheduling)
         planned = impl.planned_lens(meta, host, topk=cfg.topk).to(torch.int32)
         n = int(planned.numel())
-        state.plan(n, planned)
+        laid = lay_out(impl, self.layout, step, planned, block_size=cfg.block_size, max_rows=state.config.max_rows,
+                       width=cfg.width, device=self.device)
         outcome = StepOutcome(
             backend=self.backend.name, planned_rows=n, host_lengths=host.to(torch.int64), host_exact=True,
-            planned_lengths=planned.to(torch.int64), plans=state.plans,
+            planned_lengths=planned.to(torch.int64), laid_out=laid,
         )
-        if step.runs_kernel:
+        expected = self.refusal_expected(planned)
+        try:
+            state.plan(n, planned)
+        except ValueError as exc:
+            if not expected or PLAN_REFUSAL not in str(exc):
+                raise
+            outcome.refusal = f"ValueError at plan: {exc}"[:300]
+        else:
+            if expected:
+                outcome.schedule_problems.append(REFUSAL_EXPECTED)
+        outcome.plans = state.plans
+        if step.runs_kernel and outcome.refusal is None:
             self._stage(step)
         return outcome
+
+    def refusal_expected(self, planned: torch.Tensor) -> bool:
+        """Whether the installed FlashInfer is to refuse this plan (its probe asked only for a
+        strided plan with a row shorter than W)."""
+        width = self.config.width
+        if self.layout != "strided" or not bool((planned != width).any()):
+            return False
+        return plan_refused(compat.detect_features(self.device), self.layout, planned, width)
 
     def _stage(self, step: StepInput) -> None:
         rows = step.topk_indices.shape[0]
@@ -207,15 +302,53 @@ class PortLayer:
         self.state.step(*self.staged, self.out, self.lse)
 
     def finish(self, step: StepInput, outcome: StepOutcome) -> StepOutcome:
-        """The output, LSE and the kernel's lengths, slots and works of the planned rows."""
+        """The output, LSE and the kernel's lengths, slots and works of the planned rows, what the
+        state handed the kernel against the rehearsed layout (:func:`state_problems`) and rows
+        written past the planned ones (:func:`rows_written_past`)."""
         state, n = self.state, outcome.planned_rows
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         lengths = state.kv_len[:n].to("cpu", torch.int64)
         outcome.out, outcome.lse = self.out[:n], self.lse[:n]
         outcome.executed_lengths = lengths
         outcome.executed_slots = spans_selection(state.kv_indptr[: n + 1].to("cpu", torch.int64), lengths,
                                                 state.kv_indices.to("cpu", torch.int64))
         outcome.executed_parts = kernel_parts(state, n, outcome.executed_slots[0].shape[1])
+        laid = outcome.laid_out
+        outcome.schedule_problems += (state_problems(state, laid.kv_indptr, laid.kv_indices, outcome.planned_lengths)
+                                      + rows_written_past(self.out, n))
         return outcome
+
+    def rerun(self, step: StepInput, outcome: StepOutcome) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's device part once more on the plan in force, into fresh NaN-filled buffers:
+        the planned rows' ``(out, lse)``."""
+        out, lse = torch.full_like(self.out, float("nan")), torch.full_like(self.lse, float("nan"))
+        self.state.step(*self.staged, out, lse)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        n = outcome.planned_rows
+        return out[:n], lse[:n]
+
+    def attend_again(self, outcome: StepOutcome) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel alone once more on the staged inputs and on what the state's buffers hold
+        now (no plan, no convert, no layout), into fresh NaN-filled buffers: the planned rows'
+        ``(out, lse)``."""
+        out, lse = torch.full_like(self.out, float("nan")), torch.full_like(self.lse, float("nan"))
+        _, _, _, q_nope, q_pe, ckv, kpe = self.staged
+        self.state.attend(q_nope, q_pe, ckv, kpe, out, lse)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        n = outcome.planned_rows
+        return out[:n], lse[:n]
+
+    def timing_parts(self, step: StepInput, outcome: StepOutcome):
+        """The kernel alone on the staged inputs, into scratch buffers (device), and the plan alone (host)."""
+        state = self.state
+        out, lse = torch.full_like(self.out, float("nan")), torch.full_like(self.lse, float("nan"))
+        _, _, _, q_nope, q_pe, ckv, kpe = self.staged
+        planned = outcome.planned_lengths.to(torch.int32)
+        return (lambda: state.attend(q_nope, q_pe, ckv, kpe, out, lse),
+                lambda: state.plan(outcome.planned_rows, planned))
 
 
 def _block_table_buffer(block_table: torch.Tensor, device) -> torch.Tensor:

@@ -90,11 +90,28 @@ class StepInput:
 
 
 @dataclass
+class LaidOut:
+    """What a layer's host stages hand the kernel for a step, rehearsed before the kernel runs
+    (convert, kv_indptr and the kv_indices layout of the plan in force): the planned row ``r``
+    reads ``kv_indices[kv_indptr[r] : kv_indptr[r] + planned length]``."""
+
+    layout: str  # strided | packed | compacted
+    max_rows: int  # rows the layer's buffers hold
+    width: int  # the top-k buffer's width
+    slots: torch.Tensor  # int32 [rows incl. padding, width]: the converted top-k rows (-1 invalid)
+    counts: torch.Tensor  # [rows incl. padding]: their valid counts, as convert gives them
+    kv_indptr: torch.Tensor  # host int32 [max_rows + 1]
+    kv_indices: torch.Tensor  # int32 [capacity]
+
+
+@dataclass
 class StepOutcome:
     """What one step did. Tensors are host tensors except ``out``/``lse`` (the layer's device).
     ``executed_lengths`` / ``executed_slots``: what the kernel reads per planned row, read back
     from where the kernel reads it (None where the backend cannot show it); ``schedule_problems``:
-    what the read-back found malformed (work items past a row, stray rows)."""
+    what the read-back found malformed (work items past a row, stray rows, buffers that hold other
+    than what was laid out, rows written past the planned ones); ``refusal``: the plan refused as
+    the release is expected to; ``laid_out``: what the host stages laid out, before launch."""
 
     backend: str
     planned_rows: int
@@ -109,7 +126,13 @@ class StepOutcome:
     host_exact: bool = True  # False: the host lengths are upper bounds
     planned_lengths: torch.Tensor | None = None  # int64 [planned rows], the plan in force
     schedule_problems: list[str] = field(default_factory=list)
-    refusal: str | None = None  # why the kernel refused the step, as it is expected to (nothing ran)
+    # why the kernel refused the step at its plan, as the installed release is expected to: the
+    # step ends there (nothing launched)
+    refusal: str | None = None
+    # what the layer's host stages laid out for the kernel, known before it launches (None where
+    # the layer cannot show it): the step's planned selection (b) and its invariants are judged on
+    # it before the kernel runs
+    laid_out: LaidOut | None = None
     plans: int = 0  # plans made so far by the layer
     reads_back: bool = False  # executed lengths come from the kernel's own schedule, not from the plan
     # False: the layer has no dense-MHA path for its prefills (FlashMLA's fp8 NoPE cache), so the
@@ -196,7 +219,19 @@ class Layer(Protocol):
       stages the step's inputs in the layer's own device buffers; ``launch`` runs the device part
       only (the forward: convert, layout, kernel), which a CUDA graph can capture and replay, its
       output left in the layer's buffers; ``finish`` reads the output and what the kernel executed
-      back into the outcome. ``finish(s, launch(s, plan_step(s)))`` is ``step(s)``;
+      back into the outcome. ``finish(s, launch(s, plan_step(s)))`` is ``step(s)``, except where
+      ``plan_step`` gives an outcome with a ``refusal`` (the release refused the plan, as it is
+      expected to): the step ends there. The judge runs a layer whose class has this split in its
+      three parts (:func:`runs_in_parts`): what ``plan_step``'s outcome shows (its ``laid_out``, a
+      plan accepted where a refusal was expected) is judged before anything launches;
+    - ``rerun(step, outcome) -> (out, lse)``: the layer promises bitwise repeatability within one
+      plan: the step's device part run once more on the plan in force (no ``plan_step`` between)
+      into fresh NaN-filled buffers gives the planned rows' output and LSE bit for bit as the
+      first run did; the judge asks it, where the layer's class has it, after ``finish`` and fails
+      a step that differs;
+    - ``timing_parts(step, outcome) -> (kernel, plan)``: two callables of no argument, the kernel
+      alone on the staged inputs (device) and the plan alone (host), each callable again (the
+      upgrade check's timing pass times them);
     - ``capture_unsupported: str``: why the layer's forward cannot be captured in a CUDA graph,
       where it cannot.
     """
@@ -222,12 +257,20 @@ def poison(buffers: list[torch.Tensor]) -> None:
 
 def planned_then_run(layer, step: StepInput) -> StepOutcome:
     """One step of a layer that has the plan/launch/finish split: the plan (and the outcome of
-    a step planned only), then, where the step has queries, the kernel and its read-back."""
+    a step planned only, or whose plan was refused), then, where the step has queries, the kernel
+    and its read-back."""
     outcome = layer.plan_step(step)
-    if not step.runs_kernel:
+    if not step.runs_kernel or outcome.refusal is not None:
         return outcome
     layer.launch(step, outcome)
     return layer.finish(step, outcome)
+
+
+def runs_in_parts(layer) -> bool:
+    """Whether ``layer``'s class has the plan/launch/finish split itself, so that its ``step`` is
+    :func:`planned_then_run` of them and a step can be driven in its parts; a wrapper that hands
+    them on to another layer (``__getattr__``) is run by its own ``step``."""
+    return all(callable(getattr(type(layer), name, None)) for name in ("plan_step", "launch", "finish"))
 
 
 def split_step_missing(layer) -> list[str]:

@@ -20,6 +20,7 @@ context and its lengths when it fails:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -31,6 +32,7 @@ from reference.invariants import intended_selection, same_multisets
 from reference.rules import valid_counts
 
 from .device_inputs import AttentionInputs
+from .pipeline import Step, plan_violations
 from .spec import BatchSpec, Scenario
 
 
@@ -167,13 +169,53 @@ def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: Attenti
                        kernel: str | None = None, rows: list[int] | None = None) -> list[Comparison]:
     """The output of the planned rows (``rows`` of them only, where given) and the LSE where the
     backend returns one, against the float64 oracle over (a), by the budget of ``kernel``."""
-    n = outcome.planned_rows
     truth, lowp = references(outcome, scenario, inputs)
+    return compared_rows(outcome, scenario, truth, lowp, kernel, rows)
+
+
+def compared_rows(outcome: StepOutcome, scenario: Scenario, truth, lowp, kernel: str | None,
+                  rows: list[int] | None = None, suffix: str = "") -> list[Comparison]:
+    """The comparisons of the planned rows (``rows`` of them only, where given, their worst
+    positions numbered as rows of the step) against the references ``truth`` and ``lowp``, each
+    named with ``suffix``."""
+    n = outcome.planned_rows
     pick = slice(0, n) if rows is None else torch.tensor(rows, dtype=torch.int64, device=outcome.out.device)
     out = outcome.out[pick]
     if rows is not None:
         truth, lowp = tuple(t[pick] for t in truth), tuple(t[pick] for t in lowp)
     kv_dtype = scenario.spec.kv_dtype
     if outcome.lse is None:
-        return [compare_to_budget("out", out, truth[0], lowp[0], kv_dtype)]
-    return compare_attention(out, outcome.lse[pick], truth, lowp, kv_dtype, kernel=kernel)
+        comparisons = [compare_to_budget("out" + suffix, out, truth[0], lowp[0], kv_dtype)]
+    else:
+        comparisons = compare_attention(out, outcome.lse[pick], truth, lowp, kv_dtype, kernel=kernel, suffix=suffix)
+    if rows is None or not suffix:
+        return comparisons
+    return [dataclasses.replace(c, worst=[(rows[r], h, e) for r, h, e in c.worst]) for c in comparisons]
+
+
+def offset_groups(scenario: Scenario, rows: int) -> dict[float, list[int]]:
+    """The first ``rows`` rows by their raw score offset (``BatchSpec.score_offsets``), in order of offset."""
+    groups: dict[float, list[int]] = {}
+    for row, offset in enumerate(scenario.row_score_offsets()[:rows].tolist()):
+        groups.setdefault(offset, []).append(row)
+    return dict(sorted(groups.items()))
+
+
+def offset_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs,
+                       kernel: str | None = None) -> list[Comparison]:
+    """Each raw score offset's rows against the oracle on their own (named ``out[offset X]``,
+    ``lse[offset X]``), so that the LSE floor of a row at |lse| ~ 4000 is not that of a row at
+    |lse| ~ 10 (docs/edges.md#magnitude)."""
+    truth, lowp = references(outcome, scenario, inputs)
+    return [c for offset, rows in offset_groups(scenario, outcome.planned_rows).items()
+            for c in compared_rows(outcome, scenario, truth, lowp, kernel, rows, suffix=f"[offset {offset:g}]")]
+
+
+def laid_out_step(scenario: Scenario, outcome: StepOutcome) -> Step:
+    """The layout a plan-only outcome shows (``StepOutcome.laid_out``) as the pipeline's step of
+    ``scenario``, its invariants before launch checked (``harness.pipeline.plan_violations``)."""
+    laid = outcome.laid_out
+    planned = outcome.planned_lengths.to(torch.int32)
+    violations = plan_violations(scenario, laid.layout, laid.slots, planned, laid.max_rows)
+    return Step(scenario, laid.layout, laid.max_rows, laid.slots, laid.counts, outcome.host_lengths.to(torch.int32),
+                planned, laid.kv_indptr, laid.kv_indices, violations)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.seam import StepOutcome
+from backends.seam import StepInput, StepOutcome, runs_in_parts
 from reference import Comparison
 from reference.rules import valid_counts
 
@@ -38,17 +38,23 @@ from .backend_step import (
     context,
     describe_row,
     executed_length_problems,
+    laid_out_step,
     layer_config,
+    offset_comparisons,
     output_comparisons,
     problem_rows,
     routing_problems,
     run_step,
     selection_problems,
+    step_input,
 )
 from .builder import build_scenario, with_rejected_drafts
 from .case_log import note_backend_case
 from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer, with_blocks_apart
 from .findings import (
+    ALIGNMENT_CEILING,
+    ALIGNMENT_FINDING,
+    ALIGNMENT_OFFSET,
     FP8_AS_UINT8_FINDING,
     KPE_SCALE_FINDING,
     PADDED_GRAPH_ROWS_FINDING,
@@ -59,15 +65,19 @@ from .findings import (
     Fp8PlannedAsUint8,
     KpeScaleIgnored,
     PaddedGraphRowsUnplanned,
+    RegimeCPlannedAsPrefix,
+    ScorePrecisionAt2To15,
     SlotZeroLoaded,
     TopkHolesAttended,
     is_vllm_backend,
     kpe_scale_ignored,
     padded_graph_step,
+    regime_c_finding,
     rows_past_valid,
     topk_hole_rows,
     topk_holes_finding,
 )
+from .pipeline import describe_rows, selection_mismatches
 from .spec import Scenario
 from .topk_holes import TopkHoles, measure_hole_rows, with_topk_holes
 
@@ -101,14 +111,31 @@ class Verdict:
     expected: list[KnownFinding] = field(default_factory=list)
     failure: AssertionError | None = None
     kernel_rounding: bool = False
+    # the rows the checks before launch found wrong (the kernel was not launched)
+    before_launch_rows: list[int] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return self.failure is None
 
     @property
+    def refused(self) -> bool:
+        """The release refused the step's plan as it is expected to: nothing launched, nothing failed."""
+        return self.outcome is not None and self.outcome.refusal is not None and self.failure is None
+
+    @property
     def problem_rows(self) -> list[int]:
         return problem_rows(self.problems, self.outcome.planned_rows) if self.outcome is not None else []
+
+    @property
+    def rows_at_fault(self) -> list[int]:
+        """The planned rows a failed check names: the checks before launch, the row checks, and
+        the worst positions of the comparisons beyond the budget."""
+        if self.outcome is None:
+            return []
+        n = self.outcome.planned_rows
+        worst = {r for c in self.comparisons if not c.ok for r, _, _ in c.worst if r < n}
+        return sorted(set(self.before_launch_rows) | set(self.problem_rows) | worst)
 
 
 def never() -> bool:
@@ -238,6 +265,79 @@ def measured(comparisons: list[Comparison]) -> str:
                      for c in comparisons)
 
 
+def before_launch(verdict: Verdict, scenario: Scenario, outcome: StepOutcome) -> None:
+    """The checks before launch of a plan-only outcome that shows its layout (``laid_out``):
+    the invariants (docs/invariants.md#before-launch), the planned selection (b) against the
+    intended one (a), and what the plan itself found wrong (a plan accepted where a refusal was
+    expected). A violation is the verdict's failure, the kernel not launched; the regime C
+    finding where every wrong row is a regime C row."""
+    step = laid_out_step(scenario, outcome)
+    n = step.num_planned
+    mismatching = selection_mismatches(step)
+    verdict.before_launch_rows = sorted({v.row for v in step.violations if v.row is not None and v.row < n}
+                                        | {r for r in mismatching if r < n})
+    finding = regime_c_finding(step)
+    if finding:
+        verdict.failure = RegimeCPlannedAsPrefix(f"{finding}; {verdict.where}\n(kernel not launched)")
+    elif step.violations:
+        verdict.failure = AssertionError(f"invariant violations (kernel not launched); {verdict.where}\n"
+                                         + "\n".join(map(str, step.violations[:8])))
+    elif mismatching:
+        verdict.failure = AssertionError(
+            f"plan/layout bug: planned slots (b) != intended slots (a) on {len(mismatching)} rows (kernel not "
+            f"launched); {verdict.where}\n" + describe_rows(step, mismatching))
+    elif outcome.schedule_problems:
+        verdict.failure = AssertionError(f"{'; '.join(outcome.schedule_problems)} (kernel not launched); "
+                                         f"{verdict.where}")
+
+
+def rerun_problems(layer, step: StepInput, outcome: StepOutcome) -> list[str]:
+    """Where the layer's class promises bitwise repeatability within one plan (its ``rerun``; a
+    wrapper that hands it on to another layer promises nothing of its own step), the rows whose
+    output or LSE a second run on the same plan changes."""
+    rerun = getattr(type(layer), "rerun", None)
+    if not callable(rerun) or outcome.out is None or not outcome.planned_rows:
+        return []
+    out, lse = rerun(layer, step, outcome)
+    same = (out == outcome.out).flatten(1).all(1)
+    if outcome.lse is not None:
+        same &= (lse == outcome.lse).flatten(1).all(1)
+    rows = (~same).nonzero().flatten().tolist()
+    return [f"rerun not bitwise equal on the same plan: rows {rows[:12]}"] if rows else []
+
+
+def alignment_finding(comparisons: list[Comparison], scenario: Scenario, where: str) -> AssertionError | None:
+    """The score-precision finding (docs/findings.md#score-precision-at-2-15) where the only
+    comparisons beyond the budget are those of rows at raw offsets of +-2**15 and none passes
+    :data:`~harness.findings.ALIGNMENT_CEILING`; else None."""
+    bad = [c for c in comparisons if not c.ok]
+    offsets = [c.name.partition("[offset ")[2].rstrip("]") for c in bad]
+    if not bad or not all(o and abs(float(o)) == ALIGNMENT_OFFSET for o in offsets):
+        return None
+    if any(c.max_ratio > ALIGNMENT_CEILING for c in bad):
+        return None
+    worst = max(c.max_ratio for c in bad)
+    return ScorePrecisionAt2To15(ALIGNMENT_FINDING.format(worst=worst, ceiling=ALIGNMENT_CEILING) + f"; {where}\n"
+                                 + "\n".join(c.summary(scenario.row_regime).splitlines()[0] for c in bad))
+
+
+def run_judged(layer, scenario: Scenario, inputs: AttentionInputs | None,
+               verdict_of) -> tuple[StepOutcome, Verdict | None]:
+    """The step through ``layer``: in its three parts where its class has the plan/launch/finish
+    split (:func:`backends.seam.runs_in_parts`), ``verdict_of(outcome)`` asked of the plan-only
+    outcome before anything launches (a verdict returned ends the step there), else in one
+    ``step``."""
+    if not runs_in_parts(layer):
+        return run_step(layer, scenario, inputs), None
+    step = step_input(scenario, inputs)
+    outcome = layer.plan_step(step)
+    verdict = verdict_of(outcome)
+    if verdict is not None or not step.runs_kernel or outcome.refusal is not None:
+        return outcome, verdict
+    layer.launch(step, outcome)
+    return layer.finish(step, outcome), None
+
+
 #: ``twin(scenario, inputs)``: the output of the same step through another path (the project's
 #: own, ``port-fa3``) on the same inputs.
 Twin = Callable[[Scenario, AttentionInputs], torch.Tensor]
@@ -254,20 +354,35 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     expected = expected_findings(backend, scenario.spec, query_shape_checked)
     lead = f"{context_of_step}: " if context_of_step else ""
     where = f"{lead}{scenario.describe()}; {backend.describe()}"
+    holes = scenario.extra.get("topk_holes") is not None
+
+    def before(outcome: StepOutcome) -> Verdict | None:
+        if outcome.laid_out is None or holes:  # a step with holes is judged by judge_holes
+            return None
+        verdict = Verdict(backend.name, f"{lead}{context(outcome, scenario)}; {backend.describe()}", outcome,
+                          expected=expected)
+        before_launch(verdict, scenario, outcome)
+        return verdict if verdict.failure is not None or outcome.refusal is not None else None
+
     try:
-        outcome = run_step(layer, scenario, inputs)
+        outcome, ended = run_judged(layer, scenario, inputs, before)
     except ValueError as exc:
         finding = refusal_as_finding(backend, scenario, exc)
         if finding is None:
             raise
         return Verdict(backend.name, where, expected=expected, failure=finding)
+    if ended is not None:
+        return ended
     where = f"{lead}{context(outcome, scenario)}; {backend.describe()}"
     verdict = Verdict(backend.name, where, outcome, expected=expected)
+    if outcome.refusal is not None:
+        return verdict
     slot_zero = slot_zero_rows(backend, layer, outcome, inputs)
     if slot_zero:
         verdict.expected.append(SLOT_ZERO)
     verdict.problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
-                        + selection_problems(outcome, scenario))
+                        + selection_problems(outcome, scenario)
+                        + (rerun_problems(layer, step_input(scenario, inputs), outcome) if inputs is not None else []))
     if scenario.extra.get("topk_holes") is not None:
         # the rows that load slot 0 are left out of the output check here, not a finding of their own
         verdict.expected = [f for f in verdict.expected if f is not SLOT_ZERO]
@@ -276,7 +391,9 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
         judge_holes(verdict, backend, scenario, inputs if compare else None, slot_zero)
         return verdict
     if compare and inputs is not None and outcome.planned_rows:
-        verdict.comparisons = output_comparisons(outcome, scenario, inputs, kernel=getattr(backend, "kernel", None))
+        kernel = getattr(backend, "kernel", None)
+        by_offset = offset_comparisons if scenario.spec.score_offsets else output_comparisons
+        verdict.comparisons = by_offset(outcome, scenario, inputs, kernel=kernel)
     if verdict.problems:
         verdict.failure = AssertionError(f"{where}\n" + "\n".join(verdict.problems[:12]))
         return verdict
@@ -285,7 +402,10 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
         return verdict
     summary = "\n".join(c.summary(scenario.row_regime) for c in bad)
     n = outcome.planned_rows
-    if KPE_SCALE in expected:
+    aligned = alignment_finding(verdict.comparisons, scenario, where)
+    if aligned is not None:
+        verdict.failure = aligned
+    elif KPE_SCALE in expected:
         verdict.failure = KpeScaleIgnored(f"{where}\n{summary}")
     elif slot_zero and nonfinite_rows(outcome.out[:n]) == slot_zero:
         verdict.failure = SlotZeroLoaded(f"{where}\nrows {slot_zero} load slot 0 (not finite) past their executed "
@@ -369,28 +489,43 @@ def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None, *, rejecte
 
 def run_case(judge, backend, spec, device, *, seed: int = 0, twin: Twin | None = None, compare: bool = True,
              adaptive_verification: bool = False, holes: TopkHoles | None = None, rejected_drafts: int = 0,
-             kv_block_stride: int | None = None) -> StepOutcome:
-    """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given)
-    through a fresh layer of ``backend``, judged (``rejected_drafts`` and ``kv_block_stride``: as
-    :func:`run_sequence` takes them)."""
-    return run_sequence(judge, backend, [(spec, seed, holes)], device, twin=twin, compare=compare, kind="step",
+             kv_block_stride: int | None = None, scenario: Scenario | None = None, label: str = "",
+             what: str = "") -> StepOutcome:
+    """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given; or
+    ``scenario`` as given, built from them and changed by the test) through a fresh layer of
+    ``backend``, judged (``rejected_drafts`` and ``kv_block_stride``: as :func:`run_sequence` takes
+    them; ``label``: what the step's reports are named with; ``what``: leads its failure message)."""
+    step = (spec, seed, holes) if scenario is None else scenario
+    return run_sequence(judge, backend, [step], device, twin=twin, compare=compare, kind="step",
                         adaptive_verification=adaptive_verification, rejected_drafts=rejected_drafts,
-                        kv_block_stride=kv_block_stride)[1][0]
+                        kv_block_stride=kv_block_stride, label=label, what=what)[1][0]
+
+
+def scenario_of(step, rejected_drafts: int) -> Scenario:
+    """A step of :func:`run_sequence`: ``(spec, seed[, holes])`` built, or a scenario as given."""
+    if isinstance(step, Scenario):
+        return step
+    return scenario_of_step(*(tuple(step) + (None,) * (3 - len(step))), rejected_drafts=rejected_drafts)
 
 
 def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twin: Twin | None = None,
                  compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False,
-                 rejected_drafts: int = 0, kv_block_stride: int | None = None):
-    """``steps`` (``(spec, seed)`` or ``(spec, seed, holes)``, in order) through one layer and, with
-    ``with_inputs``, one KV cache they share; each step judged. A step with holes in its top-k
+                 rejected_drafts: int = 0, kv_block_stride: int | None = None, label: str = "",
+                 after_step: Callable | None = None, what: str = ""):
+    """``steps`` (``(spec, seed)`` or ``(spec, seed, holes)``, in order; or a scenario a test
+    changed, which a written case cannot rebuild) through one layer and, with ``with_inputs``, one
+    KV cache they share; each step judged. A step with holes in its top-k
     runs its plan only on a backend whose kernel would read a hole (:func:`kernel_reads_a_hole`).
     ``rejected_drafts``: every step's single-token decodes had that many drafts rejected, which
     the host bound still counts (``harness.builder.with_rejected_drafts``); ``kv_block_stride``:
     the layer's cache has its blocks that many rows apart, NaN between them
-    (``harness.device_inputs.with_blocks_apart``). Returns ``(layer, outcomes)``."""
-    steps = [tuple(step) + (None,) * (3 - len(step)) for step in steps]
-    specs = [spec for spec, _, _ in steps]
-    scenarios = [scenario_of_step(*step, rejected_drafts=rejected_drafts) for step in steps]
+    (``harness.device_inputs.with_blocks_apart``). A step whose plan the release refused as it is
+    expected to (``StepOutcome.refusal``) ends the sequence. ``after_step(index, layer, scenario,
+    inputs, outcome)``: called after each judged step that ran; ``what``: leads every failure
+    message (the test's family). Returns ``(layer, outcomes)``."""
+    scenarios = [scenario_of(step, rejected_drafts) for step in steps]
+    given = any(isinstance(step, Scenario) for step in steps)
+    specs = [s.spec for s in scenarios]
     max_tokens = max(max(s.topk_indices.shape[0] for s in scenarios), 1)
     config = dataclasses.replace(layer_config(specs[0], max_tokens, adaptive_verification=adaptive_verification),
                                  kv_block_stride=kv_block_stride)
@@ -408,13 +543,20 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
     for i, scenario in enumerate(scenarios):
         holes = scenario.extra.get("topk_holes")
         case["steps"].append({"spec": scenario.spec, "seed": scenario.seed, "holes": holes})
-        note_backend_case(case)
+        if not given:
+            note_backend_case(case)
         inputs = None
         if with_inputs and not (holes is not None and kernel_reads_a_hole(backend)):
             inputs = build_attention_inputs(scenario, device)
             inputs = in_one_cache(inputs, cache) if cache is not None else inputs
             inputs = with_blocks_apart(inputs, kv_block_stride) if kv_block_stride is not None else inputs
-        label, of = (f"_step{i}", f"step {i} of the sequence's {len(scenarios)}") if kind == "sequence" else ("", "")
-        outcomes.append(judge.step(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label,
-                                   context_of_step=of))
+        named, of = (f"_step{i}", f"step {i} of the sequence's {len(scenarios)}") if kind == "sequence" else ("", "")
+        of = ", ".join(part for part in (what, of) if part)
+        outcome = judge.step(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label + named,
+                             context_of_step=of)
+        outcomes.append(outcome)
+        if outcome is not None and outcome.refusal is not None:
+            break
+        if after_step is not None:
+            after_step(i, layer, scenario, inputs, outcome)
     return layer, outcomes

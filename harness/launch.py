@@ -1,13 +1,13 @@
-"""What every GPU test does with one scenario: check before launch, launch through the attention
-state of the implementation under test, then compare with the references.
+"""What the GPU tests of the port's attention state (CUDA graphs, kept plans, captures, the
+input-space cases on one state) use to drive that state themselves: the state's configuration of
+a scenario, its static step inputs, NaN-filled outputs, the checks before launch, the plan or the
+refusal the installed FlashInfer is expected to make, what the state hands the kernel against
+(b), and the comparison with the references over (b). A test that judges a backend step by step
+runs it through ``harness.judge`` instead (the port under any layout: ``backends.port.PortBackend``).
 
-:func:`launch_step` is the one launch a GPU test makes of a prepared step: the checks before
-launch, a fresh state, NaN-filled outputs, then plan, where the installed FlashInfer refuses the
-plan as it is expected to (:func:`strided_plan_refused`) the refusal checked and returned as the
-outcome, else convert -> layout -> run. It tells the test's log which it was (``kernel_ran()`` or
-``expected_refusal(why)``: the ``regime_log`` fixture), so the run counts refusals apart from
-kernel checks. Tests that drive a state themselves (graphs, reused states) plan through
-:func:`plan_or_refusal` and log their launches alike.
+:func:`plan_or_refusal` tells the test's log whether the plan was refused as expected
+(``expected_refusal(why)``: the ``regime_log`` fixture), so the run counts refusals apart from
+kernel checks; a test logs its launches (``kernel_ran()``) itself.
 
 Order matters: invariants and (b) == (a) are checked first and a violation fails the case
 without launching; the kernel runs on NaN-filled output buffers before any reference is
@@ -17,7 +17,6 @@ as-implemented selection (b), compared by the one tolerance policy (reference.bu
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -26,14 +25,14 @@ from typing import Protocol
 import torch
 
 from backends.port import PLAN_REFUSAL as PAGE_COUNT_REFUSAL
-from backends.port import AttentionConfig, kernel_parts, make_attention_state
+from backends.port import AttentionConfig, kernel_parts, plan_refused, state_problems
 from mla_constants import KV_LORA_RANK
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
 
 from .case_log import note_step
 from .pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
-from .scenario import AttentionInputs, Scenario, build_attention_inputs
+from .scenario import AttentionInputs, Scenario
 
 DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
 
@@ -54,13 +53,8 @@ def attention_config(scenario: Scenario, layout: str, max_rows: int | None = Non
 
 
 def strided_plan_refused(features, step: Step) -> bool:
-    """A FlashInfer whose plan() checks page counts (probed: ``features.plan_checks_page_counts``)
-    refuses a strided plan whose planned rows are not all full width, with
-    ``backends.port.PLAN_REFUSAL``."""
-    width = step.scenario.spec.resolved_width
-    return (
-        step.layout == "strided" and bool(features.plan_checks_page_counts) and bool((step.planned_lens != width).any())
-    )
+    """Whether the installed FlashInfer refuses ``step``'s plan (``backends.port.plan_refused``)."""
+    return plan_refused(features, step.layout, step.planned_lens, step.scenario.spec.resolved_width)
 
 
 def failure_context(step: Step, version: str) -> str:
@@ -122,28 +116,10 @@ def block_table_buffer(scenario: Scenario, min_rows: int = 1) -> torch.Tensor:
 
 
 def state_matches_step(state, step: Step) -> list[str]:
-    """Differences between what the state hands the kernel and what (b) was computed from."""
+    """Differences between what the state hands the kernel and what (b) was computed from
+    (``backends.port.state_problems``)."""
     note_step(step)
-    n = step.num_planned
-    problems = []
-    indptr = state.planned_kv_indptr
-    if not torch.equal(indptr[: n + 1], step.kv_indptr[: n + 1]):
-        problems.append(
-            f"kv_indptr differs: state {indptr[: n + 1].tolist()[:8]} vs step {step.kv_indptr[: n + 1].tolist()[:8]}"
-        )
-    if not torch.equal(state.planned_kv_len[:n], step.planned_lens):
-        problems.append("kv_len differs from the planned lens")
-    if bool((state.planned_kv_len[n:] != 0).any()):
-        problems.append(f"stale kv_len past row {n}: {state.planned_kv_len[n:].nonzero().flatten()[:8].tolist()}")
-    if bool((state.kv_len[n:] != 0).any()):
-        problems.append("stale device kv_len past the planned rows")
-    end = int(step.kv_indptr[n])
-    mine = state.kv_indices[:end].cpu()
-    theirs = step.kv_indices[:end].cpu()
-    if not torch.equal(mine, theirs):
-        at = int((mine != theirs).nonzero()[0])
-        problems.append(f"kv_indices differ first at entry {at}: state {int(mine[at])} vs step {int(theirs[at])}")
-    return problems
+    return state_problems(state, step.kv_indptr, step.kv_indices, step.planned_lens)
 
 
 def references(
@@ -195,11 +171,6 @@ def prepared(impl, scenario: Scenario, layout: str, max_rows: int | None = None)
 def sync() -> None:
     if torch.device(DEVICE).type == "cuda":
         torch.cuda.synchronize()
-
-
-def untouched_rows(out: torch.Tensor, start: int) -> bool:
-    """Rows from ``start`` on still hold the NaN fill (the kernel wrote nothing there)."""
-    return bool(torch.isnan(out[start:].float()).all())
 
 
 class StaticStep:
@@ -293,70 +264,3 @@ def plan_or_refusal(features, state, step: Step, log: LaunchLog) -> str | None:
     raise AssertionError(f"plan() accepted a strided plan with rows shorter than W, where the probe found that "
                          f"this FlashInfer checks page counts (Features.plan_checks_page_counts); "
                          f"{failure_context(step, features.version)}")
-
-
-@dataclass
-class Launched:
-    """One step launched on a fresh state: what the test checks next. ``refusal``: why the
-    installed FlashInfer refused the plan, as expected (nothing ran; ``out``/``lse`` hold NaN)."""
-
-    step: Step
-    inputs: AttentionInputs
-    state: object
-    launch: Launch
-    out: torch.Tensor
-    lse: torch.Tensor
-    version: str
-    refusal: str | None = None
-
-    @property
-    def ran(self) -> bool:
-        return self.refusal is None
-
-    @property
-    def rows(self) -> int:
-        return self.step.num_planned
-
-    def rerun(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same step once more on the same state (no new plan), into fresh NaN-filled
-        outputs, synchronised: ``(out, lse)``."""
-        out, lse = nan_buffers(self.out.shape[0], self.out.shape[1], self.out.device)
-        self.state.step(*self.launch.step_args(out, lse))
-        sync()
-        return out, lse
-
-    def context(self, what: str = "") -> str:
-        """The failure context: ``what``, the FlashInfer version and the step."""
-        context = failure_context(self.step, self.version)
-        return f"{what}; {context}" if what else context
-
-
-def launch_step(impl, features, step: Step, *, log: LaunchLog, inputs: AttentionInputs | None = None,
-                **config_changes) -> Launched:
-    """The checks before launch (:func:`assert_launchable`), then plan + convert + layout + run of
-    ``step`` on a fresh state (``AttentionConfig`` fields changed by ``config_changes``) and NaN-filled
-    outputs, synchronised; or the plan refused as this FlashInfer is expected to. ``inputs``: the
-    step's device inputs (built from its scenario when not given)."""
-    assert_launchable(step, features.version)
-    scenario = step.scenario
-    inputs = inputs if inputs is not None else build_attention_inputs(scenario, DEVICE)
-    config = dataclasses.replace(attention_config(scenario, step.layout, step.max_rows), **config_changes)
-    state = make_attention_state(impl, config, DEVICE)
-    launch = launch_inputs(impl, scenario, inputs, step.max_rows)
-    out, lse = nan_buffers(step.max_rows, scenario.spec.num_heads)
-    refusal = plan_or_refusal(features, state, step, log)
-    if refusal is None:
-        state.step(*launch.step_args(out, lse))
-        sync()
-        log.kernel_ran()
-    return Launched(step, inputs, state, launch, out, lse, features.version, refusal)
-
-
-def check_launched(launched: Launched, what: str = "") -> None:
-    """After a launch that ran: the state handed the kernel what (b) describes, and the kernel
-    wrote no row past the planned rows (failures say ``what`` first)."""
-    step, ctx = launched.step, launched.context(what)
-    problems = state_matches_step(launched.state, step)
-    assert not problems, f"the state hands the kernel something else than (b) describes; {ctx}\n" + "\n".join(problems)
-    n = step.num_planned
-    assert untouched_rows(launched.out, n), f"the kernel wrote rows past the {n} planned rows; {ctx}"

@@ -94,20 +94,27 @@ def prepare_step(impl, scenario: Scenario, layout: str, device="cpu", max_rows: 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)  # a kernel fault shows at the stage that launched it
     reached("invariants")
+    violations = plan_violations(scenario, layout, slots, planned, max_rows)
+    step = Step(scenario, layout, max_rows, slots, counts, lens, planned, indptr, kv_indices, violations)
+    note_step(step)  # the case a failing test dumps under --dump-failures
+    return step
+
+
+def plan_violations(scenario: Scenario, layout: str, slots: torch.Tensor, planned: torch.Tensor,
+                    max_rows: int) -> list[Violation]:
+    """The invariants before launch (docs/invariants.md#before-launch) of a plan of ``planned``
+    lengths over the converted rows ``slots`` under ``layout``."""
     # The rows as the layout reads them: compacted reads the valid entries, front first.
     rows_read = valid_first(slots) if layout == "compacted" else slots
-    violations = check_plan_invariants(
+    return check_plan_invariants(
         converted=rows_read,
         lens=planned,
         q_rows=scenario.planned_rows,
         num_slots=scenario.num_slots,
         max_tokens=max_rows,
-        width=width,
+        width=scenario.spec.resolved_width,
         regimes=scenario.row_regime,
     )
-    step = Step(scenario, layout, max_rows, slots, counts, lens, planned, indptr, kv_indices, violations)
-    note_step(step)  # the case a failing test dumps under --dump-failures
-    return step
 
 
 def intended(step: Step) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,7 +83,7 @@ class StepJudge:
         verdict = judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin,
                              query_shape_checked=flashinfer_checks_query_shape, context_of_step=context_of_step)
         self.expect(verdict.expected)
-        self.report(verdict, scenario, label)
+        self.report(verdict, scenario, label, layer)
         return verdict
 
     def step(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
@@ -95,20 +95,37 @@ class StepJudge:
             raise verdict.failure
         return verdict.outcome
 
-    def report(self, verdict, scenario, label: str) -> None:
+    def report(self, verdict, scenario, label: str, layer=None) -> None:
         outcome = verdict.outcome
         if outcome is None:
             return
         regimes = scenario.row_regime[: outcome.planned_rows]
         regime_log = self.request.getfixturevalue("regime_log")
-        regime_log.step(outcome, regimes, comparisons=verdict.comparisons, spec=scenario.spec)
-        if verdict.problems:
-            regime_log.blame([regimes[r] for r in verdict.problem_rows])
+        regime_log.step(outcome, regimes, comparisons=verdict.comparisons, spec=scenario.spec, label=label)
+        if verdict.refused:
+            regime_log.expected_refusal(outcome.refusal)
+        regime_log.blame([regimes[r] for r in verdict.rows_at_fault])
         if verdict.kernel_rounding:
             first = verdict.comparisons[0]
             self.request.node.user_properties.append((VLLM_TWIN_KEY, (first.max_ratio, first.mean_ratio)))
         if upgrade_check_active(self.request.config):
-            self.request.getfixturevalue("baseline").note(**baseline_fields(verdict, label))
+            self.request.getfixturevalue("baseline").note(**baseline_note(verdict, label, layer, self.request.config))
+
+
+def baseline_note(verdict, label: str, layer, config) -> dict:
+    """What the upgrade check notes of a step: the refusal as the case's error; in the timing pass
+    the kernel's and the plan's times where the layer shows its parts (``timing_parts``); else
+    :func:`baseline_fields`."""
+    from .baselines import timing_directory
+    from .port_reports import timed_parts
+
+    outcome = verdict.outcome
+    if verdict.refused:
+        return {"error": outcome.refusal}
+    parts = getattr(layer, "timing_parts", None)
+    if timing_directory(config) is not None and callable(parts) and outcome.out is not None:
+        return timed_parts(*parts(None, outcome), rows=outcome.planned_rows)
+    return baseline_fields(verdict, label)
 
 
 def baseline_fields(verdict, label: str) -> dict:
@@ -184,6 +201,7 @@ def replay_backend_case(path, request, record: dict) -> None:
                  twin=twin, compare=record["compare"], kind=record["kind"],
                  adaptive_verification=record.get("adaptive_verification", False),
                  rejected_drafts=record.get("rejected_drafts", 0), kv_block_stride=record.get("kv_block_stride"))
+
 
 def standalone_lines(path, record: dict, config) -> list[str]:
     """For a case of vLLM's SM90 backend, the line with the commands that write its standalone

@@ -13,7 +13,7 @@ was not skipped.
 
 A test that launches the attention kernel says so (``regime_log.kernel_ran()``), and a test whose
 plan() the installed FlashInfer refused as it is expected to (``regime_log.expected_refusal(why)``,
-as ``harness.launch.launch_step`` does) says that instead: such a test that passed counts in the
+as the ``judge`` fixture does for an outcome's ``refusal``) says that instead: such a test that passed counts in the
 ``refused`` column, not as passed, and its rows are not counted as checked (no kernel read
 them). The run's summary ends with how many tests ran the kernel and how many ended at an
 expected refusal.
@@ -26,6 +26,7 @@ not one of :data:`EDGE_FAMILIES` fails the test at setup, naming the families.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter, defaultdict
 
@@ -57,6 +58,17 @@ def error_entry(backend: str, spec, comparisons, label: str = "", layout: str | 
     }
 
 
+def comparison_groups(comparisons) -> dict[str, list]:
+    """The comparisons by the rows they judge: ``out[offset 1024]`` and ``lse[offset 1024]`` are
+    the group ``offset 1024``, named ``out`` and ``lse`` there, as the ratio summary reads them;
+    ``out`` and ``lse`` the group ``""``."""
+    groups: dict[str, list] = {}
+    for c in comparisons:
+        name, _, suffix = c.name.partition("[")
+        groups.setdefault(suffix.rstrip("]"), []).append(dataclasses.replace(c, name=name))
+    return groups
+
+
 class RegimeLog:
     """Per-test record of the rows a test checked, by regime, and which regimes it targets."""
 
@@ -82,8 +94,10 @@ class RegimeLog:
         kernel's own schedule, and the error ratios of its ``comparisons`` (with ``spec``, the
         batch spec: the kernel variant they are summed up under, per backend)."""
         self.record(regimes)
-        if comparisons and spec is not None:
-            self._node.user_properties.append((ERROR_KEY, error_entry(outcome.backend, spec, comparisons, label)))
+        if spec is not None:
+            for suffix, group in comparison_groups(comparisons).items():
+                self._node.user_properties.append((ERROR_KEY, error_entry(outcome.backend, spec, group,
+                                                                          f"{label} {suffix}".strip())))
         counts = self.backends.setdefault(outcome.backend, {"rows": 0, "read_back": 0})
         counts["rows"] += outcome.planned_rows
         if outcome.reads_back:

@@ -7,8 +7,9 @@ space, per kernel variant: the numbers the budget's factors are set from (docs/e
 Each case is a full feasible class assignment of the input space (``harness.input_space``) with
 the variant fixed, drawn and realised with a seeded generator (case ``i`` of seed ``s`` is the
 same on every machine), laid out compacted (the kernel's arithmetic does not depend on the
-layout; the strided plan is refused from FlashInfer 0.7), run through the kernel on a fresh
-attention state and compared with the two references over (b). One JSON line per case: its id,
+layout; the strided plan is refused from FlashInfer 0.7), run through the one judge
+(``harness.judge.judge_step``) on a fresh layer of the port on fa3, which compares the kernel with
+the two references. One JSON line per case: its id,
 rows, heads, the out and LSE ratios and errors, and how many work items FlashInfer's schedule
 gave the row with the largest output error (a row split over several works is merged from
 partial outputs the kernel stores in the output dtype).
@@ -29,14 +30,6 @@ from mla_constants import KERNEL_VARIANTS, variant_name
 VARIANTS = tuple(variant_name(kv_dtype, rope) for kv_dtype, rope, _ in KERNEL_VARIANTS)
 #: Slot ids past 2^23 need caches of gigabytes: the draw keeps below (their arithmetic is the same).
 FIXED = {"layout": "compacted", "slot_ids": "below-2^23"}
-
-
-class _Log:
-    def kernel_ran(self) -> None:
-        pass
-
-    def expected_refusal(self, why: str) -> None:
-        raise RuntimeError(f"a compacted plan was refused: {why}")
 
 
 def drawn_assignment(variant: str, rng: np.random.Generator) -> dict:
@@ -84,27 +77,32 @@ def measure(variant: str, cases: int, seed: int, out: Path, start: int = 0) -> i
     import torch
 
     from backends.flashinfer_compat import detect_features
-    from fast.impl import default_impl
-    from harness import build_scenario
-    from harness.launch import compare_with_references, launch_step, prepared
+    from backends.port import PortBackend
+    from harness import build_attention_inputs, build_scenario
+    from harness.backend_step import layer_config
+    from harness.judge import judge_step
+    from harness.launch import DEVICE
 
-    impl, features = default_impl(), detect_features()
+    features = detect_features()
     ran = 0
     with open(out, "a", encoding="utf-8") as sink:
         for i in range(start, start + cases):
             case = drawn_case(variant, seed, i)
             scenario = build_scenario(case.spec, seed=i)
-            step = prepared(impl, scenario, case.layout)
-            if step.num_planned == 0:
+            if scenario.planned_rows == 0:
                 continue
-            launched = launch_step(impl, features, step, log=_Log())
-            out_cmp, lse_cmp = compare_with_references(step, launched.inputs, launched.out, launched.lse,
-                                                       launched.state)
-            works = works_per_row(launched.state, step.num_planned)
+            backend = PortBackend("fa3", layout=case.layout)
+            layer = backend.open_layer(layer_config(case.spec, max(scenario.topk_indices.shape[0], 1)), DEVICE)
+            verdict = judge_step(backend, layer, scenario, build_attention_inputs(scenario, DEVICE))
+            if not verdict.comparisons:
+                raise verdict.failure or RuntimeError(f"the plan was refused: {verdict.outcome.refusal}")
+            out_cmp, lse_cmp = verdict.comparisons
+            rows = verdict.outcome.planned_rows
+            works = works_per_row(layer.state, rows)
             worst_row = out_cmp.worst[0][0] if out_cmp.worst else None
             record = {
                 "variant": variant, "seed": seed, "index": i, "case": case.id, "flashinfer": features.version,
-                "rows": step.num_planned, "heads": case.spec.num_heads, "topk": case.spec.topk,
+                "rows": rows, "heads": case.spec.num_heads, "topk": case.spec.topk,
                 "out_ok": out_cmp.ok, "out_max_ratio": out_cmp.max_ratio, "out_mean_ratio": out_cmp.mean_ratio,
                 "out_max_err": out_cmp.max_err, "out_rel_l2": out_cmp.rel_l2,
                 "lse_ok": lse_cmp.ok, "lse_max_ratio": lse_cmp.max_ratio, "lse_mean_ratio": lse_cmp.mean_ratio,
@@ -116,7 +114,7 @@ def measure(variant: str, cases: int, seed: int, out: Path, start: int = 0) -> i
             }
             sink.write(json.dumps(record) + "\n")
             ran += 1
-            del launched
+            del layer, verdict
             if i % 50 == 0:
                 torch.cuda.empty_cache()
     return ran

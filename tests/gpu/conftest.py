@@ -25,7 +25,7 @@ def features():
 class GpuTest:
     """What a GPU test launches with and reports to: the implementation under test, the
     installed FlashInfer's features, the test's request and its regime log (where its launches
-    are counted, ``harness.launch.launch_step``)."""
+    are counted)."""
 
     impl: object
     features: object

@@ -1,25 +1,28 @@
 """The kernel's edges (docs/edges.md): score magnitudes and stale slots.
 
+Every step runs through the one judge (``harness.judge``, the ``judge`` fixture) on the port under
+the case's kv_indices layout (``backends.port.PortBackend``): the checks before launch, the
+state's buffers against the rehearsed layout, a bitwise rerun, the kernel against the oracle.
+
 Magnitude (``edge("magnitude")``): raw scores (q . k before sm_scale) offset far below and far
 above zero, by row across a batch, inside a row (split signs), and rows far below the rest of
 their batch, through the scenario's ``score_offsets`` (harness.scenario). Softmax is
-shift-invariant, so the kernel must agree with the as-implemented reference (b) within the
-error budget at any offset; each offset's rows are judged on their own, so that the LSE floor of
-a row at |lse| ~ 4000 is not the floor of a row at |lse| ~ 10. Rows with no slot (kv_len 0
-among normal rows) must hold :func:`empty_row_contract`.
+shift-invariant, so the kernel must agree with the oracle within the error budget at any offset;
+the judge compares each offset's rows on their own (``harness.backend_step.offset_comparisons``),
+so that the LSE floor of a row at |lse| ~ 4000 is not the floor of a row at |lse| ~ 10. Rows with
+no slot (kv_len 0 among normal rows) must hold :func:`empty_row_contract`.
 
-Stale slots (``edge("stale-slots")``): one attention state runs a step, then a step of as many
-rows with other lengths and slots, then a smaller step, without clearing anything (as an
-engine reuses the state's buffers), for every kv_indices layout; then every kv_indices entry
-outside the planned spans is overwritten with slot ids of finite KV and the step is run again.
-Every slot of every cache holds finite values, so a read past a row's kv_len shows as a wrong
-number: each run must equal, bitwise, the same step on a fresh state, and the fresh state the
-reference (b) within the budget.
+Stale slots (``edge("stale-slots")``): one layer of the port, keeping its plan where rows and
+lengths repeat, runs a step, then a step of as many rows with other lengths and slots, then a
+smaller step, without clearing anything (as an engine reuses the state's buffers), for every
+kv_indices layout; then every kv_indices entry outside the planned spans is overwritten with slot
+ids the step reads elsewhere and the kernel is run again. A read past a row's kv_len shows as a
+wrong number: each run must equal, bitwise, the same step on a fresh layer, which the judge holds
+to the oracle within the budget.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -27,36 +30,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from backends.port import make_attention_state
+from backends.port import PortBackend
 from fast.layouts import LAYOUTS
-from harness import batch, build_attention_inputs, build_scenario
-from harness.case_log import note_sequence, note_sequence_step
+from harness import batch, build_scenario
+from harness.backend_step import laid_out_step
 from harness.cases import LONG_CTX, Case, covering_config
 from harness.findings import SCORE_PRECISION_FINDING, ScorePrecisionAt2To15
-from harness.launch import (
-    DEVICE,
-    assert_launchable,
-    assert_within_budget,
-    attention_config,
-    check_launched,
-    compare_with_references,
-    failure_context,
-    launch_inputs,
-    launch_step,
-    nan_buffers,
-    plan_or_refusal,
-    prepared,
-    references,
-    state_matches_step,
-    sync,
-    untouched_rows,
-)
-from harness.pipeline import as_planned, describe_rows, prepare_step
+from harness.judge import judge_step, run_case, run_sequence
+from harness.launch import DEVICE
+from harness.pipeline import as_planned, describe_rows
 from harness.scenario import with_empty_rows
 from mla_constants import TOPK
-from pytest_sparse_mla.port_reports import note_baseline, record_errors
-from recording.case_log import note_step
-from reference.budget import compare_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -70,18 +54,9 @@ pytestmark = pytest.mark.gpu
 #: a raw score, about 1e-3 after sm_scale, the size of the kernel's working-precision error).
 OFFSETS = (-32768.0, -1024.0, 0.0, 1024.0, 32768.0)
 FAR_BELOW = -32768.0
-#: Offsets at which the kernel's raw score carries one product of 2**15: Hopper's tensor-core
-#: accumulation aligns the other products of q.k to it (a resolution of 2**-8 of a raw score), so
-#: the kernel's error there may pass the working-precision budget; measured on an H200, 0.7.4:
-#: out max error 2.07x the budget's reference in one case of four (docs/findings.md#score-precision-at-2-15).
-ALIGNMENT_OFFSET = 32768.0
-#: Beyond this many times the working-precision reference's error (the budget allows 2x) the rows at
-#: ALIGNMENT_OFFSET fail as any other row: the alignment costs a few units of 2**-8 per raw score, not
-#: orders of magnitude.
-ALIGNMENT_CEILING = 4.0
-ALIGNMENT_FINDING = ("score precision at raw offsets of 2**15 (docs/findings.md#score-precision-at-2-15): only the "
-                     "rows at +-32768 exceed the budget, at {worst:.2f}x lowp (budget 2x, ceiling {ceiling:g}x)")
-#: The magnitude case that shows it on every FlashInfer release measured (0.6.18.post1, 0.7.0.post1, 0.7.4).
+#: The magnitude case that shows the score-precision finding (rows at raw offsets of +-2**15 past the
+#: budget, ``harness.findings.ALIGNMENT_OFFSET``) on every FlashInfer release measured (0.6.18.post1,
+#: 0.7.0.post1, 0.7.4).
 ALIGNMENT_CASE = "offsets-across-batch-kpool1"
 
 
@@ -136,68 +111,16 @@ def expects_alignment_finding(case, features) -> bool:
     return case.name == ALIGNMENT_CASE and re.match(r"\d+\.\d+", str(features.version)) is not None
 
 
-def offset_groups(scenario, num_rows: int) -> dict[float, list[int]]:
-    """Planned rows by their raw score offset, in order of offset."""
-    offsets = scenario.row_score_offsets()[:num_rows].tolist()
-    groups: dict[float, list[int]] = {}
-    for row, offset in enumerate(offsets):
-        groups.setdefault(offset, []).append(row)
-    return dict(sorted(groups.items()))
-
-
-def compare_rows(step, out, lse, truth, lowp, rows: list[int], suffix: str):
-    """The one budget over ``rows`` alone, worst rows renumbered as rows of the step."""
-    index = torch.tensor(rows, device=out.device)
-    pick = lambda pair: (pair[0][index], pair[1][index])  # noqa: E731
-    comparisons = compare_attention(out[index], lse[index], pick(truth), pick(lowp), step.scenario.spec.kv_dtype,
-                                    suffix=suffix)
-    return [dataclasses.replace(c, worst=[(rows[r], h, e) for r, h, e in c.worst]) for c in comparisons]
-
-
-def plain_names(comparisons):
-    """The comparisons named ``out`` and ``lse`` again, as the error-ratio summary reads them."""
-    return [dataclasses.replace(c, name=c.name.split("[", 1)[0]) for c in comparisons]
-
-
 @pytest.mark.edge("magnitude")
 @pytest.mark.parametrize(("case", "layout", "config"), MAGNITUDE_PARAMS)
-def test_kernel_holds_at_any_score_offset(gpu, case, layout, config):
-    """Each offset's rows: kernel == (b) within the budget, as at offset 0; where the
+def test_kernel_holds_at_any_score_offset(gpu, judge, case, layout, config):
+    """Each offset's rows: kernel == the oracle within the budget, as at offset 0; where the
     score-precision finding is expected, a strict xfail that only that finding satisfies."""
-    impl, features, request, regime_log = gpu.impl, gpu.features, gpu.request, gpu.regime_log
-    if expects_alignment_finding(case, features):
-        request.applymarker(pytest.mark.xfail(reason=SCORE_PRECISION_FINDING, raises=ScorePrecisionAt2To15,
-                                              strict=True))
-    scenario = build_scenario(config.apply(case.spec), seed=41)
-    step = prepared(impl, scenario, layout)
-    regime_log.record(step.regimes(), focus=case.focus or None)
-    launched = launch_step(impl, features, step, log=regime_log)
-    check_launched(launched, "edge magnitude")
-    n, inputs, out, lse = launched.rows, launched.inputs, launched.out, launched.lse
-    ctx = launched.context("edge magnitude")
-
-    note_step(step, inputs, out, lse)
-    truth, lowp = references(step, inputs)
-    failed, every = [], []
-    for offset, rows in offset_groups(scenario, n).items():
-        comparisons = compare_rows(step, out, lse, truth, lowp, rows, suffix=f"[offset {offset:g}]")
-        record_errors(request.node, step, plain_names(comparisons), label=f"magnitude offset {offset:g}")
-        every += comparisons
-        failed += [(offset, c, rows) for c in comparisons if not c.ok]
-    note_baseline(request, launched, every)
-    regime_log.blame(step.regimes(sorted({r for _, _, rows in failed for r in rows})))
-    alignment_only = failed and all(
-        abs(o) == ALIGNMENT_OFFSET and c.max_ratio <= ALIGNMENT_CEILING for o, c, _ in failed
-    )
-    if alignment_only:
-        worst = max(c.max_ratio for _, c, _ in failed)
-        raise ScorePrecisionAt2To15(ALIGNMENT_FINDING.format(worst=worst, ceiling=ALIGNMENT_CEILING) + f"; {ctx}\n"
-                                    + "\n".join(c.summary(step.regimes()).splitlines()[0] for _, c, _ in failed))
-    failed = [(c, rows) for _, c, rows in failed]
-    assert not failed, f"kernel vs (b) beyond the error budget at large score offsets; {ctx}\n" + "\n".join(
-        f"{c.summary(step.regimes())} (positions count within this offset's rows: {rows})"
-        for c, rows in failed
-    )
+    if expects_alignment_finding(case, gpu.features):
+        gpu.request.applymarker(pytest.mark.xfail(reason=SCORE_PRECISION_FINDING, raises=ScorePrecisionAt2To15,
+                                                  strict=True))
+    run_case(judge, PortBackend("fa3", gpu.impl, layout), config.apply(case.spec), DEVICE, seed=41,
+             what="edge magnitude")
 
 
 @dataclass(frozen=True)
@@ -263,33 +186,23 @@ EMPTIED = (0, 3, 5)
         for layout, index in [("packed", 4), ("compacted", 5)]
     ],
 )
-def test_rows_with_no_slot_hold_the_contract(gpu, layout, config):
-    """Empty rows among normal rows: the empty rows hold the contract, the others match (b)."""
-    impl, features, regime_log = gpu.impl, gpu.features, gpu.regime_log
+def test_rows_with_no_slot_hold_the_contract(gpu, judge, layout, config):
+    """Empty rows among normal rows: the empty rows hold the contract, every row the oracle's
+    (whose empty rows are the contract's too)."""
     case = EMPTY_ROWS_CASE
     scenario = with_empty_rows(build_scenario(config.apply(case.spec), seed=43), EMPTIED)
-    step = prepare_step(EmptyRows(impl, EMPTIED), scenario, layout, device=DEVICE)
-    regime_log.record(step.regimes())
-    n = step.num_planned
-    assert [int(step.planned_lens[r]) for r in EMPTIED] == [0] * len(EMPTIED), "test setup: rows not emptied"
-    launched = launch_step(impl, features, step, log=regime_log)
     what = f"edge magnitude (empty rows {list(EMPTIED)})"
-    check_launched(launched, what)
-    inputs, out, lse, ctx = launched.inputs, launched.out, launched.lse, launched.context(what)
-
-    contract = empty_row_contract(features)
+    backend = PortBackend("fa3", EmptyRows(gpu.impl, EMPTIED), layout)
+    outcome = run_case(judge, backend, scenario.spec, DEVICE, seed=43, scenario=scenario, what=what)
     empty = list(EMPTIED)
+    assert [int(outcome.planned_lengths[r]) for r in empty] == [0] * len(empty), "test setup: rows not emptied"
+    out, lse = outcome.out, outcome.lse
+    contract = empty_row_contract(gpu.features)
     held = contract.holds(out[empty], contract.out) and contract.holds(lse[empty], contract.lse)
     assert held, (
         f"empty rows: out {found_values(out[empty])}, lse {found_values(lse[empty])}; the contract ({contract.source}) "
-        f"says out {contract.out:g}, lse {contract.lse:g}; {ctx}"
+        f"says out {contract.out:g}, lse {contract.lse:g}; {what}; {scenario.describe()}; {backend.describe()}"
     )
-    note_step(step, inputs, out, lse)
-    truth, lowp = references(step, inputs)
-    others = [r for r in range(n) if r not in EMPTIED]
-    comparisons = compare_rows(step, out, lse, truth, lowp, others, suffix="[rows with slots]")
-    record_errors(gpu.request.node, step, plain_names(comparisons), label="magnitude empty rows")
-    assert_within_budget(step, comparisons, features.version, what="kernel vs (b) beside empty rows")
 
 
 # --- stale slots ------------------------------------------------------------------------------
@@ -363,65 +276,39 @@ assert {p.values[0] for p in STALE_PARAMS} == set(LAYOUTS), "every kv_indices la
 
 @pytest.mark.edge("stale-slots")
 @pytest.mark.parametrize(("layout", "kind", "config"), STALE_PARAMS)
-def test_previous_steps_slots_change_nothing(gpu, layout, kind, config):
-    """A step on a state a larger step left behind, then with every entry outside the planned
-    spans overwritten by finite slot ids, equals the same step on a fresh state, bitwise. Where
-    the installed FlashInfer refuses a step's plan as it is expected to, the test ends there."""
-    impl, features, request, regime_log = gpu.impl, gpu.features, gpu.request, gpu.regime_log
+def test_previous_steps_slots_change_nothing(gpu, judge, layout, kind, config):
+    """A step on a layer a larger step left behind, then with every entry outside the planned
+    spans overwritten by slot ids it reads elsewhere, equals the same step on a fresh layer,
+    bitwise. Where the installed FlashInfer refuses a step's plan as it is expected to, the test
+    ends there."""
     cases = stale_sequence(kind)
     specs = one_cache_size([config.apply(c.spec) for c in cases])
-    scenarios = [build_scenario(spec, seed=51 + i) for i, spec in enumerate(specs)]
-    max_rows = max(s.topk_indices.shape[0] for s in scenarios)
-    steps = [prepared(impl, s, layout, max_rows=max_rows) for s in scenarios]
-    for step in steps:
-        regime_log.record(step.regimes())
-        assert_launchable(step, features.version)
-    assert steps[1].num_planned == steps[0].num_planned > steps[2].num_planned, "test setup: as many rows, then fewer"
+    steps = [(spec, 51 + i) for i, spec in enumerate(specs)]
+    rows = [build_scenario(spec, seed).planned_rows for spec, seed in steps]
+    assert rows[1] == rows[0] > rows[2], "test setup: as many rows, then fewer"
     # Plans are kept where rows and lens repeat (AttentionConfig.reuse_plan), as an engine may.
-    base = attention_config(scenarios[0], layout, max_rows)
-    reused = make_attention_state(impl, dataclasses.replace(base, reuse_plan=True), DEVICE)
-    note_sequence("attention-state", layout, max_rows, reuse_plan=True)
+    backend = PortBackend("fa3", gpu.impl, layout, reuse_plan=True)
 
-    for index, (case, scenario, step) in enumerate(zip(cases, scenarios, steps, strict=True)):
-        note_sequence_step(scenario)
-        n = step.num_planned
-        after = f" after {cases[index - 1].name}" if index else ""
-        ctx = f"edge stale-slots, step {index} ({case.name}{after}); {failure_context(step, features.version)}"
-        inputs = build_attention_inputs(scenario, DEVICE, poison=False)
-        launch = launch_inputs(impl, scenario, inputs, max_rows)
-        if plan_or_refusal(features, reused, step, regime_log) is not None:
-            return
-        reused.write_indices(launch.topk_indices, launch.block_table, launch.req_id)
-        problems = state_matches_step(reused, step)
-        assert not problems, (f"the state hands the kernel something else than (b) describes (checked before "
-                              f"launch); {ctx}\n" + "\n".join(problems))
-        out, lse = nan_buffers(max_rows, scenario.spec.num_heads)
-        i = launch.inputs
-        reused.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, out, lse)
-        sync()
-        regime_log.kernel_ran()
+    def against_a_fresh_layer(index, layer, scenario, inputs, outcome):
         if index == 0:
-            continue
-
-        fresh = launch_step(impl, features, step, log=regime_log, inputs=inputs)
-        fresh_out, fresh_lse = fresh.out, fresh.lse
-        note_step(step, inputs, fresh_out, fresh_lse)
-        comparisons = compare_with_references(step, inputs, fresh_out, fresh_lse, fresh.state)
-        record_errors(request.node, step, comparisons, label=f"stale-slots step {index}")
-        assert_within_budget(step, comparisons, features.version, what=f"fresh state, step {index}, vs (b)")
-        assert untouched_rows(out, n), f"the kernel wrote rows past the {n} planned rows; {ctx}"
-        bad = differing_rows(out[:n], lse[:n], fresh_out[:n], fresh_lse[:n])
-        regime_log.blame(step.regimes(bad))
+            return
+        ctx = (f"edge stale-slots, step {index} ({cases[index].name} after {cases[index - 1].name}); "
+               f"{scenario.describe()}; {backend.describe()}")
+        fresh = judge_step(backend, backend.open_layer(layer.config, DEVICE), scenario, inputs,
+                           context_of_step=f"edge stale-slots, step {index} on a fresh layer")
+        if fresh.failure is not None:
+            raise fresh.failure
+        step = laid_out_step(scenario, outcome)
+        bad = differing_rows(outcome.out, outcome.lse, fresh.outcome.out, fresh.outcome.lse)
+        gpu.regime_log.blame(step.regimes(bad))
         assert not bad, (f"the state the previous step left gives other results than a fresh state on "
                          f"{len(bad)} rows; {ctx}\n" + describe_rows(step, bad))
-
-        overwritten = fill_outside_spans(reused.kv_indices, step)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        reused.attend(i.q_nope, i.q_pe, i.ckv, i.kpe, out, lse)
-        sync()
-        regime_log.kernel_ran()
-        bad = differing_rows(out[:n], lse[:n], fresh_out[:n], fresh_lse[:n])
-        regime_log.blame(step.regimes(bad))
+        overwritten = fill_outside_spans(layer.state.kv_indices, step)
+        out, lse = layer.attend_again(outcome)
+        gpu.regime_log.kernel_ran()
+        bad = differing_rows(out, lse, fresh.outcome.out, fresh.outcome.lse)
+        gpu.regime_log.blame(step.regimes(bad))
         assert not bad, (f"{overwritten} kv_indices entries outside the planned spans, overwritten with finite slot "
                          f"ids, changed {len(bad)} rows; {ctx}\n" + describe_rows(step, bad))
+
+    run_sequence(judge, backend, steps, DEVICE, after_step=against_a_fresh_layer, what="edge stale-slots")
