@@ -49,7 +49,7 @@ from .backend_step import (
     step_input,
 )
 from .builder import build_scenario, with_rejected_drafts
-from .case_log import note_backend_case
+from .case_log import note_backend_case, note_step
 from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer, with_blocks_apart
 from .findings import (
     ALIGNMENT_CEILING,
@@ -272,6 +272,7 @@ def before_launch(verdict: Verdict, scenario: Scenario, outcome: StepOutcome) ->
     expected). A violation is the verdict's failure, the kernel not launched; the regime C
     finding where every wrong row is a regime C row."""
     step = laid_out_step(scenario, outcome)
+    note_step(step)  # the case a failing test dumps under --dump-failures
     n = step.num_planned
     mismatching = selection_mismatches(step)
     verdict.before_launch_rows = sorted({v.row for v in step.violations if v.row is not None and v.row < n}
@@ -501,6 +502,14 @@ def run_case(judge, backend, spec, device, *, seed: int = 0, twin: Twin | None =
                         kv_block_stride=kv_block_stride, label=label, what=what)[1][0]
 
 
+def case_reopens(backend) -> bool:
+    """Whether a written case's record of ``backend`` (its name, kernel, release) opens the same
+    backend again: not a port under another layout than its default or keeping its plans (such a
+    step is written as the pipeline's step its checks before launch noted, or as the sequence its
+    test noted)."""
+    return getattr(backend, "layout", "compacted") == "compacted" and not getattr(backend, "reuse_plan", False)
+
+
 def scenario_of(step, rejected_drafts: int) -> Scenario:
     """A step of :func:`run_sequence`: ``(spec, seed[, holes])`` built, or a scenario as given."""
     if isinstance(step, Scenario):
@@ -543,7 +552,7 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
     for i, scenario in enumerate(scenarios):
         holes = scenario.extra.get("topk_holes")
         case["steps"].append({"spec": scenario.spec, "seed": scenario.seed, "holes": holes})
-        if not given:
+        if not given and case_reopens(backend):
             note_backend_case(case)
         inputs = None
         if with_inputs and not (holes is not None and kernel_reads_a_hole(backend)):

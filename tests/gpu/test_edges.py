@@ -34,6 +34,7 @@ from backends.port import PortBackend
 from fast.layouts import LAYOUTS
 from harness import batch, build_scenario
 from harness.backend_step import laid_out_step
+from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import LONG_CTX, Case, covering_config
 from harness.findings import SCORE_PRECISION_FINDING, ScorePrecisionAt2To15
 from harness.judge import judge_step, run_case, run_sequence
@@ -284,10 +285,15 @@ def test_previous_steps_slots_change_nothing(gpu, judge, layout, kind, config):
     cases = stale_sequence(kind)
     specs = one_cache_size([config.apply(c.spec) for c in cases])
     steps = [(spec, 51 + i) for i, spec in enumerate(specs)]
-    rows = [build_scenario(spec, seed).planned_rows for spec, seed in steps]
+    scenarios = [build_scenario(spec, seed) for spec, seed in steps]
+    rows = [s.planned_rows for s in scenarios]
     assert rows[1] == rows[0] > rows[2], "test setup: as many rows, then fewer"
     # Plans are kept where rows and lens repeat (AttentionConfig.reuse_plan), as an engine may.
     backend = PortBackend("fa3", gpu.impl, layout, reuse_plan=True)
+    # a failure is written as this sequence of steps through one attention state (recording.sequence)
+    note_sequence("attention-state", layout, max(s.topk_indices.shape[0] for s in scenarios), reuse_plan=True)
+    for scenario in scenarios:
+        note_sequence_step(scenario)
 
     def against_a_fresh_layer(index, layer, scenario, inputs, outcome):
         if index == 0:
