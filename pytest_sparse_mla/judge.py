@@ -185,7 +185,7 @@ def replay_backend_case(path, request, record: dict) -> None:
     from recording.backend_case import identity_lines, steps_of
     from recording.commands import replay_command
 
-    from .replay import run_options
+    from .replay import run_options, standalone_lines
 
     backend, why = backend_of_case(record, request.config)
     if backend is None:
@@ -202,15 +202,3 @@ def replay_backend_case(path, request, record: dict) -> None:
                  adaptive_verification=record.get("adaptive_verification", False),
                  rejected_drafts=record.get("rejected_drafts", 0), kv_block_stride=record.get("kv_block_stride"))
 
-
-def standalone_lines(path, record: dict, config) -> list[str]:
-    """For a case of vLLM's SM90 backend, the line with the commands that write its standalone
-    reproducer (``recording.vllm_repro``) and run it on the release this run loaded."""
-    from backends.registry import family_and_release
-    from recording.commands import standalone_command
-
-    backend = record["backend"]
-    if family_and_release(backend["name"])[0] != "vllm" or backend.get("kernel") != "fa3":
-        return []
-    root = getattr(config.stash.get(VLLM_SOURCE, None), "root", None)
-    return [f"  standalone: {standalone_command(path, root)}"]

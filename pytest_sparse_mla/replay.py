@@ -507,12 +507,26 @@ def standalone_lines_of(path, config) -> list[str]:
     """The ``standalone:`` line of a written case of vLLM's SM90 backend (none for any other case)."""
     from recording.backend_case import is_backend_case
 
-    from .judge import standalone_lines
-
     if not is_backend_case(path):
         return []
     with open(path) as file:
         return standalone_lines(path, json.load(file), config)
+
+
+def standalone_lines(path, record: dict, config) -> list[str]:
+    """For a case of vLLM's SM90 backend, the line with the commands that write its standalone
+    reproducer (``recording.vllm_repro``) and run it on the release this run loaded."""
+    from backends.registry import family_and_release
+    from recording.commands import standalone_command
+
+    from .vllm import VLLM_SOURCE
+
+    backend = record["backend"]
+    if family_and_release(backend["name"])[0] != "vllm" or backend.get("kernel") != "fa3":
+        return []
+    root = getattr(config.stash.get(VLLM_SOURCE, None), "root", None)
+    return [f"  standalone: {standalone_command(path, root)}"]
+
 
 
 def _append_to_failure(report, text: str) -> None:
