@@ -158,6 +158,13 @@ class PortBackend:
         return (f"the project's port of the seed (vLLM 0.30.0's logic), {host_stages(self.impl)}, {self.layout} "
                 f"layout{kept}, FlashInfer {version} backend={self.kernel}")
 
+    def with_layer(self, layout: str, reuse_plan: bool) -> PortBackend:
+        """The same port (kernel, host stages) under ``layout``, keeping its plans or not: itself
+        where it is that already."""
+        if layout == self.layout and reuse_plan == self.reuse_plan:
+            return self
+        return PortBackend(self.kernel, self.impl, layout, reuse_plan=reuse_plan)
+
     def unsupported(self, config: LayerConfig) -> str | None:
         """A cache whose blocks lie apart (what FlashInfer refuses is probed at plan:
         ``backends.flashinfer_compat.unsupported_reason``)."""

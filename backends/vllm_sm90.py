@@ -134,6 +134,9 @@ class VllmSM90Backend:
         # further apart than block_size rows) or reads the cache as contiguous blocks.
         forward = inspect.getsource(self.module.FlashInferMLASparseSM90Impl.forward_mqa)
         self.reads_block_stride = "BLOCK_STRIDE_ROWS" in forward
+        # Whether the builder reads the adaptive verification setting (0.31.0 on): where it does, it
+        # bounds every row by the longest request, the host query split may not being the device's.
+        self.reads_adaptive_verification = "enable_adaptive_verification" in builder_init
         self.flashinfer_pin = flashinfer_pin(source)  # None where the source has no METADATA
 
     def describe(self) -> str:

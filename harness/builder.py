@@ -250,3 +250,12 @@ def with_host_query_split(scenario: Scenario, host_q_lens) -> Scenario:
     host[1:] = torch.cumsum(torch.tensor([int(q) for q in host_q_lens], dtype=torch.int32), 0)
     meta = dataclasses.replace(meta, query_start_loc_cpu=host, query_start_loc=meta.query_start_loc_cpu)
     return dataclasses.replace(scenario, meta=meta)
+
+
+def host_split_of(scenario: Scenario) -> list[int] | None:
+    """The host's query split of a scenario whose device split differs from it (as
+    :func:`with_host_query_split` made it): each request's query rows on the host; None where the
+    device runs the host's split."""
+    if scenario.meta.query_start_loc is None:
+        return None
+    return torch.diff(scenario.meta.query_start_loc_cpu).tolist()

@@ -106,8 +106,9 @@ def note_crash(scenario, layout: str, stage: str | None, detail: str) -> None:
         _ACTIVE[-1].note_crash(scenario, layout, stage, detail)
 
 
-def note_backend_case(case: dict) -> None:
+def note_backend_case(case: dict | None) -> None:
     """Note the case a backend is running (``harness.judge.run_sequence``'s record: the backend,
-    the layer, the steps so far as specs and seeds)."""
+    the layer, the steps so far as specs and seeds); None: the running case is none a written case
+    rebuilds, so none is kept."""
     if _ACTIVE:
         _ACTIVE[-1].backend_case = case

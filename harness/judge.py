@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends.registry import PORT_KERNELS, family_and_release
 from backends.seam import StepInput, StepOutcome, runs_in_parts
 from reference import Comparison
 from reference.rules import valid_counts
@@ -48,7 +49,7 @@ from .backend_step import (
     selection_problems,
     step_input,
 )
-from .builder import build_scenario, with_rejected_drafts
+from .builder import build_scenario, host_split_of, with_host_query_split, with_rejected_drafts
 from .case_log import note_backend_case, note_step
 from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer, with_blocks_apart
 from .findings import (
@@ -272,7 +273,8 @@ def before_launch(verdict: Verdict, scenario: Scenario, outcome: StepOutcome) ->
     expected). A violation is the verdict's failure, the kernel not launched; the regime C
     finding where every wrong row is a regime C row."""
     step = laid_out_step(scenario, outcome)
-    note_step(step)  # the case a failing test dumps under --dump-failures
+    # what a failing test dumps where it noted no backend case (run_sequence: case_rebuilds)
+    note_step(step)
     n = step.num_planned
     mismatching = selection_mismatches(step)
     verdict.before_launch_rows = sorted({v.row for v in step.violations if v.row is not None and v.row < n}
@@ -463,10 +465,20 @@ def flashinfer_in_use() -> str:
     return f"flashinfer {getattr(sys.modules.get('flashinfer'), '__version__', '?')}"
 
 
+def port_layer(backend) -> dict:
+    """What reopens a port's layer as it ran (``backends.port.PortBackend``): its kv_indices layout
+    and whether it keeps its plans where rows and lengths repeat; nothing for any other backend."""
+    if family_and_release(backend.name)[0] not in PORT_KERNELS:
+        return {}
+    return {"layout": backend.layout, "reuse_plan": bool(backend.reuse_plan)}
+
+
 def backend_identity(backend) -> dict:
-    """What a written case records of the backend it failed on."""
+    """What a written case records of the backend it failed on (for a port, its layer too:
+    :func:`port_layer`)."""
     return {"name": backend.name, "kernel": getattr(backend, "kernel", None),
-            "release": getattr(backend, "version", None), "module_digest": module_digest(backend)}
+            "release": getattr(backend, "version", None), "module_digest": module_digest(backend),
+            **port_layer(backend)}
 
 
 def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInputs:
@@ -478,52 +490,61 @@ def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInput
     return AttentionInputs(inputs.q_nope, inputs.q_pe, cache)
 
 
-def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None, *, rejected_drafts: int = 0) -> Scenario:
+def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None, host_q_lens: list[int] | None = None, *,
+                     rejected_drafts: int = 0) -> Scenario:
     """The scenario of one step: ``spec`` built with ``seed``, its single-token decodes' host
     bounds counting ``rejected_drafts`` rejected drafts (``harness.builder.with_rejected_drafts``),
-    its top-k rows written from the scores of ``holes`` where given (``harness.topk_holes``)."""
+    the host holding the query split ``host_q_lens`` where given, the spec's own split the device's
+    (``harness.builder.with_host_query_split``), its top-k rows written from the scores of
+    ``holes`` where given (``harness.topk_holes``)."""
     scenario = build_scenario(spec, seed)
     if rejected_drafts:
         scenario = with_rejected_drafts(scenario, rejected_drafts)
+    if host_q_lens is not None:
+        scenario = with_host_query_split(scenario, host_q_lens)
     return scenario if holes is None else with_topk_holes(scenario, holes)
 
 
 def run_case(judge, backend, spec, device, *, seed: int = 0, twin: Twin | None = None, compare: bool = True,
-             adaptive_verification: bool = False, holes: TopkHoles | None = None, rejected_drafts: int = 0,
-             kv_block_stride: int | None = None, scenario: Scenario | None = None, label: str = "",
-             what: str = "") -> StepOutcome:
-    """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given; or
-    ``scenario`` as given, built from them and changed by the test) through a fresh layer of
-    ``backend``, judged (``rejected_drafts`` and ``kv_block_stride``: as :func:`run_sequence` takes
-    them; ``label``: what the step's reports are named with; ``what``: leads its failure message)."""
-    step = (spec, seed, holes) if scenario is None else scenario
+             adaptive_verification: bool = False, holes: TopkHoles | None = None,
+             host_q_lens: list[int] | None = None, rejected_drafts: int = 0, kv_block_stride: int | None = None,
+             scenario: Scenario | None = None, label: str = "", what: str = "") -> StepOutcome:
+    """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given, the
+    host holding the query split ``host_q_lens`` where given; or ``scenario`` as given, built from
+    them and changed by the test) through a fresh layer of ``backend``, judged
+    (``rejected_drafts`` and ``kv_block_stride``: as :func:`run_sequence` takes them; ``label``:
+    what the step's reports are named with; ``what``: leads its failure message)."""
+    step = (spec, seed, holes, host_q_lens) if scenario is None else scenario
     return run_sequence(judge, backend, [step], device, twin=twin, compare=compare, kind="step",
                         adaptive_verification=adaptive_verification, rejected_drafts=rejected_drafts,
                         kv_block_stride=kv_block_stride, label=label, what=what)[1][0]
 
 
-def case_reopens(backend) -> bool:
-    """Whether a written case's record of ``backend`` (its name, kernel, release) opens the same
-    backend again: not a port under another layout than its default or keeping its plans (such a
-    step is written as the pipeline's step its checks before launch noted, or as the sequence its
-    test noted)."""
-    return getattr(backend, "layout", "compacted") == "compacted" and not getattr(backend, "reuse_plan", False)
+def case_rebuilds(steps, after_step: Callable | None) -> bool:
+    """Whether a written case rebuilds what its test ran: every step built from its spec and seed
+    (none a scenario the test changed by hand) and no check of the test's own after a step
+    (``after_step``), which a case does not record. Where it does not, no backend case is noted: a
+    failure before launch is written as the laid-out step the checks before launch noted
+    (:func:`before_launch`), a sequence as the one its test noted (``harness.case_log.note_sequence``)."""
+    return after_step is None and not any(isinstance(step, Scenario) for step in steps)
 
 
 def scenario_of(step, rejected_drafts: int) -> Scenario:
-    """A step of :func:`run_sequence`: ``(spec, seed[, holes])`` built, or a scenario as given."""
+    """A step of :func:`run_sequence`: ``(spec, seed[, holes[, host_q_lens]])`` built, or a
+    scenario as given."""
     if isinstance(step, Scenario):
         return step
-    return scenario_of_step(*(tuple(step) + (None,) * (3 - len(step))), rejected_drafts=rejected_drafts)
+    return scenario_of_step(*(tuple(step) + (None,) * (4 - len(step))), rejected_drafts=rejected_drafts)
 
 
 def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twin: Twin | None = None,
                  compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False,
                  rejected_drafts: int = 0, kv_block_stride: int | None = None, label: str = "",
                  after_step: Callable | None = None, what: str = ""):
-    """``steps`` (``(spec, seed)`` or ``(spec, seed, holes)``, in order; or a scenario a test
-    changed, which a written case cannot rebuild) through one layer and, with ``with_inputs``, one
-    KV cache they share; each step judged. A step with holes in its top-k
+    """``steps`` (``(spec, seed)``, ``(spec, seed, holes)`` or ``(spec, seed, holes, host_q_lens)``:
+    :func:`scenario_of_step`'s arguments, in order; or a scenario a test changed, which a written
+    case cannot rebuild) through one layer and, with ``with_inputs``, one KV cache they share; each
+    step judged. A step with holes in its top-k
     runs its plan only on a backend whose kernel would read a hole (:func:`kernel_reads_a_hole`).
     ``rejected_drafts``: every step's single-token decodes had that many drafts rejected, which
     the host bound still counts (``harness.builder.with_rejected_drafts``); ``kv_block_stride``:
@@ -533,7 +554,7 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
     inputs, outcome)``: called after each judged step that ran; ``what``: leads every failure
     message (the test's family). Returns ``(layer, outcomes)``."""
     scenarios = [scenario_of(step, rejected_drafts) for step in steps]
-    given = any(isinstance(step, Scenario) for step in steps)
+    rebuilds = case_rebuilds(steps, after_step)
     specs = [s.spec for s in scenarios]
     max_tokens = max(max(s.topk_indices.shape[0] for s in scenarios), 1)
     config = dataclasses.replace(layer_config(specs[0], max_tokens, adaptive_verification=adaptive_verification),
@@ -549,10 +570,13 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
             "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "steps": [],
             "flashinfer": flashinfer_in_use()}
     outcomes = []
+    if not rebuilds:
+        note_backend_case(None)  # an earlier case of the same test is not this one
     for i, scenario in enumerate(scenarios):
         holes = scenario.extra.get("topk_holes")
-        case["steps"].append({"spec": scenario.spec, "seed": scenario.seed, "holes": holes})
-        if not given and case_reopens(backend):
+        case["steps"].append({"spec": scenario.spec, "seed": scenario.seed, "holes": holes,
+                              "host_q_lens": host_split_of(scenario)})
+        if rebuilds:
             note_backend_case(case)
         inputs = None
         if with_inputs and not (holes is not None and kernel_reads_a_hole(backend)):

@@ -12,7 +12,8 @@ step goes to ``harness.judge.judge_step``; the verdict is then read here and onl
 - under the upgrade check the step's outputs, integer results (executed, planned and host
   lengths) and error ratios are noted for the record (``baseline.note``);
 - for ``--dump-failures`` the case is already noted by ``harness.judge`` (the backend, its
-  release and module digest, the steps as specs and seeds).
+  release and module digest, a port's layout and plan-keeping, the steps as specs and seeds with
+  their host query split where the device's differs).
 
 The verdict's failure is then raised. :func:`replay_backend_case` re-runs a written case
 through the backend the run names (``--impl``, ``--vllm``, ``--backend``) with the same fixture.
@@ -155,16 +156,18 @@ def judge(request) -> StepJudge:
 
 def backend_of_case(record: dict, config):
     """The backend a written case names, opened on what this run has (``--impl`` for the port's
-    host stages, ``--vllm`` for a vLLM release's backends, ``--backend module:factory`` for a
-    user's own), or ``(None, why)``."""
+    host stages, under the layout and plan-keeping its record names; ``--vllm`` for a vLLM
+    release's backends, ``--backend module:factory`` for a user's own), or ``(None, why)``."""
     from backends.registry import NEEDS_VLLM, PORT_KERNELS, family_and_release
 
     from .backend import factory_backends, open_run_backend
 
-    name = record["backend"]["name"]
+    identity = record["backend"]
+    name = identity["name"]
     family, _ = family_and_release(name)
     if family in PORT_KERNELS:
-        return open_run_backend(config, family), None
+        port = open_run_backend(config, family)
+        return port.with_layer(identity.get("layout", port.layout), identity.get("reuse_plan", port.reuse_plan)), None
     if family in NEEDS_VLLM:
         if config.stash.get(VLLM_SOURCE, None) is None:
             return None, (f"the case was written on {name} (vLLM {record['backend'].get('release')}'s code): name a "

@@ -6,7 +6,9 @@ the backend (its name, kernel, release and the sha256 of the module text it load
 layer's row capacity, whether a twin judged the output, and each step so far as its spec and
 seed (and the score pattern of its top-k where it has holes). A failing test's case is written
 with each step's scenario digest, and the FlashInfer the
-step ran on (a release, or the stand-in class of a CPU run). A single step is a case of one
+step ran on (a release, or the stand-in class of a CPU run). A port's record names its layer
+too (its kv_indices layout and whether it keeps its plans), and a step whose device query split
+differs from the host's keeps the host's (``host_q_lens``). A single step is a case of one
 step; a sequence keeps every step up to the failing one, so a kept plan, a clamp of a kept plan
 or a replan is carried into the failing step as the test carried it.
 
@@ -26,7 +28,9 @@ from pathlib import Path
 from reference.indexer import HOLE_KINDS
 
 from .checks import (
+    LAYOUTS,
     MAX_BLOCK_SIZE,
+    MAX_REQUESTS,
     MAX_ROWS,
     MAX_SEED,
     MAX_STEPS,
@@ -35,9 +39,11 @@ from .checks import (
     a_dict,
     fields_problem,
     int_in,
+    list_of,
     nullable,
     one_of,
     sha256_hex,
+    shown,
     spec_problem,
     text,
 )
@@ -51,6 +57,8 @@ KINDS = ("step", "sequence")
 
 BACKEND_FIELDS = {"name": text, "kernel": nullable(text), "release": nullable(text),
                   "module_digest": nullable(sha256_hex)}
+#: A port's layer (``harness.judge.port_layer``); absent: the default layout, compacted, planned every step.
+OPTIONAL_BACKEND_FIELDS = {"layout": one_of(*LAYOUTS), "reuse_plan": a_bool}
 REQUIRED_FIELDS = {
     CASE_KEY: int_in(CASE_VERSION, CASE_VERSION), "kind": one_of(*KINDS), "backend": a_dict,
     "max_tokens": int_in(1, MAX_ROWS), "twin": a_bool, "compare": a_bool, "with_inputs": a_bool,
@@ -60,8 +68,11 @@ OPTIONAL_FIELDS = {"vllm": text, "impl": text, "nodeid": text, "flashinfer": tex
                    "adaptive_verification": a_bool, "rejected_drafts": int_in(0, MAX_TOPK),
                    "kv_block_stride": nullable(int_in(1, 64 * MAX_BLOCK_SIZE))}
 STEP_FIELDS = {"spec": lambda v: None, "seed": int_in(0, MAX_SEED), "scenario_digest": sha256_hex}
-#: The score pattern of a step's top-k where it has holes (``harness.topk_holes.TopkHoles``).
-OPTIONAL_STEP_FIELDS = {"holes": a_dict}
+#: The score pattern of a step's top-k where it has holes (``harness.topk_holes.TopkHoles``), and
+#: the host's query split where the device's (the spec's own) differs from it
+#: (``harness.builder.with_host_query_split``): each request's query rows on the host.
+OPTIONAL_STEP_FIELDS = {"holes": a_dict,
+                        "host_q_lens": list_of(int_in(0, MAX_ROWS), f"ints from 0 to {MAX_ROWS}", most=MAX_REQUESTS)}
 HOLES_FIELDS = {"kind": one_of(*HOLE_KINDS), "count": int_in(1, MAX_TOPK)}
 
 
@@ -69,15 +80,18 @@ def is_backend_case(path) -> bool:
     return str(path).endswith(CASE_SUFFIX)
 
 
-def step_record(spec, seed: int, holes, rejected_drafts: int = 0) -> dict:
+def step_record(spec, seed: int, holes, rejected_drafts: int = 0, host_q_lens=None) -> dict:
     """One step of a case file: its spec, seed, the score pattern of its top-k where it has holes
-    (``harness.topk_holes.TopkHoles``), and the digest of the scenario they build."""
+    (``harness.topk_holes.TopkHoles``), the host's query split where the device's differs, and the
+    digest of the scenario they build."""
     from harness.judge import scenario_of_step
 
-    record = {"spec": dataclasses.asdict(spec), "seed": int(seed),
-              "scenario_digest": scenario_digest(scenario_of_step(spec, seed, holes, rejected_drafts=rejected_drafts))}
+    scenario = scenario_of_step(spec, seed, holes, host_q_lens, rejected_drafts=rejected_drafts)
+    record = {"spec": dataclasses.asdict(spec), "seed": int(seed), "scenario_digest": scenario_digest(scenario)}
     if holes is not None:
         record["holes"] = {"kind": holes.kind, "count": int(holes.count)}
+    if host_q_lens is not None:
+        record["host_q_lens"] = [int(q) for q in host_q_lens]
     return record
 
 
@@ -91,8 +105,8 @@ def holes_of(step: dict):
 
 def case_record(case: dict, **meta) -> dict:
     """The JSON of a noted backend case (``meta``: name, nodeid, vllm, why, ...)."""
-    steps = [step_record(step["spec"], step["seed"], step.get("holes"), case["rejected_drafts"])
-             for step in case["steps"]]
+    steps = [step_record(step["spec"], step["seed"], step.get("holes"), case["rejected_drafts"],
+                         step.get("host_q_lens")) for step in case["steps"]]
     return {CASE_KEY: CASE_VERSION, "kind": case["kind"], "backend": dict(case["backend"]),
             "max_tokens": int(case["max_tokens"]), "twin": bool(case["twin"]), "compare": bool(case["compare"]),
             "with_inputs": bool(case["with_inputs"]), "adaptive_verification": bool(case["adaptive_verification"]),
@@ -111,7 +125,7 @@ def case_problem(record: dict) -> str | None:
     problem = fields_problem(record, REQUIRED_FIELDS, OPTIONAL_FIELDS, "case")
     if problem:
         return problem
-    problem = fields_problem(record["backend"], BACKEND_FIELDS, {}, "case", "backend.")
+    problem = fields_problem(record["backend"], BACKEND_FIELDS, OPTIONAL_BACKEND_FIELDS, "case", "backend.")
     if problem:
         return problem
     steps = record["steps"]
@@ -121,7 +135,7 @@ def case_problem(record: dict) -> str | None:
         return f"case field 'steps' holds {len(steps)} steps, a case of kind 'step' one"
     for i, step in enumerate(steps):
         if not isinstance(step, dict):
-            return f"case field 'steps[{i}]' is not a {{spec, seed, scenario_digest[, holes]}} object"
+            return f"case field 'steps[{i}]' is not a {{spec, seed, scenario_digest[, holes, host_q_lens]}} object"
         problem = fields_problem(step, STEP_FIELDS, OPTIONAL_STEP_FIELDS, "case", f"steps[{i}].")
         if problem:
             return problem
@@ -132,7 +146,21 @@ def case_problem(record: dict) -> str | None:
         problem = spec_problem(step["spec"], "case", f"steps[{i}].spec.")
         if problem:
             return problem
+        if "host_q_lens" in step:
+            problem = host_split_field_problem(step["spec"], step["host_q_lens"], f"steps[{i}].host_q_lens")
+            if problem:
+                return problem
     return None
+
+
+def host_split_field_problem(spec: dict, host_q_lens: list[int], name: str) -> str | None:
+    """Why a step's ``host_q_lens`` is no host split vLLM's runner makes beside the step's device
+    split (its spec's own: ``harness.builder.host_split_problem``), or None."""
+    from harness.builder import host_split_problem
+    from harness.spec import spec_from_dict
+
+    problem = host_split_problem(spec_from_dict(spec), host_q_lens)
+    return None if problem is None else f"case field '{name}' is {shown(host_q_lens)}, not a host split: {problem}"
 
 
 def load_backend_case(path) -> dict:
@@ -145,7 +173,7 @@ def load_backend_case(path) -> dict:
     record = load_checked(path, "case", CASE_KEY, CASE_VERSION, case_problem)
     for i, step in enumerate(record["steps"]):
         scenario = scenario_of_step(spec_from_dict(step["spec"]), step["seed"], holes_of(step),
-                                    rejected_drafts=record.get("rejected_drafts", 0))
+                                    step.get("host_q_lens"), rejected_drafts=record.get("rejected_drafts", 0))
         if scenario_digest(scenario) != step["scenario_digest"]:
             raise FixtureError(f"{path}: case field 'steps[{i}].scenario_digest' is not the digest of the scenario "
                                f"step {i}'s spec and seed build: the step's spec or seed was changed, or the scenario "
@@ -154,10 +182,12 @@ def load_backend_case(path) -> dict:
 
 
 def steps_of(record: dict) -> list[tuple]:
-    """``(spec, seed, holes)`` of each step of a loaded case."""
+    """``(spec, seed, holes, host_q_lens)`` of each step of a loaded case (``harness.judge.scenario_of_step``'s
+    arguments)."""
     from harness.spec import spec_from_dict
 
-    return [(spec_from_dict(step["spec"]), step["seed"], holes_of(step)) for step in record["steps"]]
+    return [(spec_from_dict(step["spec"]), step["seed"], holes_of(step), step.get("host_q_lens"))
+            for step in record["steps"]]
 
 
 def identity_lines(record: dict, backend) -> list[str]:

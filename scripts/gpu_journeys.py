@@ -7,10 +7,10 @@ Each journey runs some GPU tests with a re-created bug (``tests/bugs.py``) and
 ``--dump-failures``, then ``--replay`` of what was written with the bug (it must fail) and
 without it (it must pass):
 
-- ``plan``: ``ContextIsPosition`` (a kv_len rule off by one): single-step fixtures;
-- ``kernel-input``: ``QPeHeadsRolled`` (the kernel handed q_pe with its heads rolled): fixtures
-  whose recorded outputs are wrong; the replay re-runs them on the installed FlashInfer, and the
-  re-run decides;
+- ``plan``: ``ContextIsPosition`` (a kv_len rule off by one): single-step backend cases of the
+  port (``*.case.json``, the main tier runs the port behind the seam);
+- ``kernel-input``: ``QPeHeadsRolled`` (the kernel handed q_pe with its heads rolled): backend
+  cases of the port, run again on the installed FlashInfer on replay;
 - ``stateful``: ``StaleLengthsPastTheRowCount`` (an attention state keeping the lengths of a
   larger step): sequence files, replayed through one attention state.
 
@@ -54,10 +54,10 @@ class Journey:
 JOURNEYS = (
     Journey("plan", "ContextIsPosition",
             ("tests/gpu/test_attention_regimes.py", "-k", "test_kernel_matches and compacted and ctx2049"),
-            ("*.safetensors", "*.recipe.json")),
+            ("*.case.json", "*.safetensors", "*.recipe.json")),
     Journey("kernel-input", "QPeHeadsRolled",
             ("tests/gpu/test_attention_regimes.py", "-k", "test_kernel_matches and compacted and (ctx1- or ctx2049)"),
-            ("*.safetensors", "*.recipe.json")),
+            ("*.case.json", "*.safetensors", "*.recipe.json")),
     Journey("stateful", "StaleLengthsPastTheRowCount",
             # less the graph case at 128 heads: there the project's own path shows FlashInfer's standing
             # finding (docs/findings.md#graph-replay-with-stale-plan-state), fixed bug or not

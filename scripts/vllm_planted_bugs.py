@@ -40,8 +40,9 @@ BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
 #: Under adaptive verification, each row bounded by its request under the host's query split (the
 #: path without adaptive verification) where 0.31.0 to 0.34.0 bound every row by the longest
 #: request. Right wherever the device runs the host's split; caught only by a step whose device
-#: split differs (``harness.cases.device_split_cases``, ``tests/cpu/test_query_split.py``). Not one of
-#: :data:`BUGS`: a written case holds no host split, so its journey has no case to replay.
+#: split differs (``harness.cases.device_split_cases``, ``tests/cpu/test_query_split.py``, whose written
+#: cases keep the host split: ``tests/cpu/test_vllm_dump_replay.py``). Not one of :data:`BUGS`: the
+#: journeys' tests (:data:`scripts.gpu_journeys.VLLM_TESTS`) run no such step.
 HOST_SPLIT_BOUND = PlantedBug("host-split-bound", "ctx = torch.full((num_rows,), int(sl_host[:num_reqs].max()))",
                               "ctx = self._row_contexts(qsl, sl_host[:num_reqs])")
 

@@ -634,3 +634,41 @@ def test_nested_case_logs_close_their_own_log():
             assert inner is not outer
         note_sequence("reused-buffers", "packed", 8)
     assert outer.sequence is not None and inner.sequence is None
+
+
+#: The main fa3 tier's strided and packed cases of one context (tests/gpu/test_attention_regimes.py).
+STRIDED_AND_PACKED = "test_kernel_matches_as_implemented_reference and ctx2051-kpool4 and (strided or packed)"
+
+
+@pytest.mark.gpu_stand_in
+@pytest.mark.suite_self_test
+@pytest.mark.parametrize(("bug", "message"), [
+    ("KpoolFromWrongSpec", r"invariant violations \(kernel not launched\)"),  # a plan bug: caught before launch
+    ("QPeHeadsRolled", r"port-fa3's output vs \(a\) beyond the error budget"),  # a kernel-input bug: in the output
+])
+def test_a_strided_or_packed_port_case_is_a_backend_case_that_replays_red_and_green_on_a_simulated_machine(
+    pytester, monkeypatch, tmp_path, bug, message
+):
+    """A planted bug fails the main tier's strided and packed cases; each is written as a backend case
+    whose record names the port's layout, which its replay reopens: red under the bug, naming the
+    layout, and green without it (on a simulated SM90 machine: FlashInfer's wrapper replaced by the
+    reference)."""
+    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+
+    dump, impl = tmp_path / "dumps", f"--impl=tests.bugs:{bug}"
+    result = run_gpu_family(pytester, monkeypatch, "tests/gpu/test_attention_regimes.py", STRIDED_AND_PACKED, impl,
+                            f"--dump-failures={dump}", simulated=True)
+    output = "\n".join(result.outlines + result.errlines)
+    assert result.ret == 1 and result.parseoutcomes().get("failed") == 2, output[-3000:]
+    written = sorted(dump.iterdir())
+    assert [p.name.endswith(".case.json") for p in written] == [True, True], (written, output[-3000:])
+    layouts = {json.loads(p.read_text())["backend"]["layout"] for p in written}
+    assert layouts == {"strided", "packed"}, layouts
+    red = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={dump}", impl, simulated=True)
+    red_text = "\n".join(red.outlines + red.errlines)
+    assert red.ret == 1 and red.parseoutcomes().get("failed") == 2, red_text[-3000:]
+    for layout in layouts:
+        assert re.search(rf"{message}.*{layout} layout", red_text), (layout, red_text[-3000:])
+    green = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={dump}", simulated=True)
+    green_text = "\n".join(green.outlines + green.errlines)
+    assert green.ret == 0 and green.parseoutcomes().get("passed") == 2, green_text[-3000:]

@@ -8,24 +8,29 @@ device clamp cuts each row to its valid count under the device split.
 The truth is the device's: every row belongs to its request under the device split, with that
 request's context, indexer row and block table. The steps are ``harness.cases.device_split_cases``
 built with ``harness.builder.with_host_query_split``, run through the release as it ships on the fa3
-stand-in, and with ``scripts.vllm_planted_bugs.HOST_SPLIT_BOUND`` planted (each row bounded by its
+stand-in (``harness.judge.run_case`` with the host split: a failing one is written as a case that
+keeps it), and with ``scripts.vllm_planted_bugs.HOST_SPLIT_BOUND`` planted (each row bounded by its
 request under the host split), which the new steps catch, naming the rows, and the steps the suite
 drew before (one split) miss.
 """
 
 from __future__ import annotations
 
-import inspect
+import json
 
 import pytest
+import torch
 
 from backends.vllm_sm90 import common_metadata
 from harness.backend_step import layer_config, valid_lengths
 from harness.builder import build_scenario, even_host_split, host_split_problem, with_host_query_split
 from harness.cases import Case, device_split_cases, longest_request_cases, situation_cases
 from harness.device_inputs import build_attention_inputs
-from harness.judge import judge_step
+from harness.judge import judge_step, run_case, scenario_of_step
 from harness.spec import batch, device_query_start_loc
+from recording.backend_case import load_backend_case, steps_of, write_backend_case
+from recording.fixture import FixtureError
+from recording.recipe import save_with_digest, scenario_digest
 from reference.rules import request_ids_per_row, row_context
 from scripts.vllm_planted_bugs import HOST_SPLIT_BOUND
 from tests.cpu.test_vllm_situations import BF16, BUILDER, UnreportedJudge, planted
@@ -100,22 +105,60 @@ def test_a_host_split_the_runner_never_makes_is_refused(host, why):
     assert problem is not None and why in problem, problem
 
 
+# --- a written case keeps the host split --------------------------------------------------------------
+
+VLLM_IDENTITY = {"name": "vllm-0.33.0", "kernel": "fa3", "release": "0.33.0", "module_digest": None}
+
+
+def noted_case(case, host) -> dict:
+    """The case ``harness.judge.run_case`` notes for one step of ``case`` with the host split ``host``."""
+    return {"kind": "step", "backend": VLLM_IDENTITY, "max_tokens": 32, "twin": False, "compare": True,
+            "with_inputs": True, "adaptive_verification": True, "rejected_drafts": 0, "kv_block_stride": None,
+            "steps": [{"spec": case.spec, "seed": SEED, "holes": None, "host_q_lens": host}], "flashinfer": "none"}
+
+
+@pytest.mark.parametrize(("case", "host"), CASES, ids=[c.name for c, _ in CASES])
+def test_a_written_case_rebuilds_the_step_with_its_host_split(tmp_path, case, host):
+    """The case file keeps the host split; loaded, its step rebuilds the scenario the test ran, both
+    splits bit for bit."""
+    path = write_backend_case(tmp_path, "split", noted_case(case, host))
+    (step,) = steps_of(load_backend_case(path))
+    assert step[3] == host
+    rebuilt, ran = scenario_of_step(*step), split_scenario(case, host)
+    assert scenario_digest(rebuilt) == scenario_digest(ran) != scenario_digest(build_scenario(case.spec, SEED))
+    assert torch.equal(rebuilt.meta.query_start_loc, ran.meta.query_start_loc)
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda host: host[:-1], "must hold the 3 requests"),  # a request lost
+    (lambda host: [host[0] + 1, *host[1:]], "must hold the 3 requests and 8 rows"),  # a row more
+    (lambda host: [-1, *host[1:]], "expected a list of at most"),  # not a row count
+    (lambda host: "3,3,2", "expected a list of at most"),
+])
+def test_a_host_split_that_is_none_is_one_fixture_error_naming_the_field(tmp_path, edit, why):
+    """A case file whose host split the runner never makes (its digest recomputed) is refused at load,
+    naming the step's field; one without a host split is a step whose device runs the host's."""
+    case, host = CASES[0]
+    path = write_backend_case(tmp_path, "split", noted_case(case, host))
+    record = json.loads(path.read_text())
+    record["steps"][0]["host_q_lens"] = edit(host)
+    save_with_digest(path, record)
+    with pytest.raises(FixtureError, match=r"case field 'steps\[0\]\.host_q_lens' is .*" + why):
+        load_backend_case(path)
+    del record["steps"][0]["host_q_lens"]
+    save_with_digest(path, record)
+    with pytest.raises(FixtureError, match=r"steps\[0\]\.scenario_digest"):  # the device ran another step
+        load_backend_case(path)
+
+
 # --- through vLLM's backend -----------------------------------------------------------------------------
-
-
-def reads_adaptive_verification(backend) -> bool:
-    """Whether the release's builder reads the adaptive verification setting (0.31.0 on)."""
-    return "enable_adaptive_verification" in inspect.getsource(backend.module.FlashInferMLASparseSM90Builder.__init__)
 
 
 def run_split_case(judge, backend, case, host, device, seed: int = SEED):
     """One step of ``case`` with the host split ``host`` through a fresh layer of ``backend`` under
-    adaptive verification, judged by ``judge``; the outcome."""
-    scenario = split_scenario(case, host, seed)
-    config = layer_config(case.spec, max(scenario.topk_indices.shape[0], 1), adaptive_verification=True)
-    judge.admit(backend, config)
-    layer = backend.open_layer(config, device)
-    return judge.step(backend, layer, scenario, build_attention_inputs(scenario, device))
+    adaptive verification, judged by ``judge`` (``harness.judge.run_case``: a failure under
+    ``--dump-failures`` is written as a case that keeps the host split); the outcome."""
+    return run_case(judge, backend, case.spec, device, seed=seed, adaptive_verification=True, host_q_lens=host)
 
 
 def failing_rows(backend, case, host, device, seed: int = SEED) -> list[int]:
@@ -132,7 +175,7 @@ def failing_rows(backend, case, host, device, seed: int = SEED) -> list[int]:
 def test_adaptive_verification_with_a_device_split(vllm_on_stand_in, device, judge, case, host):
     """Every row executes its valid count under the device split, within a plan that bounds every
     row by the longest request's host bound."""
-    if not reads_adaptive_verification(vllm_on_stand_in):
+    if not vllm_on_stand_in.reads_adaptive_verification:
         pytest.skip(f"vLLM {vllm_on_stand_in.version}'s builder reads no adaptive verification setting")
     outcome = run_split_case(judge, vllm_on_stand_in, case, host, device)
     spec = case.spec

@@ -5,7 +5,8 @@ of those files fails on the planted copy and passes on the release as it shipped
 named as a different module.
 
 The bugs are ``scripts/vllm_planted_bugs.py``'s: the kept-plan condition, the device clamp and
-the host lengths. The suite runs in child pytest processes, as a user runs it."""
+the host lengths, and the bound from the host's query split, which only a step whose device split
+differs shows (its case keeps the host's split). The suite runs in child pytest processes, as a user runs it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.vllm_planted_bugs import BUGS_BY_NAME, planted_copy
+from harness.cases import device_split_cases
+from scripts.vllm_planted_bugs import BUGS_BY_NAME, HOST_SPLIT_BOUND, planted_copy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.suite_self_test]
 
@@ -67,3 +69,27 @@ def test_a_dumped_case_replays_red_under_the_bug_and_green_without_it(vllm_backe
     status, out, counts = pytest_run(f"--replay={dumps}", f"--vllm={vllm_backend.source.root}", "-rA")
     assert status == 0 and counts.get("passed") == len(written), f"replay on the release as shipped:\n{out[-3000:]}"
     assert "the code under test differs" in out, out[-3000:]
+
+
+def test_a_device_split_case_keeps_the_host_split_and_replays_red_under_the_bug_and_green_without_it(
+        vllm_backend, tmp_path):
+    """Each row bounded by its request under the host's query split (``HOST_SPLIT_BOUND``) fails the
+    device split cases of ``tests/cpu/test_query_split.py``; each written case keeps its step's host
+    split, without which the step is right under the bug, and replays red on the planted copy and
+    green on the release as shipped."""
+    bugged = planted_copy(vllm_backend.source.root, tmp_path / "vllm-planted", HOST_SPLIT_BOUND)
+    if bugged is None:
+        pytest.skip(f"the planted line is vLLM 0.33.0's; vLLM {vllm_backend.version}'s module does not hold it")
+    dumps = tmp_path / "dumps"
+    status, out, counts = pytest_run("-m", "vllm", f"--vllm={bugged}", "tests/cpu/test_query_split.py", "-k",
+                                     "test_adaptive_verification_with_a_device_split", f"--dump-failures={dumps}")
+    cases = device_split_cases()
+    assert status == 1 and counts.get("failed") == len(cases), f"the planted bug:\n{out[-3000:]}"
+    records = [json.loads(p.read_text()) for p in sorted(dumps.glob("*.case.json"))]
+    assert sorted(r["steps"][0].get("host_q_lens") for r in records) == sorted(host for _, host in cases), records
+    assert all(r["adaptive_verification"] for r in records), records
+
+    status, out, counts = pytest_run(f"--replay={dumps}", f"--vllm={bugged}")
+    assert status == 1 and counts.get("failed") == len(cases), f"replay under the bug:\n{out[-3000:]}"
+    status, out, counts = pytest_run(f"--replay={dumps}", f"--vllm={vllm_backend.source.root}")
+    assert status == 0 and counts.get("passed") == len(cases), f"replay on the release as shipped:\n{out[-3000:]}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cases import KernelConfig, sequence_steps
+from harness.cases import KernelConfig, device_split_cases, sequence_steps
 from harness.judge import port_twin, run_case, run_sequence
 from harness.launch import DEVICE
 from tests.vllm_cases import input_space_params, large_params, magnitude_params, step_params
@@ -75,3 +75,15 @@ def test_input_space_covering_design_on_flashinfer(vllm_on_gpu, fa3_twin, judge,
     """Every value class of every dimension of the production input space through vLLM's
     build() and forward_mqa() on FlashInfer."""
     run_case(judge, vllm_on_gpu, case.spec, DEVICE, twin=fa3_twin, holes=case.holes)
+
+
+@pytest.mark.parametrize(("case", "host"), device_split_cases(), ids=[c.name for c, _ in device_split_cases()])
+def test_device_split_on_flashinfer(vllm_on_gpu, judge, case, host):
+    """Adaptive verification with a device query split that differs from the host's
+    (docs/input-space.md#a-device-query-split-that-differs-from-the-hosts): every row executes
+    its valid count under the device split on FlashInfer, its output within the budget. No twin:
+    the port reads each row's request from the host's split (it ports 0.30.0, which knows one), so
+    its output is no twin of this step."""
+    if not vllm_on_gpu.reads_adaptive_verification:
+        pytest.skip(f"vLLM {vllm_on_gpu.version}'s builder reads no adaptive verification setting")
+    run_case(judge, vllm_on_gpu, case.spec, DEVICE, seed=3, adaptive_verification=True, host_q_lens=host)
