@@ -27,3 +27,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         bits = _BITS[a.element_size()]
         return a.contiguous().view(bits) == b.contiguous().view(bits)
     return a == b
+
+
+def ulp_distance_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element, how many bf16 values lie between ``a`` and ``b`` (both bf16, finite)."""
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits + 32768), bits)
+
+    return (ordered(a) - ordered(b)).abs()

@@ -4,7 +4,8 @@ test runs a case or a sequence through a backend.
 :func:`judge_step` runs one step and returns a :class:`Verdict`: the backend's
 :class:`~backends.seam.StepOutcome`, the problems of the rows it served (routing, executed lengths
 against valid counts, executed slots against the intended selection (a), what the read-back of
-the schedule found malformed: ``harness.backend_step``), the output (and LSE) against the
+the schedule found malformed: ``harness.backend_step``; a layer mode's comparison of the step
+with its other run: ``harness.layer_modes``), the output (and LSE) against the
 float64 oracle over (a) within the error budget, the known findings the step is expected to show
 (``harness.findings``), and the failure, if any, as the exception the test raises: a known
 finding's own exception where the finding decides the step, else an ``AssertionError`` naming the
@@ -78,6 +79,7 @@ from .findings import (
     topk_hole_rows,
     topk_holes_finding,
 )
+from .layer_modes import layer_mode_of, mode_problems
 from .pipeline import describe_rows, selection_mismatches
 from .spec import Scenario
 from .topk_holes import TopkHoles, measure_hole_rows, with_topk_holes
@@ -353,7 +355,9 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
 
     An output beyond the budget passes where it is bit for bit ``twin``'s on the same inputs
     (``Verdict.kernel_rounding``): the kernel's rounding, which the kernel's own tests judge.
-    ``context_of_step`` (a sequence's ``step i of n``) leads every failure message."""
+    ``context_of_step`` (a sequence's ``step i of n``) leads every failure message. A layer in a
+    mode of ``harness.layer_modes`` (poisoned workspaces, graphed, against a fresh layer) adds
+    what its comparison of the step with its other run found to the step's problems."""
     expected = expected_findings(backend, scenario.spec, query_shape_checked)
     lead = f"{context_of_step}: " if context_of_step else ""
     where = f"{lead}{scenario.describe()}; {backend.describe()}"
@@ -385,7 +389,8 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
         verdict.expected.append(SLOT_ZERO)
     verdict.problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
                         + selection_problems(outcome, scenario)
-                        + (rerun_problems(layer, step_input(scenario, inputs), outcome) if inputs is not None else []))
+                        + (rerun_problems(layer, step_input(scenario, inputs), outcome) if inputs is not None else [])
+                        + mode_problems(layer))
     if scenario.extra.get("topk_holes") is not None:
         # the rows that load slot 0 are left out of the output check here, not a finding of their own
         verdict.expected = [f for f in verdict.expected if f is not SLOT_ZERO]
@@ -568,7 +573,7 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
     case = {"kind": kind, "backend": backend_identity(backend), "max_tokens": max_tokens, "twin": twin is not None,
             "compare": compare, "with_inputs": with_inputs, "adaptive_verification": adaptive_verification,
             "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "steps": [],
-            "flashinfer": flashinfer_in_use()}
+            "flashinfer": flashinfer_in_use(), "layer_mode": layer_mode_of(backend)}
     outcomes = []
     if not rebuilds:
         note_backend_case(None)  # an earlier case of the same test is not this one

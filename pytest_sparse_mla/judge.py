@@ -12,8 +12,8 @@ step goes to ``harness.judge.judge_step``; the verdict is then read here and onl
 - under the upgrade check the step's outputs, integer results (executed, planned and host
   lengths) and error ratios are noted for the record (``baseline.note``);
 - for ``--dump-failures`` the case is already noted by ``harness.judge`` (the backend, its
-  release and module digest, a port's layout and plan-keeping, the steps as specs and seeds with
-  their host query split where the device's differs).
+  release and module digest, a port's layout and plan-keeping, the layer mode, the steps as specs
+  and seeds with their host query split where the device's differs).
 
 The verdict's failure is then raised. :func:`replay_backend_case` re-runs a written case
 through the backend the run names (``--impl``, ``--vllm``, ``--backend``) with the same fixture.
@@ -78,11 +78,17 @@ class StepJudge:
 
     def verdict(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
                 context_of_step: str = ""):
-        """Judge one step (``harness.judge.judge_step``) and report the verdict; return it."""
+        """Judge one step (``harness.judge.judge_step``) and report the verdict; return it. A layer
+        whose mode cannot run here (``harness.layer_modes.CaptureUnsupported``: a forward no CUDA
+        graph captures here) skips the test with the reason."""
         from harness.judge import judge_step
+        from harness.layer_modes import CaptureUnsupported
 
-        verdict = judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin,
-                             query_shape_checked=flashinfer_checks_query_shape, context_of_step=context_of_step)
+        try:
+            verdict = judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin,
+                                 query_shape_checked=flashinfer_checks_query_shape, context_of_step=context_of_step)
+        except CaptureUnsupported as exc:
+            pytest.skip(f"unsupported: {exc}")
         self.expect(verdict.expected)
         self.report(verdict, scenario, label, layer)
         return verdict
@@ -157,7 +163,19 @@ def judge(request) -> StepJudge:
 def backend_of_case(record: dict, config):
     """The backend a written case names, opened on what this run has (``--impl`` for the port's
     host stages, under the layout and plan-keeping its record names; ``--vllm`` for a vLLM
-    release's backends, ``--backend module:factory`` for a user's own), or ``(None, why)``."""
+    release's backends, ``--backend module:factory`` for a user's own), its layers in the layer
+    mode the case ran in (``layer_mode``, ``harness.layer_modes``; plain where the file has none),
+    or ``(None, why)``."""
+    from harness.layer_modes import in_layer_mode
+
+    backend, why = backend_named(record, config)
+    if backend is None:
+        return None, why
+    return in_layer_mode(backend, record.get("layer_mode", "plain")), None
+
+
+def backend_named(record: dict, config):
+    """The backend a written case names, as :func:`backend_of_case` opens it, before its layer mode."""
     from backends.registry import NEEDS_VLLM, PORT_KERNELS, family_and_release
 
     from .backend import factory_backends, open_run_backend
@@ -195,7 +213,8 @@ def replay_backend_case(path, request, record: dict) -> None:
         pytest.fail(f"{path}: {why}", pytrace=False)
     device = request.getfixturevalue("device")
     lines = [f"case {path}: {record['kind']} of {len(record['steps'])} steps on {record['backend']['name']} "
-             f"({record.get('nodeid', 'no test id')})", *identity_lines(record, backend),
+             f"({record.get('nodeid', 'no test id')}; layer mode {record.get('layer_mode', 'plain')})",
+             *identity_lines(record, backend),
              f"  replay: {replay_command(path, **run_options(request.config))}",
              *standalone_lines(path, record, request.config)]
     request.node.user_properties.append((REPLAY_KEY, "\n".join(lines)))

@@ -8,7 +8,10 @@ seed (and the score pattern of its top-k where it has holes). A failing test's c
 with each step's scenario digest, and the FlashInfer the
 step ran on (a release, or the stand-in class of a CPU run). A port's record names its layer
 too (its kv_indices layout and whether it keeps its plans), and a step whose device query split
-differs from the host's keeps the host's (``host_q_lens``). A single step is a case of one
+differs from the host's keeps the host's (``host_q_lens``). The layer mode the steps ran in
+(``layer_mode``, ``harness.layer_modes``: plain, poisoned workspaces, graphed, against a fresh
+layer) is recorded and reopened on replay, the comparison of that mode judged with every step; a
+file without it is plain. A single step is a case of one
 step; a sequence keeps every step up to the failing one, so a kept plan, a clamp of a kept plan
 or a replan is carried into the failing step as the test carried it.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from harness.layer_modes import LAYER_MODES, PLAIN
 from reference.indexer import HOLE_KINDS
 
 from .checks import (
@@ -66,7 +70,7 @@ REQUIRED_FIELDS = {
 }
 OPTIONAL_FIELDS = {"vllm": text, "impl": text, "nodeid": text, "flashinfer": text, "why": text, "drawn": text,
                    "adaptive_verification": a_bool, "rejected_drafts": int_in(0, MAX_TOPK),
-                   "kv_block_stride": nullable(int_in(1, 64 * MAX_BLOCK_SIZE))}
+                   "kv_block_stride": nullable(int_in(1, 64 * MAX_BLOCK_SIZE)), "layer_mode": one_of(*LAYER_MODES)}
 STEP_FIELDS = {"spec": lambda v: None, "seed": int_in(0, MAX_SEED), "scenario_digest": sha256_hex}
 #: The score pattern of a step's top-k where it has holes (``harness.topk_holes.TopkHoles``), and
 #: the host's query split where the device's (the spec's own) differs from it
@@ -111,7 +115,7 @@ def case_record(case: dict, **meta) -> dict:
             "max_tokens": int(case["max_tokens"]), "twin": bool(case["twin"]), "compare": bool(case["compare"]),
             "with_inputs": bool(case["with_inputs"]), "adaptive_verification": bool(case["adaptive_verification"]),
             "rejected_drafts": int(case["rejected_drafts"]), "kv_block_stride": case["kv_block_stride"],
-            "steps": steps, "flashinfer": case["flashinfer"],
+            "steps": steps, "flashinfer": case["flashinfer"], "layer_mode": case.get("layer_mode", PLAIN),
             **{k: v for k, v in meta.items() if v is not None}}
 
 

@@ -176,6 +176,31 @@ class QPeHeadsRolled(FastImpl):
         return State(self, config, device, **kwargs)
 
 
+class StaleSplitPartialMerged(FastImpl):
+    """The stale split partial of TensorRT-LLM #18755 (docs/input-space.md#poisoned-workspaces):
+    an attention state whose merge takes, besides the row's own, the partial of a split that
+    computed nothing from FlashInfer's float workspace, with weight 0; 0 x a NaN partial is NaN.
+    The workspace is zero when the state is made and the stand-in kernels never write it, so every
+    clean step is right: only the poisoned-workspace check shows it (on the simulated machine too)."""
+
+    name = "workspace-stale-split-partial-merged"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from backends.sm90_state import SM90AttentionState
+
+        class State(SM90AttentionState):
+            def __init__(self, *args, **kw):
+                super().__init__(*args, **kw)
+                self.workspace.zero_()
+
+            def attend(self, q_nope, q_pe, ckv, kpe, out, lse):
+                super().attend(q_nope, q_pe, ckv, kpe, out, lse)
+                n, empty_split = self.num_rows, self.workspace[:4].view(torch.float32)[0]
+                out[:n] = (out[:n].float() + 0.0 * empty_split).to(out.dtype)
+
+        return State(self, config, device, **kwargs)
+
+
 #: Rows the step kernels of :class:`StepKernelsOnTheCapturedGrid` cover: the largest batch an
 #: engine captures in a CUDA graph (vLLM's default largest capture size).
 CAPTURED_GRID_ROWS = 512

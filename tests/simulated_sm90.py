@@ -138,6 +138,16 @@ class SimulatedGraph:
     def __init__(self):
         self.launches: list[CapturedLaunch] = []
 
+    @staticmethod
+    def capture_problem(layer) -> str | None:
+        """Why this machine's graphs cannot capture ``layer``'s forward (read by
+        ``harness.layer_modes.capture_problem``): they keep the port's attention state steps
+        alone, so a forward through any other state would run outside the capture."""
+        if isinstance(getattr(layer, "state", None), sm90.SM90AttentionState):
+            return None
+        return ("the simulated machine's CUDA graphs capture only the port's attention state step "
+                "(tests.simulated_sm90.SimulatedGraph); this layer's forward would run outside the capture")
+
     def replay(self) -> None:
         for launch in self.launches:
             state, wrapper = launch.state, launch.state.wrapper

@@ -2,10 +2,15 @@
 #poisoned-workspaces, #graph-against-eager): plan history, poisoned workspaces and graph against
 eager through the port (on the reference wrapper; its graphs the simulated machine's), vLLM's SM90
 backend (on FlashInfer's fa3 stand-in) and FlashMLA (on its stand-in kernels), each step judged by
-``harness.judge``; and each check shown to fail on the bug it exists for.
+``harness.judge`` with its layer mode's comparison (``harness.layer_modes``); each check shown to fail
+on the bug it exists for; and a failure only poisoned workspaces show written as a case that records
+its layer mode and replays red under the bug and green without it.
 """
 
 from __future__ import annotations
+
+import json
+import re
 
 import pytest
 import torch
@@ -13,19 +18,18 @@ import torch
 import backends.sm90_state as sm90
 from backends.registry import open_backend
 from backends.seam import float_workspaces
-from tests import simulated_sm90
-from tests.cpu.test_rerun import ReferenceWrapper
-from tests.plan_history_cases import (
+from harness.bits import ulp_distance_bf16
+from harness.layer_modes import WrappedBackend, WrappedLayer, capture_problem
+from harness.plan_history import (
     PLAN_HISTORY_ULPS,
-    WrappedBackend,
-    WrappedLayer,
-    capture_problem,
     check_graph_against_eager,
     check_plan_history,
     check_poisoned_workspaces,
+    histories,
     keeps_plans,
-    ulp_distance_bf16,
 )
+from tests import simulated_sm90
+from tests.cpu.test_rerun import ReferenceWrapper
 
 
 @pytest.fixture
@@ -78,7 +82,6 @@ def test_vllm_graph_is_unsupported_on_the_simulated_machine(vllm_on_stand_in, si
     """The simulated machine's graphs hold the port's attention state alone: vLLM's capture is
     skipped with that reason here and runs on a GPU."""
     from harness.backend_step import layer_config
-    from tests.plan_history_cases import histories
 
     spec = histories()["fresh"][0][0]
     layer = vllm_on_stand_in.open_layer(layer_config(spec, 8), device)
@@ -171,9 +174,10 @@ class CapturedQueryDiffers(WrappedLayer):
 
 
 def test_poisoned_workspaces_catch_a_read_of_stale_partials(reference_wrapper, device, judge):
-    """The clean run passes; with the workspace poisoned the judge finds the NaN output."""
+    """The clean run passes; with the workspace poisoned the judge finds the output other than the clean run's."""
     check_plan_history(judge, WrappedBackend(open_backend("port-fa3"), ReadsStalePartials), device)
-    with pytest.raises(AssertionError, match=r"NaN \(first at"):
+    with pytest.raises(AssertionError, match=r"the poisoned run's output is not the clean run's bit for bit "
+                                             r"\(\d+ elements differ, max \d+ bf16 ULPs, non-finite: [1-9]"):
         check_poisoned_workspaces(judge.raising_findings(), WrappedBackend(open_backend("port-fa3"),
                                                                            ReadsStalePartials), device)
 
@@ -211,3 +215,91 @@ class KeptPlanDriftsOnReplan(WrappedLayer):
 def test_graph_against_eager_catches_a_capture_that_computes_otherwise(simulated_machine, device, judge):
     with pytest.raises(AssertionError, match="the graph replay's (output|LSE) is not the eager run's"):
         check_graph_against_eager(judge, WrappedBackend(open_backend("port-fa3"), CapturedQueryDiffers), device)
+
+
+# --- a failure only poisoned workspaces show, written and replayed in its layer mode ---------------
+
+STALE_PARTIAL = "--impl=tests.bugs:StaleSplitPartialMerged"
+GPU_TWIN = "tests/gpu/test_plan_history_and_state.py"
+
+
+def replayed(pytester, monkeypatch, dump, *args):
+    """``pytest --replay=dump`` on the simulated SM90 machine: the nested session and its output."""
+    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+
+    result = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={dump}", *args,
+                            simulated=True)
+    return result, "\n".join(result.outlines + result.errlines)
+
+
+@pytest.mark.suite_self_test
+def test_a_failure_only_poisoned_workspaces_show_is_a_case_of_its_layer_mode_that_replays_red_and_green(
+        pytester, monkeypatch, tmp_path):
+    """``tests.bugs:StaleSplitPartialMerged`` (the port's state merges a stale partial of its float
+    workspace with weight 0) fails only the poisoned-workspace test of the GPU twin on the simulated
+    machine; its case records the layer mode, and its replay reopens the port in that mode: red
+    under the bug, naming the poisoned run against the clean one, and green without it. The same
+    file without its mode (a plain case, as a file written before the mode was recorded) replays
+    green under the bug: the mode is what makes it red."""
+    from recording.backend_case import load_backend_case
+    from recording.recipe import save_with_digest
+    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+
+    dump = tmp_path / "dumps"
+    result = run_gpu_family(pytester, monkeypatch, GPU_TWIN, "port-fa3", STALE_PARTIAL, f"--dump-failures={dump}",
+                            simulated=True)
+    output = "\n".join(result.outlines + result.errlines)
+    outcomes = result.parseoutcomes()
+    assert result.ret == 1 and (outcomes.get("failed"), outcomes.get("passed")) == (1, 2), output[-3000:]
+    assert "FAILED " in output and "test_poisoned_workspaces[port-fa3]" in output, output[-3000:]
+    (written,) = sorted(dump.iterdir())
+    record = load_backend_case(written)
+    assert (record["layer_mode"], record["backend"]["name"]) == ("poisoned", "port-fa3"), record
+
+    red, red_text = replayed(pytester, monkeypatch, dump, STALE_PARTIAL)
+    assert red.ret == 1 and red.parseoutcomes().get("failed") == 1, red_text[-3000:]
+    assert re.search(r"the poisoned run's output is not the clean run's bit for bit .*non-finite: [1-9]", red_text), \
+        red_text[-3000:]
+    green, green_text = replayed(pytester, monkeypatch, dump)
+    assert green.ret == 0 and green.parseoutcomes().get("passed") == 1, green_text[-3000:]
+
+    plain = tmp_path / "plain"
+    save_with_digest(plain / written.name, {k: v for k, v in record.items() if k not in ("layer_mode", "digest")})
+    assert "layer_mode" not in json.loads((plain / written.name).read_text())
+    unseen, unseen_text = replayed(pytester, monkeypatch, plain, STALE_PARTIAL)
+    assert unseen.ret == 0 and unseen.parseoutcomes().get("passed") == 1, unseen_text[-3000:]
+
+
+def port_case(mode: str | None) -> dict:
+    """The case ``harness.judge.run_sequence`` notes for the fresh history on the port, in ``mode``
+    (None: a case noted before the mode was recorded)."""
+    spec, seed = histories()["fresh"][0]
+    case = {"kind": "sequence", "backend": {"name": "port-fa3", "kernel": "fa3", "release": None,
+                                            "module_digest": None, "layout": "compacted", "reuse_plan": False},
+            "max_tokens": 3, "twin": False, "compare": True, "with_inputs": True, "adaptive_verification": False,
+            "rejected_drafts": 0, "kv_block_stride": None, "steps": [{"spec": spec, "seed": seed, "holes": None}],
+            "flashinfer": "none"}
+    return case if mode is None else {**case, "layer_mode": mode}
+
+
+def test_a_case_keeps_its_layer_mode_and_one_without_it_is_plain(tmp_path):
+    """Written, a case names its mode (plain where the test ran none); a file without the field,
+    written before it was recorded, still loads (and replays plain: ``backend_of_case``)."""
+    from recording.backend_case import load_backend_case, write_backend_case
+    from recording.recipe import save_with_digest
+
+    assert load_backend_case(write_backend_case(tmp_path, "graphed", port_case("graphed")))["layer_mode"] == "graphed"
+    written = load_backend_case(write_backend_case(tmp_path, "plain", port_case(None)))
+    assert written["layer_mode"] == "plain"
+    old = save_with_digest(tmp_path / "old.case.json",
+                           {k: v for k, v in written.items() if k not in ("layer_mode", "digest")})
+    assert "layer_mode" not in load_backend_case(old)
+
+
+def test_a_layer_mode_that_is_none_is_one_fixture_error_naming_the_field(tmp_path):
+    from recording.backend_case import load_backend_case, write_backend_case
+    from recording.fixture import FixtureError
+
+    path = write_backend_case(tmp_path, "sideways", port_case("sideways"))
+    with pytest.raises(FixtureError, match="'layer_mode'.*expected one of plain, poisoned, graphed, against-fresh"):
+        load_backend_case(path)

@@ -1,0 +1,278 @@
+"""A backend's layer run in a mode that sets each step beside another run of the same step
+(docs/input-space.md#plan-history-poisoned-workspaces-graph-against-eager):
+
+- ``plain``: the layer as the backend opens it;
+- ``poisoned``: every byte of the layer's float workspaces :data:`backends.seam.POISON_BYTE`
+  after its plan, before its kernel (:class:`PoisonedLayer`), set beside a clean layer of the same
+  configuration that runs the same steps: output and LSE bit for bit the clean run's;
+- ``graphed``: each step's forward run eagerly, then captured in a CUDA graph and replayed on the
+  same inputs (:class:`GraphedLayer`): output and LSE bit for bit the eager run's;
+- ``against-fresh``: each step also run through a fresh layer of the same configuration, which
+  carries no history (:class:`AgainstFreshLayer`): bit for bit where both run on the same planned
+  lengths, within :data:`PLAN_HISTORY_ULPS` bf16 ULPs where they differ.
+
+A mode's layer keeps what its comparison found of the step it ran last
+(``comparison_problems()``); the judge adds those to the step's problems
+(``harness.judge.judge_step``), so a step whose two runs differ fails as a step. A written case
+records its mode (``layer_mode``, ``recording/backend_case.py``) and its replay opens the backend
+in the same mode (:func:`in_layer_mode`), so the comparison that failed is judged again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from backends.seam import StepOutcome, float_workspaces, poison, split_step_missing
+
+from .bits import bitwise_equal, ulp_distance_bf16
+
+PLAIN = "plain"
+
+#: bf16 ULPs the output of the same step may differ by between plan histories whose planned
+#: lengths differ (their KV split points differ). Measured 0 on the CPU stand-ins (they attend a
+#: row in one softmax, unsplit); FlashInfer's fa3 kernel on an H200 is still to be measured
+#: (docs/input-space.md#plan-history): a failure reports the ULPs it saw.
+PLAN_HISTORY_ULPS = 1
+
+
+class CaptureUnsupported(Exception):
+    """The layer's forward cannot be captured in a CUDA graph here; the message says why."""
+
+
+class WrappedBackend:
+    """``backend`` with each layer it opens wrapped by ``wrap(layer)``; everything else its own."""
+
+    def __init__(self, backend, wrap):
+        self._backend, self._wrap = backend, wrap
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def open_layer(self, config, device):
+        return self._wrap(self._backend.open_layer(config, device))
+
+
+class WrappedLayer:
+    """A layer that hands every member it does not define on to ``layer``."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
+# --- what two runs of one step may differ by ---------------------------------------------------------
+
+
+def kept(outcome: StepOutcome) -> StepOutcome:
+    """A copy of what ``outcome`` reports that the layer's next step cannot overwrite (its output,
+    LSE and planned lengths)."""
+    def copy(x):
+        return None if x is None else x.clone()
+
+    return StepOutcome(outcome.backend, outcome.planned_rows, out=copy(outcome.out), lse=copy(outcome.lse),
+                       planned_lengths=copy(outcome.planned_lengths), plans=outcome.plans)
+
+
+def bitwise_problems(outcome: StepOutcome, other: StepOutcome, this: str, that: str) -> list[str]:
+    """Where ``outcome``'s output or LSE (``this`` run's) is not ``other``'s (``that`` run's) bit
+    for bit: how many elements differ and by how much."""
+    problems = []
+    if outcome.out is not None and other.out is not None and not bitwise_equal(outcome.out, other.out):
+        problems.append(f"{this}'s output is not {that}'s bit for bit ({output_gap(outcome.out, other.out)})")
+    if outcome.lse is not None and other.lse is not None and not bitwise_equal(outcome.lse, other.lse):
+        gap = float((outcome.lse.float() - other.lse.float()).abs().nan_to_num(float("inf")).max()) \
+            if outcome.lse.shape == other.lse.shape else float("inf")
+        problems.append(f"{this}'s LSE is not {that}'s bit for bit (max |diff| {gap:.3g})")
+    return problems
+
+
+def output_gap(out: torch.Tensor, other: torch.Tensor) -> str:
+    """How two outputs of one step differ: the elements apart, the most bf16 ULPs, the non-finite ones."""
+    if out.shape != other.shape:
+        return f"shapes {tuple(out.shape)} and {tuple(other.shape)}"
+    ulps = ulp_distance_bf16(out.cpu(), other.cpu()) if out.dtype == torch.bfloat16 == other.dtype \
+        else (out.float() != other.float()).int().cpu()
+    nonfinite = int((~torch.isfinite(out.float())).sum())
+    return f"{int((ulps > 0).sum())} elements differ, max {int(ulps.max())} bf16 ULPs, non-finite: {nonfinite}"
+
+
+def max_ulps(out: torch.Tensor, other: torch.Tensor) -> int:
+    if not out.numel():
+        return 0
+    return int(ulp_distance_bf16(out.cpu(), other.cpu()).max())
+
+
+def lengths(outcome: StepOutcome) -> list[int] | None:
+    return None if outcome.planned_lengths is None else outcome.planned_lengths.tolist()
+
+
+def same_plan(outcome: StepOutcome, fresh: StepOutcome) -> bool:
+    """Both runs on the same planned lengths (one plan, one split)."""
+    return outcome.planned_lengths is not None and fresh.planned_lengths is not None and \
+        torch.equal(outcome.planned_lengths, fresh.planned_lengths)
+
+
+def history_problems(outcome: StepOutcome, fresh: StepOutcome, bound: int = PLAN_HISTORY_ULPS) -> list[str]:
+    """A step after its history against the same step through a fresh layer: bit for bit where
+    their planned lengths are the same, within ``bound`` bf16 ULPs where they differ."""
+    if outcome.out is None or fresh.out is None:
+        return []
+    ulps = max_ulps(outcome.out, fresh.out)
+    if same_plan(outcome, fresh) and not bitwise_equal(outcome.out, fresh.out):
+        return [f"the same planned lengths as fresh, output not bit for bit fresh's (max {ulps} bf16 ULPs apart)"]
+    if ulps > bound:
+        return [f"output {ulps} bf16 ULPs from fresh's, beyond the plan-history bound of {bound} "
+                f"(planned {lengths(outcome)} vs fresh {lengths(fresh)})"]
+    return []
+
+
+# --- the modes ---------------------------------------------------------------------------------------
+
+
+class ModeLayer(WrappedLayer):
+    """A mode's layer: ``reopen()`` opens another layer of the same backend and configuration;
+    :meth:`comparison_problems` is what the comparison of the step run last found."""
+
+    def __init__(self, layer, reopen: Callable[[], object]):
+        super().__init__(layer)
+        self.reopen = reopen
+        self.problems: list[str] = []
+
+    def comparison_problems(self) -> list[str]:
+        return list(self.problems)
+
+
+class PoisonedLayer(ModeLayer):
+    """Every byte of the layer's float workspaces poisoned after its plan, before its kernel
+    (before the whole step where the layer has no plan/launch split); a clean layer of the same
+    configuration runs the same steps beside it, and each poisoned step must be the clean one
+    bit for bit."""
+
+    def __init__(self, layer, reopen):
+        super().__init__(layer, reopen)
+        self.clean = reopen()
+
+    def step(self, step):
+        clean = kept(self.clean.step(step))
+        outcome = self.poisoned_step(step)
+        self.problems = bitwise_problems(outcome, clean, "the poisoned run", "the clean run")
+        return outcome
+
+    def poisoned_step(self, step):
+        if split_step_missing(self.layer):
+            poison(float_workspaces(self.layer))
+            return self.layer.step(step)
+        outcome = self.layer.plan_step(step)
+        if not step.runs_kernel or outcome.refusal is not None:
+            return outcome
+        poison(float_workspaces(self.layer))
+        self.layer.launch(step, outcome)
+        return self.layer.finish(step, outcome)
+
+
+def capture_problem(layer) -> str | None:
+    """Why ``layer``'s forward cannot be captured and replayed here, or None. Graphs that cannot
+    capture every forward (a simulated machine's) say which they cannot (their class's
+    ``capture_problem(layer)``)."""
+    reason = getattr(layer, "capture_unsupported", None)
+    if reason:
+        return reason
+    missing = split_step_missing(layer)
+    if missing:
+        return f"{type(layer).__name__} has no plan/launch split (lacks {', '.join(missing)}: backends.seam.Layer)"
+    declared = getattr(torch.cuda.CUDAGraph, "capture_problem", None)
+    if callable(declared):
+        return declared(layer)
+    if not torch.cuda.is_available():
+        return "CUDA graphs need a CUDA device"
+    return None
+
+
+class GraphedLayer(ModeLayer):
+    """Each step planned on the host, its forward run eagerly (the warm-up, kept), then captured in
+    a CUDA graph and replayed on the same inputs; the outcome is the replay's (the eager output
+    poisoned in between, so a replay that writes nothing shows), which must be the eager run's
+    bit for bit. A layer that cannot be captured here raises :class:`CaptureUnsupported`."""
+
+    def step(self, step):
+        reason = capture_problem(self.layer)
+        if reason:
+            raise CaptureUnsupported(reason)
+        self.problems = []
+        outcome = self.layer.plan_step(step)
+        if not step.runs_kernel or outcome.refusal is not None:
+            return outcome
+        self.layer.launch(step, outcome)
+        warm = self.layer.finish(step, outcome)
+        eager = kept(warm)
+        poison([warm.out] + ([warm.lse] if warm.lse is not None else []))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.layer.launch(step, outcome)
+        graph.replay()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        replayed = self.layer.finish(step, outcome)
+        self.problems = bitwise_problems(replayed, eager, "the graph replay", "the eager run")
+        return replayed
+
+
+class AgainstFreshLayer(ModeLayer):
+    """Each step also run through a fresh layer of the same configuration (no history: no kept
+    plan, no buffers of earlier steps); the step after its history must be the fresh run's
+    (:func:`history_problems`)."""
+
+    def step(self, step):
+        fresh = kept(self.reopen().step(step))
+        outcome = self.layer.step(step)
+        self.problems = history_problems(outcome, fresh)
+        return outcome
+
+
+#: Each layer mode's wrapper (None: the layer as opened).
+MODES: dict[str, type[ModeLayer] | None] = {PLAIN: None, "poisoned": PoisonedLayer, "graphed": GraphedLayer,
+                                            "against-fresh": AgainstFreshLayer}
+LAYER_MODES = tuple(MODES)
+
+
+class ModeBackend(WrappedBackend):
+    """``backend`` whose layers run in ``mode`` (one of :data:`LAYER_MODES` but plain)."""
+
+    def __init__(self, backend, mode: str):
+        super().__init__(backend, MODES[mode])
+        self.layer_mode = mode
+
+    def describe(self) -> str:
+        return f"{self._backend.describe()}, its layers {mode_described(self.layer_mode)}"
+
+    def open_layer(self, config, device):
+        return self._wrap(self._backend.open_layer(config, device), lambda: self._backend.open_layer(config, device))
+
+
+def mode_described(mode: str) -> str:
+    return {"poisoned": "with poisoned workspaces beside a clean layer", "graphed": "graphed against eager",
+            "against-fresh": "against a fresh layer"}.get(mode, "plain")
+
+
+def in_layer_mode(backend, mode: str):
+    """``backend`` with its layers in ``mode`` (itself for plain)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown layer mode {mode!r} (one of {', '.join(LAYER_MODES)})")
+    return backend if mode == PLAIN else ModeBackend(backend, mode)
+
+
+def layer_mode_of(backend) -> str:
+    """The mode ``backend``'s layers run in (:func:`in_layer_mode`; plain where none was set)."""
+    mode = getattr(backend, "layer_mode", PLAIN)
+    return mode if mode in MODES else PLAIN
+
+
+def mode_problems(layer) -> list[str]:
+    """What ``layer``'s mode found comparing the step it ran last with its other run (none for a
+    layer in no mode; asked of the layer's class, as a wrapper hands other members on)."""
+    comparison = getattr(type(layer), "comparison_problems", None)
+    return comparison(layer) if callable(comparison) else []
