@@ -10,7 +10,7 @@ import torch
 
 from fast import kvlen
 from fast.impl import FastImpl
-from mla_constants import INVALID
+from mla_constants import INVALID, KV_LORA_RANK
 
 
 class KpoolFromWrongSpec(FastImpl):
@@ -197,6 +197,40 @@ class StaleSplitPartialMerged(FastImpl):
                 super().attend(q_nope, q_pe, ckv, kpe, out, lse)
                 n, empty_split = self.num_rows, self.workspace[:4].view(torch.float32)[0]
                 out[:n] = (out[:n].float() + 0.0 * empty_split).to(out.dtype)
+
+        return State(self, config, device, **kwargs)
+
+
+class GraphOutputLeftInItsStaticBuffers(FastImpl):
+    """A bug only a CUDA graph shows (docs/input-space.md#graph-against-eager): an attention state
+    whose step hands the kernel output and LSE buffers of its own, sized for the rows a graph
+    captures, and copies the planned rows into the step's ``out`` and ``lse`` after the kernel only
+    when it runs eagerly: while a graph captures it leaves the copy out, taking its own buffers for
+    the graph's output, which no caller reads. Every eager step is right (a rerun on the same plan,
+    the poisoned and against-fresh modes included); after a graph replay the step's ``out`` and
+    ``lse`` still hold what they held before it, stale as a captured launch's plan state is
+    (docs/findings.md#graph-replay-with-stale-plan-state): the last eager step's results, or the
+    NaN the graphed mode poisons them with (``harness.layer_modes.GraphedLayer``)."""
+
+    name = "graph-output-left-in-its-static-buffers"
+
+    def make_attention_state(self, config, device="cuda", **kwargs):
+        from backends.sm90_state import SM90AttentionState
+
+        class State(SM90AttentionState):
+            def __init__(self, *args, **kw):
+                super().__init__(*args, **kw)
+                rows, heads = self.config.max_rows, self.config.num_heads
+                self.static_out = torch.zeros((rows, heads, KV_LORA_RANK), dtype=torch.bfloat16, device=self.device)
+                self.static_lse = torch.zeros((rows, heads), dtype=torch.float32, device=self.device)
+
+            def step(self, topk_indices, block_table, req_id, q_nope, q_pe, ckv, kpe, out, lse):
+                super().step(topk_indices, block_table, req_id, q_nope, q_pe, ckv, kpe, self.static_out,
+                             self.static_lse)
+                if not torch.cuda.is_current_stream_capturing():
+                    n = self.num_rows
+                    out[:n].copy_(self.static_out[:n])
+                    lse[:n].copy_(self.static_lse[:n])
 
         return State(self, config, device, **kwargs)
 

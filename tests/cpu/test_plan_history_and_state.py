@@ -217,9 +217,10 @@ def test_graph_against_eager_catches_a_capture_that_computes_otherwise(simulated
         check_graph_against_eager(judge, WrappedBackend(open_backend("port-fa3"), CapturedQueryDiffers), device)
 
 
-# --- a failure only poisoned workspaces show, written and replayed in its layer mode ---------------
+# --- failures only a layer mode shows, written and replayed in their layer mode ------------------
 
 STALE_PARTIAL = "--impl=tests.bugs:StaleSplitPartialMerged"
+GRAPH_OUTPUT = "--impl=tests.bugs:GraphOutputLeftInItsStaticBuffers"
 GPU_TWIN = "tests/gpu/test_plan_history_and_state.py"
 
 
@@ -232,42 +233,65 @@ def replayed(pytester, monkeypatch, dump, *args):
     return result, "\n".join(result.outlines + result.errlines)
 
 
-@pytest.mark.suite_self_test
-def test_a_failure_only_poisoned_workspaces_show_is_a_case_of_its_layer_mode_that_replays_red_and_green(
-        pytester, monkeypatch, tmp_path):
-    """``tests.bugs:StaleSplitPartialMerged`` (the port's state merges a stale partial of its float
-    workspace with weight 0) fails only the poisoned-workspace test of the GPU twin on the simulated
-    machine; its case records the layer mode, and its replay reopens the port in that mode: red
-    under the bug, naming the poisoned run against the clean one, and green without it. The same
-    file without its mode (a plain case, as a file written before the mode was recorded) replays
-    green under the bug: the mode is what makes it red."""
+def dumped_replayed_red_and_green(pytester, monkeypatch, tmp_path, impl: str, test: str, mode: str,
+                                  message: str) -> None:
+    """The GPU twin on the simulated machine under ``impl`` fails ``test`` alone; its one written
+    case records ``mode``; replayed, it is red under ``impl`` (``message`` in its output) and green
+    without it; the same file without its mode (a plain case, as a file written before the mode
+    was recorded) replays green under ``impl``: the mode is what makes it red."""
     from recording.backend_case import load_backend_case
     from recording.recipe import save_with_digest
     from tests.cpu.test_suite_catches_bugs import run_gpu_family
 
     dump = tmp_path / "dumps"
-    result = run_gpu_family(pytester, monkeypatch, GPU_TWIN, "port-fa3", STALE_PARTIAL, f"--dump-failures={dump}",
+    result = run_gpu_family(pytester, monkeypatch, GPU_TWIN, "port-fa3", impl, f"--dump-failures={dump}",
                             simulated=True)
     output = "\n".join(result.outlines + result.errlines)
     outcomes = result.parseoutcomes()
     assert result.ret == 1 and (outcomes.get("failed"), outcomes.get("passed")) == (1, 2), output[-3000:]
-    assert "FAILED " in output and "test_poisoned_workspaces[port-fa3]" in output, output[-3000:]
+    assert "FAILED " in output and f"{test}[port-fa3]" in output, output[-3000:]
     (written,) = sorted(dump.iterdir())
     record = load_backend_case(written)
-    assert (record["layer_mode"], record["backend"]["name"]) == ("poisoned", "port-fa3"), record
+    assert (record["layer_mode"], record["backend"]["name"]) == (mode, "port-fa3"), record
 
-    red, red_text = replayed(pytester, monkeypatch, dump, STALE_PARTIAL)
+    red, red_text = replayed(pytester, monkeypatch, dump, impl)
     assert red.ret == 1 and red.parseoutcomes().get("failed") == 1, red_text[-3000:]
-    assert re.search(r"the poisoned run's output is not the clean run's bit for bit .*non-finite: [1-9]", red_text), \
-        red_text[-3000:]
+    assert re.search(message, red_text), red_text[-3000:]
     green, green_text = replayed(pytester, monkeypatch, dump)
     assert green.ret == 0 and green.parseoutcomes().get("passed") == 1, green_text[-3000:]
 
     plain = tmp_path / "plain"
     save_with_digest(plain / written.name, {k: v for k, v in record.items() if k not in ("layer_mode", "digest")})
     assert "layer_mode" not in json.loads((plain / written.name).read_text())
-    unseen, unseen_text = replayed(pytester, monkeypatch, plain, STALE_PARTIAL)
+    unseen, unseen_text = replayed(pytester, monkeypatch, plain, impl)
     assert unseen.ret == 0 and unseen.parseoutcomes().get("passed") == 1, unseen_text[-3000:]
+
+
+@pytest.mark.suite_self_test
+def test_a_failure_only_poisoned_workspaces_show_is_a_case_of_its_layer_mode_that_replays_red_and_green(
+        pytester, monkeypatch, tmp_path):
+    """``tests.bugs:StaleSplitPartialMerged`` (the port's state merges a stale partial of its float
+    workspace with weight 0) fails only the poisoned-workspace test of the GPU twin on the simulated
+    machine; its case records the layer mode, and its replay reopens the port in that mode: red
+    under the bug, naming the poisoned run against the clean one, and green without it; plain, the
+    same file is green under the bug."""
+    dumped_replayed_red_and_green(
+        pytester, monkeypatch, tmp_path, STALE_PARTIAL, "test_poisoned_workspaces", "poisoned",
+        r"the poisoned run's output is not the clean run's bit for bit .*non-finite: [1-9]")
+
+
+@pytest.mark.suite_self_test
+def test_a_failure_only_a_graph_shows_is_a_case_of_its_layer_mode_that_replays_red_and_green(
+        pytester, monkeypatch, tmp_path):
+    """``tests.bugs:GraphOutputLeftInItsStaticBuffers`` (the port's state copies its kernel's
+    output into the step's buffers only outside a capture) fails only the graph-against-eager test
+    of the GPU twin on the simulated machine (its graphs capture the state's step, the copy left
+    out); its case records ``layer_mode: graphed``, and its replay captures and replays the step
+    again: red under the bug, naming the replay against the eager run (the replay's output the
+    poison it left in place), and green without it; plain, the same file is green under the bug."""
+    dumped_replayed_red_and_green(
+        pytester, monkeypatch, tmp_path, GRAPH_OUTPUT, "test_graph_against_eager", "graphed",
+        r"the graph replay's output is not the eager run's bit for bit .*non-finite: [1-9]")
 
 
 def port_case(mode: str | None) -> dict:
