@@ -31,6 +31,11 @@ PAST_SLACK = 64
 TARGET_SEED = 5
 
 
+#: What ends the message of a failure of :func:`check_plan_history` over several runs (its docstring says why).
+OVER_SEVERAL_RUNS = ("(a check over several runs of the histories, not of one step: no written case replays it; "
+                     "harness.plan_history.check_plan_history says why)")
+
+
 def decode_step(contexts, seed: int, config: KernelConfig = BF16):
     return config.apply(batch(*[(c, 1) for c in contexts], kpool=1)), seed
 
@@ -79,7 +84,26 @@ def check_plan_history(judge, backend, device) -> dict:
     (the ``against-fresh`` mode, judged: fresh's bits where the planned lengths are the same,
     within :data:`PLAN_HISTORY_ULPS` where they differ), and each history run again: bit for bit
     within one history. A backend that keeps plans keeps one in the kept history. Returns each
-    history's target outcome."""
+    history's target outcome.
+
+    Two of its failures are of the check, not of a step, and no written case replays them
+    (:data:`OVER_SEVERAL_RUNS` ends their message):
+
+    - "the same history twice gives other bits" sets the target outcomes of two runs of one
+      history side by side, each through a layer of its own (the first in the ``against-fresh``
+      mode, the second plain). A written case (``recording/backend_case.py``) is one sequence
+      through one layer in one mode, and its replay runs it once: no step of either run is wrong
+      on its own (each was judged and passed, its rerun on the same plan bit for bit), so the
+      replay of either is green. What differs is the pair, and no layer mode runs a history twice
+      through two layers of the same history;
+    - the plan counts and planned lengths of :func:`history_kind_problems` say what a backend that
+      keeps plans must do for the check to exercise a kept split (keep a plan for the kept
+      history's target, plan again for the replan history's, plan other lengths than fresh's); a
+      step that plans again where a plan could have been kept is right, so every step's verdict,
+      and every case's replay, is green. They fail the check as having tested less than it claims.
+
+    ``--dump-failures`` writes for such a failure the case ``harness.judge.run_sequence`` noted
+    last (the replan history's plain run), whose steps passed when judged in the test."""
     runs, problems = {}, []
     for name, steps in histories().items():
         first = history_run(judge, backend, name, steps, device, "against-fresh")
@@ -88,7 +112,7 @@ def check_plan_history(judge, backend, device) -> dict:
             problems.append(f"{name}: the same history twice gives other bits")
         runs[name] = first
     problems += history_kind_problems(backend, runs)
-    assert not problems, f"{backend.name}, plan history:\n" + "\n".join(problems)
+    assert not problems, f"{backend.name}, plan history:\n" + "\n".join(problems) + f"\n{OVER_SEVERAL_RUNS}"
     return {k: v[0] for k, v in runs.items()}
 
 
