@@ -313,8 +313,7 @@ class PortLayer:
         state handed the kernel against the rehearsed layout (:func:`state_problems`) and rows
         written past the planned ones (:func:`rows_written_past`)."""
         state, n = self.state, outcome.planned_rows
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         lengths = state.kv_len[:n].to("cpu", torch.int64)
         outcome.out, outcome.lse = self.out[:n], self.lse[:n]
         outcome.executed_lengths = lengths
@@ -326,13 +325,20 @@ class PortLayer:
                                       + rows_written_past(self.out, n))
         return outcome
 
+    def _nan_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh NaN-filled buffers shaped as the layer's output and LSE."""
+        return torch.full_like(self.out, float("nan")), torch.full_like(self.lse, float("nan"))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def rerun(self, step: StepInput, outcome: StepOutcome) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's device part once more on the plan in force, into fresh NaN-filled buffers:
         the planned rows' ``(out, lse)``."""
-        out, lse = torch.full_like(self.out, float("nan")), torch.full_like(self.lse, float("nan"))
+        out, lse = self._nan_outputs()
         self.state.step(*self.staged, out, lse)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         n = outcome.planned_rows
         return out[:n], lse[:n]
 
@@ -340,18 +346,17 @@ class PortLayer:
         """The kernel alone once more on the staged inputs and on what the state's buffers hold
         now (no plan, no convert, no layout), into fresh NaN-filled buffers: the planned rows'
         ``(out, lse)``."""
-        out, lse = torch.full_like(self.out, float("nan")), torch.full_like(self.lse, float("nan"))
+        out, lse = self._nan_outputs()
         _, _, _, q_nope, q_pe, ckv, kpe = self.staged
         self.state.attend(q_nope, q_pe, ckv, kpe, out, lse)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         n = outcome.planned_rows
         return out[:n], lse[:n]
 
     def timing_parts(self, step: StepInput, outcome: StepOutcome):
         """The kernel alone on the staged inputs, into scratch buffers (device), and the plan alone (host)."""
         state = self.state
-        out, lse = torch.full_like(self.out, float("nan")), torch.full_like(self.lse, float("nan"))
+        out, lse = self._nan_outputs()
         _, _, _, q_nope, q_pe, ckv, kpe = self.staged
         planned = outcome.planned_lengths.to(torch.int32)
         return (lambda: state.attend(q_nope, q_pe, ckv, kpe, out, lse),
