@@ -26,26 +26,6 @@ WORK_CAPACITY_FINDING = (
 )
 
 
-#: The kernel's error on rows whose raw scores carry one product of 2**15.
-SCORE_PRECISION_FINDING = "raw score offsets of 2**15 exceed the budget: " + FINDINGS_DOC + "#score-precision-at-2-15"
-#: Offsets at which the kernel's raw score carries one product of 2**15: Hopper's tensor-core
-#: accumulation aligns the other products of q.k to it (a resolution of 2**-8 of a raw score), so
-#: the kernel's error there may pass the working-precision budget; measured on an H200, 0.7.4:
-#: out max error 2.07x the budget's reference in one case of four (docs/findings.md#score-precision-at-2-15).
-ALIGNMENT_OFFSET = 32768.0
-#: Beyond this many times the working-precision reference's error (the budget allows 2x) the rows at
-#: ALIGNMENT_OFFSET fail as any other row: the alignment costs a few units of 2**-8 per raw score, not
-#: orders of magnitude.
-ALIGNMENT_CEILING = 4.0
-#: What the finding says when a step shows it (format with ``worst=`` and ``ceiling=``).
-ALIGNMENT_FINDING = ("score precision at raw offsets of 2**15 (docs/findings.md#score-precision-at-2-15): only the "
-                     "rows at +-32768 exceed the budget, at {worst:.2f}x lowp (budget 2x, ceiling {ceiling:g}x)")
-
-
-class ScorePrecisionAt2To15(AssertionError):
-    """Only rows at raw score offsets of +-2**15 are beyond the budget, and within a few times it."""
-
-
 class WorkCapacityExceeded(AssertionError):
     """A plan beyond the scheduler's work capacity was refused, or was accepted and then gave
     wrong rows or crashed (the finding, whichever the release does)."""

@@ -54,9 +54,6 @@ from .builder import build_scenario, host_split_of, with_host_query_split, with_
 from .case_log import note_backend_case, note_step
 from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer, with_blocks_apart
 from .findings import (
-    ALIGNMENT_CEILING,
-    ALIGNMENT_FINDING,
-    ALIGNMENT_OFFSET,
     FP8_AS_UINT8_FINDING,
     KPE_SCALE_FINDING,
     PADDED_GRAPH_ROWS_FINDING,
@@ -68,7 +65,6 @@ from .findings import (
     KpeScaleIgnored,
     PaddedGraphRowsUnplanned,
     RegimeCPlannedAsPrefix,
-    ScorePrecisionAt2To15,
     SlotZeroLoaded,
     TopkHolesAttended,
     is_vllm_backend,
@@ -311,21 +307,6 @@ def rerun_problems(layer, step: StepInput, outcome: StepOutcome) -> list[str]:
     return [f"rerun not bitwise equal on the same plan: rows {rows[:12]}"] if rows else []
 
 
-def alignment_finding(comparisons: list[Comparison], scenario: Scenario, where: str) -> AssertionError | None:
-    """The score-precision finding (docs/findings.md#score-precision-at-2-15) where the only
-    comparisons beyond the budget are those of rows at raw offsets of +-2**15 and none passes
-    :data:`~harness.findings.ALIGNMENT_CEILING`; else None."""
-    bad = [c for c in comparisons if not c.ok]
-    offsets = [c.name.partition("[offset ")[2].rstrip("]") for c in bad]
-    if not bad or not all(o and abs(float(o)) == ALIGNMENT_OFFSET for o in offsets):
-        return None
-    if any(c.max_ratio > ALIGNMENT_CEILING for c in bad):
-        return None
-    worst = max(c.max_ratio for c in bad)
-    return ScorePrecisionAt2To15(ALIGNMENT_FINDING.format(worst=worst, ceiling=ALIGNMENT_CEILING) + f"; {where}\n"
-                                 + "\n".join(c.summary(scenario.row_regime).splitlines()[0] for c in bad))
-
-
 def run_judged(layer, scenario: Scenario, inputs: AttentionInputs | None,
                verdict_of) -> tuple[StepOutcome, Verdict | None]:
     """The step through ``layer``: in its three parts where its class has the plan/launch/finish
@@ -410,10 +391,7 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
         return verdict
     summary = "\n".join(c.summary(scenario.row_regime) for c in bad)
     n = outcome.planned_rows
-    aligned = alignment_finding(verdict.comparisons, scenario, where)
-    if aligned is not None:
-        verdict.failure = aligned
-    elif KPE_SCALE in expected:
+    if KPE_SCALE in expected:
         verdict.failure = KpeScaleIgnored(f"{where}\n{summary}")
     elif slot_zero and nonfinite_rows(outcome.out[:n]) == slot_zero:
         verdict.failure = SlotZeroLoaded(f"{where}\nrows {slot_zero} load slot 0 (not finite) past their executed "

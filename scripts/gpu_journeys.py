@@ -126,7 +126,10 @@ def main(argv=None) -> int:
     journeys = () if args.only_vllm else JOURNEYS
     if args.vllm:
         journeys += VLLM_JOURNEYS
-    rows = [run_journey(j, out, args.workers, Path(args.vllm).resolve() if args.vllm else None) for j in journeys]
+    rows = []
+    for journey in journeys:  # each journey's row as it ends: a run cut short still shows those done
+        rows.append(run_journey(journey, out, args.workers, Path(args.vllm).resolve() if args.vllm else None))
+        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     text = table(rows)
     (out / "table.md").write_text(text + "\n")
     print(text)

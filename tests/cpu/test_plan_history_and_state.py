@@ -298,6 +298,7 @@ def dumped_replayed_red_and_green(pytester, monkeypatch, tmp_path, impl: str, te
     assert unseen.ret == 0 and unseen.parseoutcomes().get("passed") == 1, unseen_text[-3000:]
 
 
+@pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
 def test_a_failure_only_poisoned_workspaces_show_is_a_case_of_its_layer_mode_that_replays_red_and_green(
         pytester, monkeypatch, tmp_path):
@@ -311,6 +312,7 @@ def test_a_failure_only_poisoned_workspaces_show_is_a_case_of_its_layer_mode_tha
         r"the poisoned run's output is not the clean run's bit for bit .*non-finite: [1-9]")
 
 
+@pytest.mark.gpu_stand_in
 @pytest.mark.suite_self_test
 def test_a_failure_only_a_graph_shows_is_a_case_of_its_layer_mode_that_replays_red_and_green(
         pytester, monkeypatch, tmp_path):

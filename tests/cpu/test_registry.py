@@ -163,6 +163,7 @@ def test_the_members_checked_are_the_seams_backend_protocol(own_backends):
 # --- --impl reaches the port ---------------------------------------------------------------------
 
 
+@pytest.mark.gpu_stand_in
 def test_the_port_plans_with_the_host_stages_it_is_given(monkeypatch):
     """A regime G row (ctx = topk + kpool + 3, kpool 4) through the port on the simulated SM90
     machine, planned only: the project's host stages plan topk + r = 2051 slots; a kv_len rule

@@ -24,7 +24,6 @@ to the oracle within the budget.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import pytest
@@ -36,7 +35,6 @@ from harness import batch, build_scenario
 from harness.backend_step import laid_out_step
 from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import LONG_CTX, Case, covering_config
-from harness.findings import SCORE_PRECISION_FINDING, ScorePrecisionAt2To15
 from harness.judge import judge_step, run_case, run_sequence
 from harness.launch import DEVICE
 from harness.pipeline import as_planned, describe_rows
@@ -55,10 +53,6 @@ pytestmark = pytest.mark.gpu
 #: a raw score, about 1e-3 after sm_scale, the size of the kernel's working-precision error).
 OFFSETS = (-32768.0, -1024.0, 0.0, 1024.0, 32768.0)
 FAR_BELOW = -32768.0
-#: The magnitude case that shows the score-precision finding (rows at raw offsets of +-2**15 past the
-#: budget, ``harness.findings.ALIGNMENT_OFFSET``) on every FlashInfer release measured (0.6.18.post1,
-#: 0.7.0.post1, 0.7.4).
-ALIGNMENT_CASE = "offsets-across-batch-kpool1"
 
 
 def magnitude_cases() -> list[Case]:
@@ -105,21 +99,10 @@ MAGNITUDE_PARAMS = [
 ]
 
 
-def expects_alignment_finding(case, features) -> bool:
-    """Whether ``case`` is to show the score-precision finding here: the finding is FlashInfer's
-    kernel's, so it is expected wherever a FlashInfer release is under test (a simulated
-    machine's reference stand-in does not show it)."""
-    return case.name == ALIGNMENT_CASE and re.match(r"\d+\.\d+", str(features.version)) is not None
-
-
 @pytest.mark.edge("magnitude")
 @pytest.mark.parametrize(("case", "layout", "config"), MAGNITUDE_PARAMS)
 def test_kernel_holds_at_any_score_offset(gpu, judge, case, layout, config):
-    """Each offset's rows: kernel == the oracle within the budget, as at offset 0; where the
-    score-precision finding is expected, a strict xfail that only that finding satisfies."""
-    if expects_alignment_finding(case, gpu.features):
-        gpu.request.applymarker(pytest.mark.xfail(reason=SCORE_PRECISION_FINDING, raises=ScorePrecisionAt2To15,
-                                                  strict=True))
+    """Each offset's rows: kernel == the oracle within the budget, as at offset 0."""
     run_case(judge, PortBackend("fa3", gpu.impl, layout), config.apply(case.spec), DEVICE, seed=41,
              what="edge magnitude")
 
