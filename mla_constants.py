@@ -15,6 +15,13 @@ TOPK = 2048  # the indexer's top-k of DeepSeek-V3.2 / GLM DSA
 INVALID = -1  # an indexer / convert entry that selects nothing
 NULL_BLOCK_ID = 0  # the physical block the engine never allocates; padded requests' table rows hold it
 
+# --- FlashInfer's fa3 scheduler ------------------------------------------------------------
+
+#: Work items FlashInfer's fa3 MLA scheduler sizes its arrays for (``MLAPlan``'s
+#: ``max_total_num_works`` in ``scheduler.cuh``): a plan of more goes past their end unless
+#: plan() refuses it (docs/findings.md#plans-beyond-the-schedulers-work-capacity).
+FA3_WORK_CAPACITY = 16384
+
 # --- softmax scales -------------------------------------------------------------------------
 
 DEEPSEEK_V32_SM_SCALE = 0.1352  # DeepSeek-V3.2 with YaRN mscale (rope 64)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_constants import FA3_WORK_CAPACITY as FA3_WORK_CAPACITY
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
 NOPE_MIN_VERSION = (0, 6, 18)
@@ -251,12 +252,6 @@ def planning_kv_dtype(kv_dtype: torch.dtype) -> torch.dtype:
 def kernel_kv_view(cache_part: torch.Tensor) -> torch.Tensor:
     """The cache as the kernel must see it: raw uint8 fp8 storage reinterpreted as e4m3."""
     return cache_part.view(torch.float8_e4m3fn) if cache_part.dtype == torch.uint8 else cache_part
-
-
-#: Work items FlashInfer's fa3 MLA scheduler sizes its arrays for (``MLAPlan``'s
-#: ``max_total_num_works`` in ``scheduler.cuh``): a plan of more goes past their end unless
-#: plan() refuses it (docs/findings.md#plans-beyond-the-schedulers-work-capacity).
-FA3_WORK_CAPACITY = 16384
 
 
 def fa3_mla_cluster_size(total_q: int, num_heads: int, batch_size: int) -> int:

@@ -1,4 +1,4 @@
-"""The project's own production path as a backend, and the FlashInfer facts the suite reads.
+"""The project's own production path as a backend, and the API of the studies of its state.
 
 ``port-fa3`` / ``port-fa2``: the seed's logic (vLLM 0.30.0's SM90 backend as ``fast/`` ports
 it: exact host lengths, the dense-MHA routing, the convert kernel, a plan every step) on
@@ -12,15 +12,16 @@ reads back what the kernel was handed: each planned row's kv_len, the kv_indices
 and what the state's buffers hold against the rehearsal (:func:`state_problems`). The port
 promises bitwise repeatability within one plan (``rerun``).
 
-The rest of this module is what harness/ and recording/ need to know about FlashInfer through
-this seam (the port's state and wrapper, its configuration, the refusal texts and capacities
-that were measured, where its JIT cache lives), so that they import no vendor module themselves.
+The rest of this module is the port's own API for the studies of its state (harness's port
+studies, the modules docs/code-map.md lists as such: graphs, kept plans, scale, plan limits,
+reruns of the port's fixtures): its attention state and wrapper, their configuration, the refusal
+text that was measured. Every other module of harness/ and recording/ reaches backends through
+``backends.seam`` and ``backends.registry`` alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
@@ -32,14 +33,13 @@ from mla_constants import KV_LORA_RANK
 from . import fa3_schedule
 from . import flashinfer_compat as compat
 from . import sm90_state as sm90
-from .flashinfer_compat import FA3_WORK_CAPACITY, MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
+from .flashinfer_compat import MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
 from .flashinfer_compat import parse_version as parse_version
 from .flashinfer_compat import signature_features as signature_features
+from .installed import installed_flashinfer_version
 from .seam import LaidOut, LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
 from .sm90_state import AttentionConfig as AttentionConfig
 
-#: Work items FA3's scheduler holds per plan (rows at page size 1; measured, docs/findings.md).
-WORK_CAPACITY = FA3_WORK_CAPACITY
 #: The text of the refusal a FlashInfer that checks page counts gives a strided plan of short rows.
 PLAN_REFUSAL = PAGE_COUNT_REFUSAL
 KERNELS = MLA_KERNELS
@@ -74,38 +74,6 @@ def kernel_parts(state, num_rows: int, width: int) -> torch.Tensor | None:
     except (fa3_schedule.ScheduleUnreadable, AttributeError, TypeError, ValueError):
         return None
     return fa3_schedule.column_parts(schedule, num_rows, width)
-
-
-def installed_flashinfer_version() -> str | None:
-    """The importable FlashInfer's version, or None when it is not importable."""
-    try:
-        import flashinfer
-    except Exception:  # ImportError and broken installs alike
-        return None
-    return getattr(flashinfer, "__version__", "unknown")
-
-
-def flashinfer_import_problem() -> str | None:
-    """Why FlashInfer cannot be imported here, or None."""
-    try:
-        import flashinfer  # noqa: F401
-    except Exception as exc:
-        return f"flashinfer is not importable: {exc!r}"
-    return None
-
-
-def flashinfer_jit_dir() -> Path:
-    """Where the installed FlashInfer keeps the kernels it compiles."""
-    from flashinfer.jit import env
-
-    return Path(env.FLASHINFER_JIT_DIR)
-
-
-def wrapper_class():
-    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` (what production plans and runs)."""
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
-    return BatchMLAPagedAttentionWrapper
 
 
 def open_wrapper(device, *, kernel: str = "fa3", **buffers) -> MLAWrapper:

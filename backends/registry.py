@@ -22,6 +22,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .installed import flashinfer_import_problem as flashinfer_import_problem
+from .installed import flashinfer_jit_dir as flashinfer_jit_dir
+from .installed import flashinfer_wrapper_class as flashinfer_wrapper_class
+from .installed import installed_flashinfer_version as installed_flashinfer_version
+
 if TYPE_CHECKING:
     from .seam import Backend
 

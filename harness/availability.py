@@ -21,7 +21,7 @@ def sm90_flashinfer_unavailable_reason() -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) != (9, 0):
         return f"GPU is sm_{major}{minor} ({torch.cuda.get_device_name()}), the fa3 path needs sm_90"
-    from backends.port import flashinfer_import_problem
+    from backends.registry import flashinfer_import_problem
 
     return flashinfer_import_problem()
 

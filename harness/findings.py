@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.port import WORK_CAPACITY as FA3_WORK_CAPACITY
+from mla_constants import FA3_WORK_CAPACITY
 
 FINDINGS_DOC = "docs/findings.md"
 

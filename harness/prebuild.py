@@ -55,7 +55,7 @@ def missing_variants(jit_dir: Path) -> list[tuple[str, bool, float]]:
 
 
 def flashinfer_jit_dir() -> Path:
-    from backends.port import flashinfer_jit_dir as jit_dir
+    from backends.registry import flashinfer_jit_dir as jit_dir
 
     return jit_dir()
 

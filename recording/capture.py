@@ -184,9 +184,9 @@ def capture_mla(directory, *, every: int = 1, max_cases: int = 16, max_bytes: in
     """Record plan/run pairs of ``wrapper_cls`` (default: FlashInfer's
     ``BatchMLAPagedAttentionWrapper``) made inside the block; yields the :class:`CaptureLog`."""
     if wrapper_cls is None:
-        from backends.port import wrapper_class
+        from backends.registry import flashinfer_wrapper_class
 
-        wrapper_cls = wrapper_class()
+        wrapper_cls = flashinfer_wrapper_class()
     if every < 1 or max_cases < 0 or max_bytes < 0:
         raise ValueError("every >= 1, max_cases >= 0 and max_bytes >= 0 are required")
     log = CaptureLog(Path(directory), every, max_cases, max_bytes)

@@ -9,7 +9,7 @@ import torch
 
 
 def flashinfer_version() -> str | None:
-    from backends.port import installed_flashinfer_version
+    from backends.registry import installed_flashinfer_version
 
     return installed_flashinfer_version()
 

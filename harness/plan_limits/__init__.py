@@ -14,7 +14,7 @@ through the compatibility layer's ``MLAWrapper`` with reserved buffers sized for
 an outcome; a plan that is accepted and then gives a wrong row without an error is a finding.
 """
 
-from backends.port import WORK_CAPACITY as FA3_WORK_CAPACITY
+from mla_constants import FA3_WORK_CAPACITY
 
 from .child import HEALTHY_REFUSALS, plan_attempt, rows_attempt
 from .children import (

@@ -191,7 +191,7 @@ def environment() -> dict:
     reason = sm90_flashinfer_unavailable_reason()
     if reason:
         return {"unavailable": reason}
-    from backends.port import installed_flashinfer_version
+    from backends.registry import installed_flashinfer_version
 
     p = torch.cuda.get_device_properties(0)
     return {"flashinfer": installed_flashinfer_version(), "torch": torch.__version__, "device": p.name,

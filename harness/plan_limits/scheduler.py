@@ -9,7 +9,7 @@ larger plans; a release that does not writes the arrays past their end.
 
 from __future__ import annotations
 
-from backends.port import WORK_CAPACITY as FA3_WORK_CAPACITY
+from mla_constants import FA3_WORK_CAPACITY
 
 
 def scheduler_chunk(average: int) -> int:

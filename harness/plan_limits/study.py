@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from backends.port import WORK_CAPACITY as FA3_WORK_CAPACITY
+from mla_constants import FA3_WORK_CAPACITY
 
 from .children import (
     PLAN_TIMEOUT_S,

@@ -6,9 +6,11 @@ import each other (reference and fast in particular), and nothing outside tests/
 
 harness/ and recording/ reach a vendor only through the backend seam: they import no vendor
 package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and from backends/ only
-the seam, the registry and the port's public face (:data:`SEAM_MODULES`). fast/ holds the port's
-host stages: it imports no vendor package (FlashInfer's wrapper and the port's attention state
-are backends/').
+the seam and the registry (:data:`SEAM_MODULES`). The studies of the port's own state
+(:data:`PORT_STUDIES`: its graphs, kept plans, scale and plan limits, reruns of its fixtures) may
+also import the port's API, ``backends.port``; no other module of harness/ or recording/ may.
+fast/ holds the port's host stages: it imports no vendor package (FlashInfer's wrapper and the
+port's attention state are backends/').
 """
 
 from __future__ import annotations
@@ -35,7 +37,19 @@ LAYERS = {
     "conftest": 6,  # the root conftest.py loads the plugin for the tests
 }
 #: What harness/ and recording/ may import from backends/.
-SEAM_MODULES = ("backends.seam", "backends.registry", "backends.port")
+SEAM_MODULES = ("backends.seam", "backends.registry")
+#: The port's API, for the studies of the port's own state alone.
+PORT_API = "backends.port"
+#: The modules of harness/ and recording/ that study the port's own state and drive it through its API.
+PORT_STUDIES = (
+    "harness.full_width_strided",
+    "harness.launch",
+    "harness.plan_limits.child",
+    "harness.prebuild",
+    "harness.scale",
+    "harness.sequence",
+    "recording.rerun",
+)
 #: Vendor packages and the project's modules that wrap them.
 VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "backends.flashinfer_compat", "backends.sm90_state")
 BEHIND_THE_SEAM = ("harness", "recording")
@@ -171,15 +185,17 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
 
 def vendor_imports(root: Path = ROOT) -> list[str]:
     """One line per import in harness/ or recording/ of a vendor module, or of a backends module
-    other than the seam; and per import in fast/ of a vendor module."""
+    other than the seam and the registry (the port's API allowed in :data:`PORT_STUDIES`); and per
+    import in fast/ of a vendor module."""
     problems = []
     for path in project_modules(root):
         top = top_level_of(path, root)
         if top not in BEHIND_THE_SEAM + HOST_STAGES:
             continue
+        allowed = SEAM_MODULES + ((PORT_API,) if module_name(path, root) in PORT_STUDIES else ())
         for line, module in sorted(imported_modules(path.read_text(), path, root)):
             vendor = any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
-            past_seam = top in BEHIND_THE_SEAM and module.startswith("backends") and module not in SEAM_MODULES
+            past_seam = top in BEHIND_THE_SEAM and module.startswith("backends") and module not in allowed
             if vendor or past_seam:
                 problems.append(f"{path.relative_to(root)}:{line}: imports {module} (reach it through backends.seam)")
     return problems
@@ -236,3 +252,21 @@ def test_the_check_sees_hidden_relative_and_dynamic_imports(tmp_path, rel, sourc
     assert len(problems) == len(expected), problems
     for problem, want in zip(problems, expected, strict=True):
         assert want in problem and rel in problem, problem
+
+
+def test_the_seam_check_lets_only_the_port_studies_import_the_port(tmp_path):
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "launch.py").write_text("from backends.port import make_attention_state\n")
+    (tmp_path / "harness" / "judge.py").write_text("from backends.port import PortBackend\n"
+                                                  "from backends.registry import open_backend\n")
+    found = vendor_imports(tmp_path)
+    assert found == ["harness/judge.py:1: imports backends.port (reach it through backends.seam)"]
+
+
+def test_every_port_study_named_exists_and_uses_the_port():
+    """A module that stopped studying the port leaves the list, so the list never grows stale."""
+    paths = {module_name(p): p for p in project_modules()}
+    stale = [name for name in PORT_STUDIES
+             if name not in paths
+             or PORT_API not in {module for _, module in imported_modules(paths[name].read_text(), paths[name])}]
+    assert stale == [], f"PORT_STUDIES names modules that do not import {PORT_API}: {stale}"

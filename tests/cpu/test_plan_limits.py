@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backends.flashinfer_compat import FA3_WORK_CAPACITY
 from harness.plan_limits import (
     INT32_ROWS_BOUND,
     PLAN_WIDTH,
@@ -32,6 +31,7 @@ from harness.plan_limits import (
     write_report,
 )
 from harness.plan_limits.child import rows_from_line, warm_up
+from mla_constants import FA3_WORK_CAPACITY
 from tests.cpu.test_rerun import ReferenceWrapper, stand_in  # noqa: F401 - the fixture
 
 

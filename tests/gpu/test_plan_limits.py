@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 
-from backends.flashinfer_compat import FA3_WORK_CAPACITY
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
 from harness.plan_limits import (
     BAD_ROWS_OUTCOMES,
@@ -26,6 +25,7 @@ from harness.plan_limits import (
     entry_finding,
     study_heads,
 )
+from mla_constants import FA3_WORK_CAPACITY
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_large, pytest.mark.edge("scale")]
 
