@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_constants import FA3_WORK_CAPACITY as FA3_WORK_CAPACITY
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
 NOPE_MIN_VERSION = (0, 6, 18)
