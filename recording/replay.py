@@ -42,6 +42,9 @@ class Rerun:
     )
     refused: str | None = None  # "ExceptionType: message" FlashInfer raised
     impl: str | None = None  # the implementation under test it ran through, if any
+    # why the kernel was not launched on the plan the implementation laid out (its plan is
+    # judged all the same): a plan that would read outside the KV cache
+    withheld: str | None = None
 
     @property
     def label(self) -> str:
@@ -150,6 +153,8 @@ class ReplayReport:
             reasons.append(f"the implementation under test raised in the host stages: {self.rerun.refused}")
         elif self.rerun is not None and not self.refusal_expected:
             reasons.append(f"flashinfer {self.rerun.version} refused the re-run: {self.rerun.refused}")
+        if self.rerun is not None and self.rerun.withheld and self.plan_ok:
+            reasons.append(f"the re-run's plan matches the intent, yet it was not launched: {self.rerun.withheld}")
         if not self.kernel_ok:
             bad = [v for v in self.judged_versions if not (self.kernel[v][0].ok and self.kernel[v][1].ok)]
             reasons.append(f"kernel != as-planned reference beyond the error budget ({', '.join(bad)})")
@@ -250,6 +255,8 @@ class ReplayReport:
                 f"  {tag}REFUSED: {rerun.refused}" + (f" (as {', '.join(seen)} did when recorded)" if seen else "")
             )
             return lines
+        if rerun.withheld:
+            lines.append(f"  {tag}NOT LAUNCHED: {rerun.withheld}")
         if rerun.plan is not None:
             lines += self._plan_lines(
                 self.rerun_violations, self.rerun_plan_mismatch_rows, with_plan(self.fixture, rerun.plan), tag

@@ -21,6 +21,7 @@ import json
 import torch
 
 from backends.port import make_attention_state
+from fast.layouts import indices_capacity
 from reference.rules import convert_rule
 
 from .environment import flashinfer_version
@@ -99,6 +100,37 @@ def _rebuilt_rows_and_lens(spec_json: str, seed: int, impl):
     return scenario.topk_indices, scenario.block_table, scenario.request_ids(), s.block_size, lens
 
 
+def laid_out_plan(impl, layout: str, topk: torch.Tensor, table: torch.Tensor, req: torch.Tensor,
+                  lens: torch.Tensor, *, max_rows: int, width: int) -> dict[str, torch.Tensor]:
+    """The plan ``impl``'s host stages lay out for ``lens`` before anything is launched:
+    convert, kv_indptr and kv_indices (host int32, the planned spans only), as the state hands
+    them to the kernel."""
+    n = int(lens.numel())
+    rows = topk.shape[0]
+    planned = torch.zeros(max(max_rows, rows), dtype=torch.int32)
+    planned[:n] = lens.to(torch.int32).cpu()
+    slots = impl.convert(topk, table, req, 1)
+    indptr = impl.kv_indptr(layout, planned[:n], max_rows, width).to(torch.int32).cpu()
+    indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=topk.device)
+    impl.write_kv_indices(layout, slots, planned[:rows].to(topk.device), indptr[: rows + 1].to(topk.device), indices)
+    end = int((indptr[:n].to(torch.int64) + planned[:n]).max()) if n else 0
+    return {"kv_indptr": indptr[: n + 1].clone(), "kv_indices": indices[:end].cpu(), "kv_len": planned[:n].clone()}
+
+
+def rows_reading_outside_the_cache(plan: dict[str, torch.Tensor], num_slots: int) -> list[int]:
+    """The rows of a laid-out ``plan`` whose span of kv_indices holds an entry outside
+    ``[0, num_slots)`` or runs past the entries laid out: a kernel launched on that plan reads
+    outside the KV cache (on a GPU, an illegal address that poisons the process's CUDA
+    context), so nothing is launched for it."""
+    indptr, indices, lens = plan["kv_indptr"].tolist(), plan["kv_indices"], plan["kv_len"].tolist()
+    outside = []
+    for row, length in enumerate(lens):
+        span = indices[indptr[row] : indptr[row] + length]
+        if span.numel() < length or bool(((span < 0) | (span >= num_slots)).any()):
+            outside.append(row)
+    return outside
+
+
 def source_rows(fx: Fixture) -> torch.Tensor:
     """The fixture's rows as rows of the scenario its spec and seed build (a shrunk fixture
     keeps some of them: ``rows`` in its metadata)."""
@@ -127,6 +159,15 @@ def _rerun_pipeline(fx: Fixture, impl, impl_spec: str | None, device) -> Rerun:
     )
     state = make_attention_state(impl, config, device)
     topk, table, req = identity_cache_inputs(fx, max_rows, device)
+    slots = max(fx["ckv"].shape[0], 1)
+    laid = laid_out_plan(impl, meta["layout"], topk, table, req, lens, max_rows=max_rows, width=int(meta["width"]))
+    outside = rows_reading_outside_the_cache(laid, slots)
+    if outside:
+        plan = dict(laid, kv_indices=torch.where((laid["kv_indices"] >= -1) & (laid["kv_indices"] < slots),
+                                                 laid["kv_indices"], torch.full_like(laid["kv_indices"], -1)))
+        return Rerun(version, how + " (not launched)", plan=plan, impl=impl_spec, withheld=(
+            f"planned rows {outside[:8]} would hand the kernel kv_indices entries outside the "
+            f"cache's {slots} slots (-1 or past its end): it would read outside its KV cache"))
     ckv, kpe = kv_views(fx, device)
     out, lse = _nan_buffers(max_rows, fx, device)
     try:

@@ -20,7 +20,7 @@ from recording.fixture import load_fixture
 from recording.replay import Rerun, agreeing_groups, output_drift, replay
 from recording.rerun import rerun_fixture
 from reference import sparse_mla_reference
-from tests.bugs import CompactionPlansPrefix, KpoolFromWrongSpec
+from tests.bugs import CompactionPlansPrefix, KpoolFromWrongSpec, OptimisticBoundAsExact
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures"
@@ -227,6 +227,21 @@ def test_a_wrong_kv_len_rule_reruns_with_its_own_lens(stand_in, device):
     wrong = [r for r, g in enumerate(fx.meta["regimes"]) if g in ("E", "G")]
     assert wrong and report.rerun_plan_mismatch_rows == wrong
     assert "plan != intent" in report.failures()
+
+
+def test_a_plan_that_would_read_outside_the_cache_is_not_launched_and_fails_on_its_plan(stand_in, device):
+    """An implementation whose lengths run past a row's valid entries hands the kernel -1 entries
+    (on a GPU, an illegal address that poisons the worker's CUDA context for every later test):
+    the re-run launches nothing, names the rows, and the replay fails on the plan it laid out."""
+    fx = load_fixture(FIXTURES / "async-spec-decode-fp8.safetensors")
+    ran = len(stand_in.plans)
+    rerun = rerun_fixture(fx, OptimisticBoundAsExact(), "tests.bugs:OptimisticBoundAsExact", device=device)
+    assert len(stand_in.plans) == ran, "planned on FlashInfer all the same"
+    assert rerun.withheld.startswith("planned rows [0, 4, 5, 6, 7, 11] ") and rerun.out is None
+    assert rerun.refused is None, "FlashInfer refused nothing"
+    report = replay(fx, rerun=rerun)
+    assert report.rerun_plan_mismatch_rows and report.failures() == ["plan != intent"]
+    assert "NOT LAUNCHED: planned rows [0, 4, 5, 6, 7, 11]" in report.render()
 
 
 def test_a_refused_plan_is_reported_as_the_refusal(stand_in, device):
