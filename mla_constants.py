@@ -44,6 +44,11 @@ KERNEL_VARIANTS = (
 )
 
 
+#: The variants the GPU tier launches on FlashInfer's fa2 MLA kernel (the port on fa2: the regime
+#: cases' three variants), as a cold 0.7.4 run's JIT build log lists them.
+FA2_KERNEL_VARIANTS = KERNEL_VARIANTS[:3]
+
+
 def variant_name(kv_dtype: str, rope: bool) -> str:
     """``bf16-rope64``, ``fp8-rope64``, ``bf16-nope`` or ``fp8-nope``."""
     return f"{'fp8' if kv_dtype == 'float8_e4m3fn' else 'bf16'}-{'rope64' if rope else 'nope'}"

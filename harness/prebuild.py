@@ -3,8 +3,9 @@ took: a cold JIT cache shows the build time, a warm or restored one the load tim
 
     python3 -m harness.prebuild [--parallel] [--only-missing]
 
-The variants are ``mla_constants.KERNEL_VARIANTS``: every one the GPU tier launches. One after
-the other by default; ``--parallel`` builds each in a process of its own at the same time
+The variants are every one the GPU tier launches: ``mla_constants.KERNEL_VARIANTS`` on the fa3
+kernel and ``mla_constants.FA2_KERNEL_VARIANTS`` on fa2 (the port on fa2). One after the other by
+default; ``--parallel`` builds each in a process of its own at the same time
 (FlashInfer locks each module's build, so a test that needs a variant being built waits for it
 and then loads it). ``--only-missing`` builds only the variants whose module FlashInfer's JIT
 cache does not hold built, and nothing where it holds them all. The main job starts
@@ -14,6 +15,7 @@ a cold cache builds while the xdist workers start and collect."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ import torch
 
 from backends.port import make_attention_state
 from fast.impl import default_impl
-from mla_constants import KERNEL_VARIANTS, ROPE_DIM, TOPK
+from mla_constants import FA2_KERNEL_VARIANTS, KERNEL_VARIANTS, ROPE_DIM, TOPK
 
 from .availability import sm90_flashinfer_unavailable_reason
 from .cases import KernelConfig
@@ -31,10 +33,19 @@ from .launch import attention_config
 from .scenario import batch, build_scenario
 
 
-def build_variant(impl, kv_dtype: str, rope: bool, k_scale: float) -> float:
+#: (kernel, kv dtype, rope, k_scale) of every variant built.
+VARIANTS = tuple(("fa3", *v) for v in KERNEL_VARIANTS) + tuple(("fa2", *v) for v in FA2_KERNEL_VARIANTS)
+
+
+def variant_label(kernel: str, kv_dtype: str, rope: bool) -> str:
+    return f"{kernel}-{KernelConfig(kv_dtype, rope, 16).variant}"
+
+
+def build_variant(impl, kernel: str, kv_dtype: str, rope: bool, k_scale: float) -> float:
     config = KernelConfig(kv_dtype, rope, 16, k_scale)
     scenario = build_scenario(config.apply(batch((9, 1), topk=TOPK, kpool=1)), seed=0)
-    state = make_attention_state(impl, attention_config(scenario, "packed", 1), "cuda")
+    state_config = dataclasses.replace(attention_config(scenario, "packed", 1), kernel=kernel)
+    state = make_attention_state(impl, state_config, "cuda")
     started = time.perf_counter()
     state.plan(1, torch.tensor([9], dtype=torch.int32))
     torch.cuda.synchronize()
@@ -42,16 +53,21 @@ def build_variant(impl, kv_dtype: str, rope: bool, k_scale: float) -> float:
 
 
 def built_module_glob(kv_dtype: str, rope: bool) -> str:
-    """FlashInfer's name for the folder of a variant's built SM90 MLA module in its JIT cache
-    (the same in every supported release; q and the output are bf16 in every variant), and the
-    library in it."""
+    """FlashInfer's name for the folder of a variant's built MLA module in its JIT cache (the same
+    in every supported release; q and the output are bf16 in every variant; the fa3 module's
+    name ends in ``_sm90``, the fa2 one's does not), and the library in it."""
     kv = "e4m3" if kv_dtype == "float8_e4m3fn" else "bf16"
-    return f"batch_mla_attention_dtype_q_bf16_dtype_kv_{kv}_*_head_dim_kpe_{ROPE_DIM if rope else 0}_*sm90/*.so"
+    return f"batch_mla_attention_dtype_q_bf16_dtype_kv_{kv}_*_head_dim_kpe_{ROPE_DIM if rope else 0}_profiler_*/*.so"
 
 
-def missing_variants(jit_dir: Path) -> list[tuple[str, bool, float]]:
+def is_built(jit_dir: Path, kernel: str, kv_dtype: str, rope: bool) -> bool:
+    folders = [p.parent.name for p in jit_dir.glob(built_module_glob(kv_dtype, rope))]
+    return any(name.endswith("_sm90") == (kernel == "fa3") for name in folders)
+
+
+def missing_variants(jit_dir: Path) -> list[tuple[str, str, bool, float]]:
     """The kernel variants whose module FlashInfer's JIT cache folder does not hold built."""
-    return [v for v in KERNEL_VARIANTS if not any(jit_dir.glob(built_module_glob(v[0], v[1])))]
+    return [v for v in VARIANTS if not is_built(jit_dir, *v[:3])]
 
 
 def flashinfer_jit_dir() -> Path:
@@ -60,16 +76,16 @@ def flashinfer_jit_dir() -> Path:
     return jit_dir()
 
 
-def variant_by_name(name: str) -> tuple[str, bool, float]:
-    for kv_dtype, rope, k_scale in KERNEL_VARIANTS:
-        if KernelConfig(kv_dtype, rope, 16).variant == name:
-            return kv_dtype, rope, k_scale
+def variant_by_name(name: str) -> tuple[str, str, bool, float]:
+    for variant in VARIANTS:
+        if variant_label(*variant[:3]) == name:
+            return variant
     raise SystemExit(f"harness.prebuild: no kernel variant {name!r}")
 
 
 def build_in_parallel(variants) -> int:
     """Each of ``variants`` built in a process of its own, all at once; the slowest sets the time."""
-    names = [KernelConfig(kv_dtype, rope, 16).variant for kv_dtype, rope, _ in variants]
+    names = [variant_label(*v[:3]) for v in variants]
     started = time.perf_counter()
     children = [subprocess.Popen([sys.executable, "-m", "harness.prebuild", "--variant", name]) for name in names]
     codes = [child.wait() for child in children]
@@ -90,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"harness.prebuild: nothing to build here: {reason}", file=sys.stderr)
         return 2
-    chosen = [variant_by_name(args.variant)] if args.variant else list(KERNEL_VARIANTS)
+    chosen = [variant_by_name(args.variant)] if args.variant else list(VARIANTS)
     if args.only_missing:
         missing = missing_variants(flashinfer_jit_dir())
         chosen = [v for v in chosen if v in missing]
@@ -101,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         return build_in_parallel(chosen)
     impl = default_impl()
     total = 0.0
-    for kv_dtype, rope, k_scale in chosen:
-        seconds = build_variant(impl, kv_dtype, rope, k_scale)
+    for variant in chosen:
+        seconds = build_variant(impl, *variant)
         total += seconds
-        print(f"jit {KernelConfig(kv_dtype, rope, 16).variant:<14} {seconds:7.1f} s", flush=True)
+        print(f"jit {variant_label(*variant[:3]):<18} {seconds:7.1f} s", flush=True)
     if not args.variant:
         print(f"jit total          {total:7.1f} s", flush=True)
     return 0

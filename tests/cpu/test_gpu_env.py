@@ -184,8 +184,10 @@ def test_the_background_build_starts_only_on_a_gpu_machine_with_flashinfer_once_
 
 def test_the_prebuild_finds_each_variant_missing_from_the_cache(tmp_path):
     """Module names as FlashInfer 0.7.4 writes them; a folder without its library is a build
-    that did not finish, and the FA2 module (no ``_sm90``) is not the one the tier runs."""
-    from harness.prebuild import missing_variants
+    that did not finish; the fa3 module's name ends in ``_sm90``, the fa2 module's does not, and
+    each stands only for its own kernel."""
+    from harness.prebuild import VARIANTS, missing_variants
+    from mla_constants import FA2_KERNEL_VARIANTS
 
     def module(kv: str, kpe: int, suffix: str = "_planabi2_sm90", built: bool = True) -> None:
         name = (f"batch_mla_attention_dtype_q_bf16_dtype_kv_{kv}_dtype_o_bf16_dtype_idx_i32_head_dim_ckv_512"
@@ -194,14 +196,18 @@ def test_the_prebuild_finds_each_variant_missing_from_the_cache(tmp_path):
         if built:
             (tmp_path / name / f"{name}.so").write_bytes(b"")
 
-    assert missing_variants(tmp_path) == list(KERNEL_VARIANTS)
+    assert VARIANTS == tuple(("fa3", *v) for v in KERNEL_VARIANTS) + tuple(("fa2", *v) for v in FA2_KERNEL_VARIANTS)
+    assert missing_variants(tmp_path) == list(VARIANTS)
     module("bf16", 64)
     module("e4m3", 0)
     module("e4m3", 64, built=False)
-    module("bf16", 0, suffix="")
-    assert missing_variants(tmp_path) == [("float8_e4m3fn", True, 0.5), ("bfloat16", False, 1.0)]
+    module("bf16", 0, suffix="_planabi2")
+    assert missing_variants(tmp_path) == [("fa3", "float8_e4m3fn", True, 0.5), ("fa3", "bfloat16", False, 1.0),
+                                          ("fa2", "bfloat16", True, 1.0), ("fa2", "float8_e4m3fn", True, 0.5)]
     module("bf16", 0, suffix="_sm90")
     module("e4m3", 64, suffix="_sm90")
+    module("bf16", 64, suffix="")
+    module("e4m3", 64, suffix="_planabi2")
     assert missing_variants(tmp_path) == []
 
 
