@@ -68,6 +68,21 @@ SLICE_COMMAND = "python -m backends.vllm_source slice WHEEL -o DIR"
 SLICE_METADATA = "vllm-slice.METADATA"
 
 
+#: The supported vLLM x FlashInfer matrix: each FlashInfer release with the vLLM releases judged on
+#: it, in the order its runs take them (the project's own backend runs on every release). A pair
+#: outside it either cannot work (:func:`incompatibility`) or is not judged; vLLM 0.34.0 pins
+#: FlashInfer 0.7.3, which the package index reached lacks, and is judged on 0.7.4.
+SUPPORTED_MATRIX: dict[str, tuple[str, ...]] = {
+    "0.6.18.post1": ("0.30.0",),
+    "0.7.0.post1": ("0.31.0", "0.32.0"),
+    "0.7.2.post1": ("0.33.0",),
+    "0.7.4": ("0.33.0", "0.34.0"),
+}
+#: The pair (vLLM, FlashInfer) whose run of the matrix also judges FlashMLA's kernels through the
+#: release's FLASHMLA_SPARSE: FlashMLA does not run on FlashInfer, so the matrix judges it once.
+FLASHMLA_PAIR = ("0.33.0", "0.7.4")
+
+
 class VllmSourceError(ValueError):
     """``--vllm`` names nothing the suite can load vLLM's backend from (the message is one line)."""
 

@@ -53,6 +53,7 @@ many GPU tests ran.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -171,11 +172,14 @@ class Run:
     jit: tuple | None = None  # (builds, seconds) or None where FlashInfer wrote no build log
     log: str = ""
     incompatible: str | None = None  # why the pair was not run (a known incompatibility, not a failure)
+    problem_text: str | None = None  # why the run could not happen (a failure of the job)
 
     def problem(self) -> str | None:
         """Why this run makes the job fail, or None."""
         if self.incompatible:
             return None
+        if self.problem_text:
+            return self.problem_text
         if self.counts is None:
             return self.phase if self.wall_s is None else f"no junit xml (pytest exit {self.exit_code})"
         c = self.counts
@@ -270,20 +274,23 @@ def set_mtimes(root: Path, mtime: int = INSTALL_MTIME) -> None:
             os.utime(os.path.join(dirpath, name), (mtime, mtime), follow_symlinks=False)
 
 
-def compile_bytecode(site: Path) -> None:
+def compile_bytecode(site: Path, env: dict | None = None) -> None:
     """Write the bytecode of every module under site (timestamp pycs: valid while the sources
-    keep INSTALL_MTIME). A module that does not compile is left to fail at import, if ever; the
+    keep INSTALL_MTIME), into the bytecode cache ``env`` names (``PYTHONPYCACHEPREFIX``) where it
+    names one. A module that does not compile is left to fail at import, if ever; the
     SyntaxWarnings of the example scripts some wheels ship are not shown."""
     quiet = ["-W", "ignore::SyntaxWarning", "-m", "compileall", "-q", "-q", "-j", "0"]
     subprocess.run([sys.executable, *quiet, str(site)],
-                   env=dict(os.environ, PYTHONWARNINGS="ignore::SyntaxWarning"), stdout=subprocess.DEVNULL)
+                   env=dict(env or os.environ, PYTHONWARNINGS="ignore::SyntaxWarning"), stdout=subprocess.DEVNULL)
 
 
-def install(files: list[Path], site: Path) -> None:
+def install(files: list[Path], site: Path, env: dict | None = None) -> None:
     """pip install --no-index --no-deps into site (kept when the same wheels are there already),
-    every file stamped with INSTALL_MTIME, then compiled to bytecode."""
+    every file stamped with INSTALL_MTIME, then compiled to bytecode (into the cache ``env``'s
+    ``PYTHONPYCACHEPREFIX`` names, where it names one)."""
+    env = env or dict(os.environ)
     stamp_file = site / ".gpu-runner-stamp"
-    stamp = stamp_of(files) + "+pyc"
+    stamp = stamp_of(files) + "+pyc" + (f"@{env['PYTHONPYCACHEPREFIX']}" if env.get("PYTHONPYCACHEPREFIX") else "")
     if stamp_file.exists() and stamp_file.read_text() == stamp:
         return
     shutil.rmtree(site, ignore_errors=True)
@@ -292,15 +299,15 @@ def install(files: list[Path], site: Path) -> None:
                     "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), *map(str, files)],
                    check=True, env=dict(os.environ, PIP_ROOT_USER_ACTION="ignore"))
     set_mtimes(site)
-    compile_bytecode(site)
+    compile_bytecode(site, env)
     stamp_file.write_text(stamp)
 
 
 # --- running -------------------------------------------------------------------------------
 
 
-def build_pytest_command(junit: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-p", "gpu_runner",
+def build_pytest_command(junit: Path, extra: list[str], workers: str = "auto") -> list[str]:
+    return [sys.executable, "-m", "pytest", "-n", workers, "-p", "no:cacheprovider", "-p", "gpu_runner",
             "--require-gpu-tier", f"--junitxml={junit}", "--durations=25", *extra]
 
 
@@ -310,7 +317,8 @@ def expand_placeholders(extra: list[str], release: str, phase: str) -> list[str]
     return [arg.replace("{release}", file_label(release)).replace("{phase}", phase) for arg in extra]
 
 
-def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str], timeout: float) -> Run:
+def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str], timeout: float,
+               workers: str = "auto") -> Run:
     name = file_label(release)
     junit = out / f"junit-{name}-{phase}.xml"
     log = out / f"log-{name}-{phase}.txt"
@@ -321,7 +329,7 @@ def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str],
     table.unlink(missing_ok=True)
     env = dict(env, FLASHINFER_JIT_BUILD_LOG=str(build_log), GPU_RUNNER_RUN=f"{name}-{phase}",
                PYTHONUNBUFFERED="1", SPARSE_MLA_FLASHMLA_TABLE=str(table))
-    command = build_pytest_command(junit, expand_placeholders(extra, release, phase))
+    command = build_pytest_command(junit, expand_placeholders(extra, release, phase), workers)
     print(f"=== {release} {phase}: {' '.join(command[1:])}", flush=True)
     started = time.monotonic()
     with open(log, "w") as sink:
@@ -362,11 +370,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="a vLLM wheel or a folder holding the vllm package (repeatable): the vLLM axis")
     parser.add_argument("--pair", action="append", default=[], metavar="VLLM:RELEASE",
                         help="run only these vLLM x FlashInfer pairs (repeatable; default: every pair)")
+    parser.add_argument("--matrix", action="store_true",
+                        help="the supported vLLM x FlashInfer matrix (backends.vllm_source.SUPPORTED_MATRIX): one "
+                        "session per FlashInfer release, each vLLM release after the first in a session of its "
+                        "vLLM tests alone; vLLM from --vllm and DIR/vllm")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="sessions run at once, the machine's cores shared out among their xdist workers")
     args = parser.parse_args(argv)
     if args.pair and not args.vllm:
         parser.error("--pair needs --vllm")
     if args.release and not args.wheels:
         parser.error("--release needs --wheels")
+    if args.matrix and not args.wheels:
+        parser.error("--matrix needs --wheels")
+    if args.matrix and args.pair:
+        parser.error("--matrix runs every supported pair: give --pair without it")
+    if args.jobs < 1:
+        parser.error("--jobs takes 1 or more")
     return args, extra
 
 
@@ -375,21 +395,35 @@ class VllmAxis:
     path: str  # what --vllm=PATH gets
     version: str
     design: str
+    flashmla: bool = False  # the source carries FlashMLA's modules and kernels
+
+
+def _project_on_path() -> None:
+    if str(REPO) not in sys.path:  # run as a script: its own folder is on the path, not the project
+        sys.path.insert(0, str(REPO))
 
 
 def vllm_axis(paths: list[str]) -> list[VllmAxis | None]:
     """The vLLM entries of the axis (None: no --vllm, the project's own backend alone)."""
     if not paths:
         return [None]
-    if str(REPO) not in sys.path:  # run as a script: its own folder is on the path, not the project
-        sys.path.insert(0, str(REPO))
-    from backends.vllm_source import design_of, resolve
+    _project_on_path()
+    from backends.vllm_source import design_of, missing_flashmla_files, resolve
 
     axis = []
     for path in paths:
         source = resolve(str(Path(path).resolve()))
-        axis.append(VllmAxis(str(Path(path).resolve()), source.version, design_of(source)))
+        axis.append(VllmAxis(str(Path(path).resolve()), source.version, design_of(source),
+                             not missing_flashmla_files(source)))
     return axis
+
+
+def vllm_paths_in(wheels: Path) -> list[str]:
+    """The vLLM wheels and slice folders in ``wheels/vllm`` (none where it is missing)."""
+    folder = wheels / "vllm"
+    if not folder.is_dir():
+        return []
+    return [str(p) for p in sorted(folder.iterdir()) if p.suffix == ".whl" or (p / "vllm").is_dir()]
 
 
 def release_version(release: str) -> tuple[int, int, int]:
@@ -416,17 +450,162 @@ def pair_wanted(release: str, vllm: VllmAxis | None, pairs: list[str]) -> bool:
     return vllm is None or not pairs or f"{vllm.version}:{release}" in pairs
 
 
+# --- sessions (pure) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Session:
+    """One pytest session of a run: a FlashInfer release, the vLLM it names (or none), the marker
+    expression that narrows it (None: the main job unfiltered) and why it cannot run, if so."""
+
+    release: str
+    vllm: VllmAxis | None = None
+    marks: str | None = None
+    not_run: str | None = None  # a known incompatibility of the pair
+    missing: str | None = None  # a pair of the matrix whose vLLM release was not given
+
+    @property
+    def label(self) -> str:
+        if self.vllm is None and self.missing is None:
+            return self.release
+        version = self.vllm.version if self.vllm else self.missing
+        flashmla = " + FlashMLA" if self.vllm and self.vllm.flashmla and "not flashmla" not in (self.marks or "") \
+            else ""
+        narrowed = f" (-m '{self.marks}')" if self.marks else ""
+        return f"vLLM {version}{flashmla} on {self.release}{narrowed}"
+
+    def pytest_args(self) -> list[str]:
+        args = [] if self.vllm is None else [f"--vllm={self.vllm.path}"]
+        return args + (["-m", self.marks] if self.marks else [])
+
+
+def narrowed(marks: list[str]) -> str | None:
+    return " and ".join(marks) or None
+
+
+def matrix_sessions(matrix: dict[str, tuple[str, ...]], flashmla_pair: tuple[str, str],
+                    axis: list[VllmAxis]) -> list[Session]:
+    """The sessions of the supported matrix: per FlashInfer release, the main job with its first vLLM
+    release, then each further vLLM release in a session of the vLLM tests alone (``-m vllm``),
+    so that what does not depend on vLLM runs once per FlashInfer release. FlashMLA is judged in
+    the session of ``flashmla_pair`` alone (``not flashmla`` elsewhere). A vLLM release the matrix
+    names and ``axis`` lacks is a session that is missing."""
+    by_version = {a.version: a for a in axis}
+    sessions = []
+    for release, versions in matrix.items():
+        for i, version in enumerate(versions):
+            marks = [] if i == 0 else ["vllm"]
+            vllm = by_version.get(version)
+            if vllm is None:
+                sessions.append(Session(release, marks=narrowed(marks), missing=version))
+                continue
+            if vllm.flashmla and (version, release) != tuple(flashmla_pair):
+                marks.append("not flashmla")
+            sessions.append(Session(release, vllm, narrowed(marks)))
+    return sessions
+
+
+def pair_sessions(release: str, axis: list[VllmAxis | None], pairs: list[str]) -> list[Session]:
+    """Without --matrix: the main job unfiltered once per vLLM of the axis (or once, without one)."""
+    return [Session(release, vllm) for vllm in axis if pair_wanted(release, vllm, pairs)]
+
+
+def workers_per_session(jobs: int, cores: int | None = None) -> str:
+    """xdist's -n for each of ``jobs`` sessions at once: ``auto`` alone, else the cores shared out."""
+    if jobs == 1:
+        return "auto"
+    return str(max(1, (cores or os.cpu_count() or 1) // jobs))
+
+
+# --- installing, building, running ----------------------------------------------------------
+
+
+def bytecode_env(env: dict, work: Path) -> dict:
+    """Every process the runner starts (the sessions, their xdist workers, the children their tests
+    start) reads and writes compiled bytecode in one cache under ``work``
+    (``PYTHONPYCACHEPREFIX``): where a machine sets ``PYTHONDONTWRITEBYTECODE`` and its image ships
+    torch without bytecode, each process would otherwise compile torch, the project and its test
+    modules afresh."""
+    env = dict(env, PYTHONPYCACHEPREFIX=str(work / "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def prebuild(releases: dict[str, dict], out: Path, phase: str) -> float:
+    """Every kernel variant of every release built (or found built) at once, one
+    ``python3 -m harness.prebuild --parallel --only-missing`` per release, each in its release's
+    environment; their output to ``out/prebuild-<release>-<phase>.txt``. The wall of all."""
+    started = time.monotonic()
+    children = []
+    for release, env in releases.items():
+        sink = open(out / f"prebuild-{file_label(release)}-{phase}.txt", "w")  # closed once the child ends
+        children.append((release, sink, subprocess.Popen(
+            [sys.executable, "-m", "harness.prebuild", "--parallel", "--only-missing"], cwd=REPO, env=env,
+            stdout=sink, stderr=subprocess.STDOUT)))
+    for release, sink, child in children:
+        code = child.wait()
+        sink.close()
+        if code not in (0, 2):  # 2: nothing can be built here (the tests then say why)
+            print(f"=== {release} {phase}: the prebuild exited {code} (see {sink.name})", flush=True)
+    wall = round(time.monotonic() - started, 1)
+    print(f"=== {phase}: kernel builds of {len(releases)} release(s) at once: {wall:.0f} s", flush=True)
+    return wall
+
+
+def run_sessions(sessions: list[Session], envs: dict[str, dict], phase: str, out: Path, extra: list[str],
+                 timeout: float, jobs: int) -> list[Run]:
+    """Each runnable session of ``sessions`` in this phase, ``jobs`` at a time, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = workers_per_session(jobs)
+
+    def one(session: Session) -> Run:
+        return run_pytest(session.label, phase, envs[session.release], out, [*session.pytest_args(), *extra],
+                          timeout, workers)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, sessions))
+
+
+def not_run(session: Session) -> Run:
+    if session.missing:
+        return Run(session.label, "missing", problem_text=f"vLLM {session.missing} not given (--vllm or DIR/vllm)")
+    return Run(session.label, "not run", incompatible=session.not_run)
+
+
+def with_incompatibility(session: Session) -> Session:
+    if session.vllm is None:
+        return session
+    _project_on_path()
+    from backends.vllm_source import incompatibility
+
+    reason = incompatibility(session.vllm.design, release_version(session.release))
+    return dataclasses.replace(session, not_run=reason) if reason else session
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = args.work.resolve()
     phases = ["warm"] if args.warm_only else ["cold", "warm"]
-    base_env = dict(os.environ)
+    base_env = bytecode_env(dict(os.environ), work)
     here = str(Path(__file__).resolve().parent)
     pythonpath = [str(REPO), here] + ([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else [])
     runs: list[Run] = []
-    releases = (args.release or releases_in(args.wheels)) if args.wheels else [INSTALLED]
+    if args.matrix:
+        _project_on_path()
+        from backends.vllm_source import FLASHMLA_PAIR, SUPPORTED_MATRIX
+
+        releases = list(SUPPORTED_MATRIX)
+        axis = [a for a in vllm_axis(args.vllm + vllm_paths_in(args.wheels.resolve())) if a is not None]
+        sessions = matrix_sessions(SUPPORTED_MATRIX, FLASHMLA_PAIR, axis)
+    else:
+        releases = (args.release or releases_in(args.wheels)) if args.wheels else [INSTALLED]
+        axis = vllm_axis(args.vllm)
+        sessions = [s for release in releases for s in pair_sessions(release, axis, args.pair)]
+    envs: dict[str, dict] = {}
+    caches: dict[str, Path] = {}
     for release in releases:
         env = dict(base_env)
         cache = (args.jit_cache.resolve() if args.jit_cache else work / "jit") / release
@@ -434,45 +613,55 @@ def main(argv: list[str] | None = None) -> int:
             site = work / "site" / release
             try:
                 started = time.monotonic()
-                install(wheel_files(args.wheels.resolve(), release), site)
+                install(wheel_files(args.wheels.resolve(), release), site, env)
                 print(f"=== {release}: installed in {site} ({time.monotonic() - started:.0f} s)", flush=True)
             except (ValueError, OSError, subprocess.CalledProcessError) as exc:
                 print(f"=== {release}: install failed: {exc}", flush=True)
                 runs.append(Run(release, "install failed"))
                 continue
             env["PYTHONPATH"] = os.pathsep.join([str(site), *pythonpath])
-            env["FLASHINFER_WORKSPACE_BASE"] = str(cache)
             env.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
         else:
             env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         env["FLASHINFER_WORKSPACE_BASE"] = str(cache)
-        for vllm in vllm_axis(args.vllm):
-            if not pair_wanted(release, vllm, args.pair):
-                continue
-            label = pair_label(release, vllm)
-            if vllm is not None:
-                from backends.vllm_source import incompatibility
-
-                reason = incompatibility(vllm.design, release_version(release))
-                if reason:
-                    print(f"=== {label}: not run: {reason}", flush=True)
-                    runs.append(Run(label, "not run", incompatible=reason))
-                    continue
-            run_extra = extra if vllm is None else [f"--vllm={vllm.path}", *extra]
-            for phase in phases:
-                if phase == "cold":
-                    shutil.rmtree(cache, ignore_errors=True)
-                cache.mkdir(parents=True, exist_ok=True)
-                runs.append(run_pytest(label, phase, env, out, run_extra, args.timeout_s))
+        envs[release], caches[release] = env, cache
+    sessions = [with_incompatibility(s) for s in sessions if s.release in envs]
+    runnable = [s for s in sessions if not (s.missing or s.not_run)]
+    for session in sessions:
+        if session.missing or session.not_run:
+            print(f"=== {session.label}: not run: {session.not_run or 'vLLM ' + session.missing + ' not given'}",
+                  flush=True)
+            runs.append(not_run(session))
+    building = {r: envs[r] for r in dict.fromkeys(s.release for s in runnable)}
+    walls: dict[str, dict] = {}
+    for phase in phases:
+        started = time.monotonic()
+        if phase == "cold":
+            for release in building:
+                shutil.rmtree(caches[release], ignore_errors=True)
+        for release in building:
+            caches[release].mkdir(parents=True, exist_ok=True)
+        builds = prebuild(building, out, phase) if building and args.wheels else None
+        runs += run_sessions(runnable, envs, phase, out, extra, args.timeout_s, args.jobs)
+        walls[phase] = {"builds_s": builds, "wall_s": round(time.monotonic() - started, 1)}
+        print(f"=== {phase}: {len(runnable)} session(s) in {walls[phase]['wall_s']:.0f} s"
+              + (f" (builds {builds:.0f} s)" if builds is not None else ""), flush=True)
     rows = table_rows(runs)
-    text = markdown_table(rows)
+    text = markdown_table(rows) + "\n\n" + phase_lines(walls)
     (out / "table.md").write_text(text + "\n")
-    (out / "table.json").write_text(json.dumps({"rows": rows, "runs": [
+    (out / "table.json").write_text(json.dumps({"rows": rows, "phases": walls, "runs": [
         {**{k: v for k, v in asdict(r).items() if k != "counts"}, "counts": asdict(r.counts) if r.counts else None}
         for r in runs]}, indent=1, default=str) + "\n")
     print(f"\nlogs, junit xml and JIT build logs: {out}\n")
     print(text)
     return 1 if any(r["problems"] for r in rows) else 0
+
+
+def phase_lines(walls: dict[str, dict]) -> str:
+    """One line per phase: its wall from the start of its builds to the end of its last session."""
+    return "\n".join(f"{phase}: {fmt_s(w['wall_s'])} in all" + (f", of which kernel builds {fmt_s(w['builds_s'])}"
+                                                                if w["builds_s"] is not None else "")
+                     for phase, w in walls.items())
 
 
 if __name__ == "__main__":

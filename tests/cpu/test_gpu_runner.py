@@ -149,3 +149,70 @@ def test_extra_arguments_name_a_folder_per_run():
     extra = ["--record-baseline=base/{release}-{phase}", "-k", "not slow"]
     assert runner.expand_placeholders(extra, "0.7.4", "cold") == ["--record-baseline=base/0.7.4-cold", "-k", "not slow"]
     assert runner.expand_placeholders(extra, "0.7.4", "warm")[0] == "--record-baseline=base/0.7.4-warm"
+
+
+def _axis(version: str, flashmla: bool = False, design: str = "bounded"):
+    return runner.VllmAxis(f"/w/vllm-{version}", version, design, flashmla)
+
+
+MATRIX = {"0.6.18.post1": ("0.30.0",), "0.7.0.post1": ("0.31.0", "0.32.0"), "0.7.4": ("0.33.0", "0.34.0")}
+
+
+def test_the_matrix_runs_what_does_not_depend_on_vllm_once_per_flashinfer_release():
+    """The first vLLM release of each FlashInfer release rides the main job unfiltered; each further
+    one gets a session of its vLLM tests alone; FlashMLA is judged in its pair's session only."""
+    axis = [_axis("0.30.0", design="exact"), _axis("0.31.0"), _axis("0.32.0"), _axis("0.33.0", flashmla=True),
+            _axis("0.34.0", flashmla=True)]
+    sessions = runner.matrix_sessions(MATRIX, ("0.33.0", "0.7.4"), axis)
+    assert [(s.release, s.vllm.version, s.marks) for s in sessions] == [
+        ("0.6.18.post1", "0.30.0", None),
+        ("0.7.0.post1", "0.31.0", None),
+        ("0.7.0.post1", "0.32.0", "vllm"),
+        ("0.7.4", "0.33.0", None),
+        ("0.7.4", "0.34.0", "vllm and not flashmla"),
+    ]
+    assert sessions[2].pytest_args() == ["--vllm=/w/vllm-0.32.0", "-m", "vllm"]
+    assert sessions[3].label == "vLLM 0.33.0 + FlashMLA on 0.7.4"
+    assert sessions[4].label == "vLLM 0.34.0 on 0.7.4 (-m 'vllm and not flashmla')"
+    elsewhere = runner.matrix_sessions({"0.7.2.post1": ("0.33.0",)}, ("0.33.0", "0.7.4"), axis)
+    assert elsewhere[0].marks == "not flashmla"
+    assert elsewhere[0].label == "vLLM 0.33.0 on 0.7.2.post1 (-m 'not flashmla')"
+
+
+def test_a_matrix_pair_whose_vllm_was_not_given_fails_the_job():
+    sessions = runner.matrix_sessions(MATRIX, ("0.33.0", "0.7.4"), [_axis("0.30.0", design="exact")])
+    missing = [s for s in sessions if s.missing]
+    assert [(s.release, s.missing) for s in missing] == [("0.7.0.post1", "0.31.0"), ("0.7.0.post1", "0.32.0"),
+                                                          ("0.7.4", "0.33.0"), ("0.7.4", "0.34.0")]
+    run = runner.not_run(missing[0])
+    assert run.problem() == "vLLM 0.31.0 not given (--vllm or DIR/vllm)"
+    rows = runner.table_rows([run])
+    assert rows[0]["problems"] == ["missing: vLLM 0.31.0 not given (--vllm or DIR/vllm)"]
+
+
+def test_sessions_at_once_share_the_cores_out():
+    assert runner.workers_per_session(1, 16) == "auto"
+    assert runner.workers_per_session(2, 16) == "8"
+    assert runner.workers_per_session(3, 2) == "1"
+
+
+def test_every_process_the_runner_starts_keeps_its_bytecode_in_one_cache(tmp_path):
+    env = runner.bytecode_env({"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/bin"}, tmp_path)
+    assert env == {"PYTHONPYCACHEPREFIX": str(tmp_path / "pycache"), "PATH": "/bin"}
+
+
+def test_vllm_paths_are_found_in_the_wheel_folder(tmp_path):
+    (tmp_path / "vllm" / "0.31.0" / "vllm").mkdir(parents=True)
+    wheel = tmp_path / "vllm" / "vllm-0.30.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    (tmp_path / "vllm" / "notes").mkdir()
+    assert runner.vllm_paths_in(tmp_path) == [str(tmp_path / "vllm" / "0.31.0"), str(wheel)]
+    assert runner.vllm_paths_in(tmp_path / "nothing") == []
+
+
+def test_the_matrix_is_the_supported_one():
+    from backends.flashinfer_compat import RELEASES_READ
+    from backends.vllm_source import FLASHMLA_PAIR, SUPPORTED_MATRIX
+
+    assert tuple(SUPPORTED_MATRIX) == RELEASES_READ
+    assert FLASHMLA_PAIR[0] in SUPPORTED_MATRIX[FLASHMLA_PAIR[1]]
