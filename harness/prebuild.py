@@ -32,7 +32,6 @@ from .cases import KernelConfig
 from .launch import attention_config
 from .scenario import batch, build_scenario
 
-
 #: (kernel, kv dtype, rope, k_scale) of every variant built.
 VARIANTS = tuple(("fa3", *v) for v in KERNEL_VARIANTS) + tuple(("fa2", *v) for v in FA2_KERNEL_VARIANTS)
 

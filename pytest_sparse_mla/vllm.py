@@ -38,8 +38,20 @@ def pytest_addoption(parser):
     )
 
 
+#: The markers a test carries when it drives what these fixtures open (a marker of its own, so that
+#: ``-m vllm`` selects every test that depends on the vLLM release, and ``-m "not flashmla"`` every
+#: one that does not drive FlashMLA's kernels): a test that opens them unmarked fails.
+MARKED_FIXTURES = {
+    "vllm": {"vllm_backend", "vllm_pairing", "vllm_on_gpu", "vllm_on_stand_in", "flashmla_source", "flashmla_load",
+             "flashmla_on_gpu", "flashmla_backend", "flashmla_on_stand_in"},
+    "flashmla": {"flashmla_source", "flashmla_load", "flashmla_on_gpu", "flashmla_backend", "flashmla_on_stand_in"},
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: drives a vLLM release's own SM90 backend (needs --vllm)")
+    config.addinivalue_line("markers", "flashmla: drives FlashMLA's kernels through a vLLM release's FLASHMLA_SPARSE "
+                            "(needs --vllm; marked vllm too)")
     spec = config.getoption("--vllm")
     if spec is None:
         return
@@ -77,6 +89,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("vllm"):
             item.add_marker(skip)
+
+
+def unmarked_use(used_fixtures, has_marker) -> list[str]:
+    """The markers a test lacks for the fixtures it used (:data:`MARKED_FIXTURES`)."""
+    used = set(used_fixtures)
+    return [m for m, fixtures in MARKED_FIXTURES.items() if used & fixtures and not has_marker(m)]
+
+
+@pytest.fixture(autouse=True)
+def marked_for_what_it_drives(request):
+    """After each test: a test that opened vLLM's or FlashMLA's backend carries the marker that
+    selects it (:data:`MARKED_FIXTURES`), or it fails, so that ``-m vllm`` and ``-m "not flashmla"``
+    (the matrix's sessions, ``scripts/gpu_runner.py --matrix``) leave out nothing they should hold."""
+    yield
+    lacking = unmarked_use(request.fixturenames, lambda m: request.node.get_closest_marker(m) is not None)
+    if lacking:
+        pytest.fail(f"{request.node.nodeid} opens what the marker(s) {', '.join(lacking)} select but is not marked "
+                    f"so: add pytest.mark.{lacking[0]} (a session narrowed by -m would leave it out)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

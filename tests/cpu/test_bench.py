@@ -220,6 +220,7 @@ def expected_bytes(record: dict, kv_row: int) -> int:
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 @pytest.mark.interpreter  # the stand-in's Triton kernels and vLLM's convert take CPU tensors
 def test_cpu_smoke_with_vllm_times_flashmla_on_the_stand_in(flashmla_on_the_stand_in, flashmla_source, tmp_path):
     assert run.main(["--out", str(tmp_path), "--cpu-smoke", "--vllm", str(flashmla_source.root)]) == 0
@@ -242,6 +243,7 @@ def test_cpu_smoke_with_vllm_times_flashmla_on_the_stand_in(flashmla_on_the_stan
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 @pytest.mark.interpreter
 def test_fp8_prefill_rows_from_32_heads_are_timed_on_the_bf16_workspace(flashmla_on_the_stand_in):
     sel = dataclasses.replace(selection.CPU_SMOKE, variants=(("float8_e4m3fn", True, 0.5),), heads=(64,),

@@ -55,7 +55,7 @@ from reference import flashmla_layout
 from tests import flashmla_cases, flashmla_stand_in
 from tests.flashmla_cases import step_params
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.flashmla]
 
 
 BF16 = KernelConfig("bfloat16", True, 16)

@@ -90,16 +90,19 @@ def test_vllm_graph_is_unsupported_on_the_simulated_machine(vllm_on_stand_in, si
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 def test_flashmla_plan_history(flashmla_on_stand_in, device, judge):
     check_plan_history(judge, flashmla_on_stand_in, device)
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 def test_flashmla_poisoned_workspaces(flashmla_on_stand_in, device, judge):
     check_poisoned_workspaces(judge, flashmla_on_stand_in, device)
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 def test_flashmla_graph_says_why_it_is_not_captured(flashmla_on_stand_in, device, judge):
     with pytest.raises(pytest.skip.Exception, match="unsupported: the FlashMLA layer reads every kernel call"):
         check_graph_against_eager(judge, flashmla_on_stand_in, device)

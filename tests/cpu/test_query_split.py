@@ -204,6 +204,7 @@ def test_a_device_split_catches_a_bound_from_the_host_split(vllm_on_stand_in, de
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 @pytest.mark.parametrize(("case", "host"), CASES, ids=[c.name for c, _ in CASES])
 def test_flashmla_runs_the_device_split(flashmla_on_stand_in, device, judge, case, host):
     """FLASHMLA_SPARSE (bf16: its kernels are handed each row's valid count from the device's

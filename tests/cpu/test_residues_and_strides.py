@@ -211,7 +211,8 @@ def test_the_port_plans_slot_ids_around_an_offset_boundary(impl, device, case, w
 
 # --- vLLM's SM90 backend and FlashMLA, stand-in kernels ----------------------------------------
 
-@pytest.fixture(params=[pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("flashmla", marks=pytest.mark.vllm)])
+@pytest.fixture(params=[pytest.param("vllm", marks=pytest.mark.vllm),
+                        pytest.param("flashmla", marks=[pytest.mark.vllm, pytest.mark.flashmla])])
 def backend(request):
     return request.getfixturevalue({"vllm": "vllm_on_stand_in", "flashmla": "flashmla_on_stand_in"}[request.param])
 

@@ -172,6 +172,7 @@ def test_vllm_executes_the_length_rule_over_holes(vllm_on_stand_in, case, device
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 @pytest.mark.parametrize("case", hole_params(TOPK_SMALL))
 def test_flashmla_executes_each_rows_valid_count(flashmla_on_stand_in, case, device, judge):
     outcome = run_case(judge, flashmla_on_stand_in, case.spec, device, seed=SEED, holes=case.holes)

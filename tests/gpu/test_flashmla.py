@@ -32,7 +32,7 @@ from pytest_sparse_mla.flashmla_table import max_difference, table_row, write_ta
 from tests import flashmla_cases
 from tests.flashmla_cases import gpu_regime_params, gpu_shaped_params, trap_params
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.flashmla]
 
 GPU_PARAMS = gpu_regime_params() + gpu_shaped_params()
 

@@ -26,7 +26,7 @@ from reference import sparse_mla_reference
 from reference.budget import compare_attention, compare_to_budget
 from reference.flashmla_layout import TILES, dequantize, pack, tile_scales
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.flashmla]
 
 DEVICE = "cuda"
 SM_SCALE = DEEPSEEK_V32_SM_SCALE

@@ -27,7 +27,8 @@ from pytest_sparse_mla.backend import open_run_backend
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ["port-fa3", pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("flashmla", marks=pytest.mark.vllm)]
+BACKENDS = ["port-fa3", pytest.param("vllm", marks=pytest.mark.vllm),
+            pytest.param("flashmla", marks=[pytest.mark.vllm, pytest.mark.flashmla])]
 
 
 @pytest.fixture(params=BACKENDS)

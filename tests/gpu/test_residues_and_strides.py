@@ -43,7 +43,8 @@ from tests.residues_and_strides import (
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ("port-fa3", "vllm", "flashmla")
+BACKENDS = ["port-fa3", pytest.param("vllm", marks=pytest.mark.vllm),
+            pytest.param("flashmla", marks=[pytest.mark.vllm, pytest.mark.flashmla])]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -41,6 +41,7 @@ def test_vllm_executes_the_length_rule_over_holes(vllm_on_gpu, case, judge):
 
 
 @pytest.mark.vllm
+@pytest.mark.flashmla
 @pytest.mark.parametrize("case", hole_params(TOPK, ROPE_CONFIGS))
 def test_flashmla_executes_each_rows_valid_count(flashmla_on_gpu, case, judge):
     """FlashMLA is handed each row's valid count (``topk_length``) and its valid entries: the
