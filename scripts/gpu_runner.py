@@ -510,6 +510,16 @@ def pair_sessions(release: str, axis: list[VllmAxis | None], pairs: list[str]) -
     return [Session(release, vllm) for vllm in axis if pair_wanted(release, vllm, pairs)]
 
 
+def heaviest_first(sessions: list[Session]) -> list[Session]:
+    """The order sessions start in when several run at once: the one judging FlashMLA first, then
+    the main jobs, then the sessions of vLLM tests alone (the last to start should end soonest)."""
+    def weight(session: Session) -> tuple[bool, bool]:
+        flashmla = session.vllm is not None and session.vllm.flashmla and "not flashmla" not in (session.marks or "")
+        return (not flashmla, session.marks is not None and "vllm" in session.marks.split(" and "))
+
+    return sorted(sessions, key=weight)
+
+
 def workers_per_session(jobs: int, cores: int | None = None) -> str:
     """xdist's -n for each of ``jobs`` sessions at once: ``auto`` alone, else the cores shared out."""
     if jobs == 1:
@@ -564,7 +574,8 @@ def run_sessions(sessions: list[Session], envs: dict[str, dict], phase: str, out
                           timeout, workers)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(one, sessions))
+        done = dict(zip(heaviest_first(sessions), pool.map(one, heaviest_first(sessions)), strict=True))
+    return [done[s] for s in sessions]
 
 
 def not_run(session: Session) -> Run:

@@ -190,6 +190,13 @@ def test_a_matrix_pair_whose_vllm_was_not_given_fails_the_job():
     assert rows[0]["problems"] == ["missing: vLLM 0.31.0 not given (--vllm or DIR/vllm)"]
 
 
+def test_sessions_at_once_start_with_the_heaviest():
+    axis = [_axis("0.31.0"), _axis("0.32.0"), _axis("0.33.0", flashmla=True), _axis("0.34.0", flashmla=True)]
+    sessions = runner.matrix_sessions({"0.7.0.post1": ("0.31.0", "0.32.0"), "0.7.4": ("0.33.0", "0.34.0")},
+                                      ("0.33.0", "0.7.4"), axis)
+    assert [s.vllm.version for s in runner.heaviest_first(sessions)] == ["0.33.0", "0.31.0", "0.32.0", "0.34.0"]
+
+
 def test_sessions_at_once_share_the_cores_out():
     assert runner.workers_per_session(1, 16) == "auto"
     assert runner.workers_per_session(2, 16) == "8"
