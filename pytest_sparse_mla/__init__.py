@@ -26,6 +26,8 @@ no ``-p`` is needed.
   backend's written case;
 - ``interpreter``: the ``interpreter`` marker (a CPU-tier test that hands Triton kernels CPU
   tensors runs in a child pytest under Triton's interpreter where the run's kernels are compiled);
+- ``phases``: ``--profile-phases=FILE``, where the test time went per test module and phase
+  (sampled);
 - ``worker_load``: the tests dealt to the xdist workers heaviest first (``durations.json``), and
   the "xdist workers" section: per worker, its tests' seconds, when its first test started and
   its last one ended, and its longest tests (the run's critical path).
@@ -36,6 +38,7 @@ of this list: xdist workers, GPUs, input coverage, regimes, replay, upgrade repo
 
 pytest_plugins = [
     "pytest_sparse_mla.worker_load",
+    "pytest_sparse_mla.phases",
     "pytest_sparse_mla.hypothesis_profiles",
     "pytest_sparse_mla.impl",
     "pytest_sparse_mla.baselines",
