@@ -171,6 +171,7 @@ class Run:
     counts: Counts | None = None
     jit: tuple | None = None  # (builds, seconds) or None where FlashInfer wrote no build log
     log: str = ""
+    coverage: dict = field(default_factory=dict)  # the run's coverage lines (coverage_lines)
     incompatible: str | None = None  # why the pair was not run (a known incompatibility, not a failure)
     problem_text: str | None = None  # why the run could not happen (a failure of the job)
 
@@ -190,6 +191,21 @@ class Run:
         if self.exit_code not in (0, None):
             return f"pytest exit {self.exit_code}"
         return None
+
+
+#: The end-of-run lines of the main job that say what a run covered, by their first words.
+COVERAGE_LINES = ("rows checked per backend:", "input space:", "transitions between steps:", "vLLM under test:",
+                  "attention kernel:")
+
+
+def coverage_lines(log: str) -> dict[str, str]:
+    """The run's coverage lines (:data:`COVERAGE_LINES`) from its output, the last of each kind."""
+    found = {}
+    for line in log.splitlines():
+        for head in COVERAGE_LINES:
+            if line.startswith(head):
+                found[head.rstrip(":")] = line[len(head):].strip()
+    return found
 
 
 def fmt_s(seconds: float | None) -> str:
@@ -341,9 +357,10 @@ def run_pytest(release: str, phase: str, env: dict, out: Path, extra: list[str],
     wall = round(time.monotonic() - started, 1)
     counts = parse_junit(junit.read_text(), slowest=3) if junit.exists() else None
     jit = jit_builds(build_log.read_text().splitlines()) if build_log.exists() else None
-    tail = log.read_text(errors="replace").splitlines()[-1:] or [""]
-    print(f"    {wall:.0f} s, exit {code}: {tail[0][:150]}", flush=True)
-    return Run(release, phase, wall, code, counts, jit, str(log))
+    text = log.read_text(errors="replace")
+    tail = text.splitlines()[-1:] or [""]
+    print(f"    {release} {phase}: {wall:.0f} s, exit {code}: {tail[0][:150]}", flush=True)
+    return Run(release, phase, wall, code, counts, jit, str(log), coverage=coverage_lines(text))
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -658,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== {phase}: {len(runnable)} session(s) in {walls[phase]['wall_s']:.0f} s"
               + (f" (builds {builds:.0f} s)" if builds is not None else ""), flush=True)
     rows = table_rows(runs)
-    text = markdown_table(rows) + "\n\n" + phase_lines(walls)
+    text = markdown_table(rows) + "\n\n" + phase_lines(walls) + "\n\n" + coverage_section(runs)
     (out / "table.md").write_text(text + "\n")
     (out / "table.json").write_text(json.dumps({"rows": rows, "phases": walls, "runs": [
         {**{k: v for k, v in asdict(r).items() if k != "counts"}, "counts": asdict(r.counts) if r.counts else None}
@@ -666,6 +683,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nlogs, junit xml and JIT build logs: {out}\n")
     print(text)
     return 1 if any(r["problems"] for r in rows) else 0
+
+
+def coverage_section(runs: list[Run]) -> str:
+    """Per run that reported them, its coverage lines."""
+    lines = []
+    for run in runs:
+        if run.coverage:
+            lines.append(f"{run.release} ({run.phase}):")
+            lines += [f"- {head}: {text}" for head, text in run.coverage.items()]
+    return "\n".join(lines)
 
 
 def phase_lines(walls: dict[str, dict]) -> str:

@@ -223,3 +223,15 @@ def test_the_matrix_is_the_supported_one():
 
     assert tuple(SUPPORTED_MATRIX) == RELEASES_READ
     assert FLASHMLA_PAIR[0] in SUPPORTED_MATRIX[FLASHMLA_PAIR[1]]
+
+
+def test_a_runs_coverage_lines_are_kept_for_the_table():
+    log = "\n".join(["x", "rows checked per backend: port-fa3 10 rows in 2 tests", "input space: 4 distinct cases",
+                     "E   input space: inside a failure message", "transitions between steps: 8/12 checked",
+                     "1 passed in 1.0s"])
+    found = runner.coverage_lines(log)
+    assert found == {"rows checked per backend": "port-fa3 10 rows in 2 tests", "input space": "4 distinct cases",
+                     "transitions between steps": "8/12 checked"}
+    run = runner.Run("0.7.4", "warm", 1.0, 0, None, coverage=found)
+    section = runner.coverage_section([run]).splitlines()
+    assert section[:2] == ["0.7.4 (warm):", "- rows checked per backend: port-fa3 10 rows in 2 tests"]
