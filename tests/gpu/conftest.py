@@ -4,6 +4,7 @@ GPU test works with (``gpu``), and the FlashInfer warnings each test raised atta
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -52,13 +53,26 @@ def flashinfer_warnings(request):
 
 @pytest.fixture(autouse=True)
 def large_cases_give_their_memory_back(request):
-    """After a case marked ``gpu_large``, the GPU memory this worker's allocator cached for it
-    goes back to the driver: under xdist every worker shares the GPU, and the other workers'
+    """A case marked ``gpu_large`` runs in one of its GPU's machine-wide slots
+    (``harness.gpu_slots``: the processes of every session on the machine run only as many at
+    once as the GPU's memory holds), and the GPU memory this worker's allocator cached for it goes
+    back to the driver after: under xdist every worker shares the GPU, and the other workers'
     largest cases (children of their own) need it while this worker runs small ones."""
-    yield
-    if request.node.get_closest_marker("gpu_large"):
-        import torch
+    if not request.node.get_closest_marker("gpu_large"):
+        yield
+        return
+    import torch
 
+    if not torch.cuda.is_available():  # the simulated SM90 machine: nothing to share
+        yield
+        return
+    from harness.gpu_slots import SLOTS_ENV, current_gpu, gpu_slot, slots_for
+
+    key, total = current_gpu()
+    with gpu_slot(key, slots_for(total, os.environ.get(SLOTS_ENV))) as waited:
+        if waited >= 1:
+            request.node.user_properties.append(("gpu_slot_wait_s", round(waited, 1)))
+        yield
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
