@@ -155,8 +155,15 @@ def lay_out(impl, layout: str, step: StepInput, planned: torch.Tensor, *, block_
     before it runs."""
     rows = step.topk_indices.shape[0]
     req = impl.request_ids(step.meta.query_start_loc_cpu.to(device), rows)
-    slots, counts = impl.convert(step.topk_indices.to(device), step.block_table.to(device), req, block_size,
-                                 with_counts=True)
+    return lay_out_rows(impl, layout, step.topk_indices.to(device), step.block_table.to(device), req, planned,
+                        block_size=block_size, max_rows=max_rows, width=width, device=device)
+
+
+def lay_out_rows(impl, layout: str, topk_indices: torch.Tensor, block_table: torch.Tensor, req: torch.Tensor,
+                 planned: torch.Tensor, *, block_size: int, max_rows: int, width: int, device) -> LaidOut:
+    """:func:`lay_out` for top-k rows whose request ids are given (``req``, one per row)."""
+    rows = topk_indices.shape[0]
+    slots, counts = impl.convert(topk_indices, block_table, req, block_size, with_counts=True)
     indptr = impl.kv_indptr(layout, planned, max_rows, width)
     lens = torch.zeros(rows, dtype=torch.int32)
     lens[: planned.numel()] = planned[:rows]

@@ -20,8 +20,8 @@ import json
 
 import torch
 
-from backends.port import make_attention_state
-from fast.layouts import indices_capacity
+from backends.port import lay_out_rows, make_attention_state
+from backends.seam import LaidOut
 from reference.rules import convert_rule
 
 from .environment import flashinfer_version
@@ -100,31 +100,14 @@ def _rebuilt_rows_and_lens(spec_json: str, seed: int, impl):
     return scenario.topk_indices, scenario.block_table, scenario.request_ids(), s.block_size, lens
 
 
-def laid_out_plan(impl, layout: str, topk: torch.Tensor, table: torch.Tensor, req: torch.Tensor,
-                  lens: torch.Tensor, *, max_rows: int, width: int) -> dict[str, torch.Tensor]:
-    """The plan ``impl``'s host stages lay out for ``lens`` before anything is launched:
-    convert, kv_indptr and kv_indices (host int32, the planned spans only), as the state hands
-    them to the kernel."""
-    n = int(lens.numel())
-    rows = topk.shape[0]
-    planned = torch.zeros(max(max_rows, rows), dtype=torch.int32)
-    planned[:n] = lens.to(torch.int32).cpu()
-    slots = impl.convert(topk, table, req, 1)
-    indptr = impl.kv_indptr(layout, planned[:n], max_rows, width).to(torch.int32).cpu()
-    indices = torch.full((indices_capacity(max_rows, width),), -1, dtype=torch.int32, device=topk.device)
-    impl.write_kv_indices(layout, slots, planned[:rows].to(topk.device), indptr[: rows + 1].to(topk.device), indices)
-    end = int((indptr[:n].to(torch.int64) + planned[:n]).max()) if n else 0
-    return {"kv_indptr": indptr[: n + 1].clone(), "kv_indices": indices[:end].cpu(), "kv_len": planned[:n].clone()}
-
-
-def rows_reading_outside_the_cache(plan: dict[str, torch.Tensor], num_slots: int) -> list[int]:
-    """The rows of a laid-out ``plan`` whose span of kv_indices holds an entry outside
-    ``[0, num_slots)`` or runs past the entries laid out: a kernel launched on that plan reads
-    outside the KV cache (on a GPU, an illegal address that poisons the process's CUDA
-    context), so nothing is launched for it."""
-    indptr, indices, lens = plan["kv_indptr"].tolist(), plan["kv_indices"], plan["kv_len"].tolist()
+def rows_reading_outside_the_cache(laid: LaidOut, lens: torch.Tensor, num_slots: int) -> list[int]:
+    """The planned rows (``lens``) whose span of the laid-out kv_indices holds an entry outside
+    ``[0, num_slots)`` or runs past the buffer: a kernel launched on that plan reads outside the KV
+    cache (on a GPU, an illegal address that poisons the process's CUDA context), so nothing is
+    launched for it."""
+    indptr, indices = laid.kv_indptr.tolist(), laid.kv_indices.cpu()
     outside = []
-    for row, length in enumerate(lens):
+    for row, length in enumerate(lens.tolist()):
         span = indices[indptr[row] : indptr[row] + length]
         if span.numel() < length or bool(((span < 0) | (span >= num_slots)).any()):
             outside.append(row)
@@ -160,11 +143,11 @@ def _rerun_pipeline(fx: Fixture, impl, impl_spec: str | None, device) -> Rerun:
     state = make_attention_state(impl, config, device)
     topk, table, req = identity_cache_inputs(fx, max_rows, device)
     slots = max(fx["ckv"].shape[0], 1)
-    laid = laid_out_plan(impl, meta["layout"], topk, table, req, lens, max_rows=max_rows, width=int(meta["width"]))
-    outside = rows_reading_outside_the_cache(laid, slots)
+    laid = lay_out_rows(impl, meta["layout"], topk, table, req, lens.to(torch.int32), block_size=1,
+                        max_rows=max_rows, width=int(meta["width"]), device=device)
+    outside = rows_reading_outside_the_cache(laid, lens, slots)
     if outside:
-        plan = dict(laid, kv_indices=torch.where((laid["kv_indices"] >= -1) & (laid["kv_indices"] < slots),
-                                                 laid["kv_indices"], torch.full_like(laid["kv_indices"], -1)))
+        plan = plan_as_local_ids(laid.kv_indptr.to(torch.int32), lens, laid.kv_indices, slots)
         return Rerun(version, how + " (not launched)", plan=plan, impl=impl_spec, withheld=(
             f"planned rows {outside[:8]} would hand the kernel kv_indices entries outside the "
             f"cache's {slots} slots (-1 or past its end): it would read outside its KV cache"))
@@ -179,14 +162,21 @@ def _rerun_pipeline(fx: Fixture, impl, impl_spec: str | None, device) -> Rerun:
         _sync(device)
     except Exception as exc:
         return Rerun(version, how + " (refused at run)", refused=_refusal(exc), impl=impl_spec)
-    indptr = state.planned_kv_indptr[: n + 1].clone().to(torch.int32)
-    kv_len = state.planned_kv_len[:n].clone().to(torch.int32)
-    end = int((indptr[:-1].to(torch.int64) + kv_len).max()) if n else 0
-    indices = state.kv_indices[:end].cpu().to(torch.int32)
-    stored = fx["ckv"].shape[0]
-    indices = torch.where((indices >= -1) & (indices < stored), indices, torch.full_like(indices, -1))
-    plan = {"kv_indptr": indptr, "kv_indices": indices, "kv_len": kv_len}
+    plan = plan_as_local_ids(state.planned_kv_indptr, state.planned_kv_len[:n], state.kv_indices, fx["ckv"].shape[0])
     return Rerun(version, how, out[:n].cpu(), lse[:n].cpu(), plan=plan, impl=impl_spec)
+
+
+def plan_as_local_ids(kv_indptr: torch.Tensor, kv_len: torch.Tensor, kv_indices: torch.Tensor,
+                      stored: int) -> dict[str, torch.Tensor]:
+    """A re-run's plan as the replay judges it (host int32, the planned spans of kv_indices): an
+    entry that names no stored slot is -1."""
+    n = kv_len.numel()
+    indptr = kv_indptr[: n + 1].clone().to(torch.int32).cpu()
+    kv_len = kv_len.clone().to(torch.int32).cpu()
+    end = int((indptr[:-1].to(torch.int64) + kv_len).max()) if n else 0
+    indices = kv_indices[:end].cpu().to(torch.int32)
+    indices = torch.where((indices >= -1) & (indices < stored), indices, torch.full_like(indices, -1))
+    return {"kv_indptr": indptr, "kv_indices": indices, "kv_len": kv_len}
 
 
 def _rerun_captured(fx: Fixture, device) -> Rerun:

@@ -454,10 +454,6 @@ def release_version(release: str) -> tuple[int, int, int]:
     return tuple(int(g) for g in match.groups())
 
 
-def pair_label(release: str, vllm: VllmAxis | None) -> str:
-    return release if vllm is None else f"vLLM {vllm.version} on {release}"
-
-
 def file_label(label: str) -> str:
     """A run label as a file name part."""
     return re.sub(r"[^\w.+-]+", "_", label)
@@ -482,12 +478,19 @@ class Session:
     missing: str | None = None  # a pair of the matrix whose vLLM release was not given
 
     @property
+    def judges_flashmla(self) -> bool:
+        return self.vllm is not None and self.vllm.flashmla and "not flashmla" not in (self.marks or "")
+
+    @property
+    def vllm_tests_alone(self) -> bool:
+        return "vllm" in (self.marks or "").split(" and ")
+
+    @property
     def label(self) -> str:
         if self.vllm is None and self.missing is None:
             return self.release
         version = self.vllm.version if self.vllm else self.missing
-        flashmla = " + FlashMLA" if self.vllm and self.vllm.flashmla and "not flashmla" not in (self.marks or "") \
-            else ""
+        flashmla = " + FlashMLA" if self.judges_flashmla else ""
         narrowed = f" (-m '{self.marks}')" if self.marks else ""
         return f"vLLM {version}{flashmla} on {self.release}{narrowed}"
 
@@ -530,11 +533,7 @@ def pair_sessions(release: str, axis: list[VllmAxis | None], pairs: list[str]) -
 def heaviest_first(sessions: list[Session]) -> list[Session]:
     """The order sessions start in when several run at once: the one judging FlashMLA first, then
     the main jobs, then the sessions of vLLM tests alone (the last to start should end soonest)."""
-    def weight(session: Session) -> tuple[bool, bool]:
-        flashmla = session.vllm is not None and session.vllm.flashmla and "not flashmla" not in (session.marks or "")
-        return (not flashmla, session.marks is not None and "vllm" in session.marks.split(" and "))
-
-    return sorted(sessions, key=weight)
+    return sorted(sessions, key=lambda s: (not s.judges_flashmla, s.vllm_tests_alone))
 
 
 def workers_per_session(jobs: int, cores: int | None = None) -> str:
