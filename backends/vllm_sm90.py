@@ -344,6 +344,12 @@ class VllmLayer:
         q_rows = step.meta.num_decode_tokens if step.prefills_to_mha else step.topk_indices.shape[0]
         self.out = self.forward(step.q_nope[:q_rows], step.q_pe[:q_rows], step.kv_cache, self.metadata)
 
+    def forward_again(self, step: StepInput, outcome: StepOutcome) -> torch.Tensor:
+        """``forward_mqa`` once more on the metadata of the last build (no plan made), on
+        ``step``'s inputs: the output of the planned rows."""
+        self.launch(step, outcome)
+        return self.out[: outcome.planned_rows]
+
     def finish(self, step: StepInput, outcome: StepOutcome) -> StepOutcome:
         """The output and kv_indices as forward_mqa's convert and pack left them for the run, as slot ids."""
         n = outcome.planned_rows

@@ -255,6 +255,47 @@ def slot_zero_rows(backend, layer, outcome: StepOutcome, inputs: AttentionInputs
     return sorted(r for r, slots in loaded.items() if 0 in slots)
 
 
+def with_slot_zero_finite(layer, scenario: Scenario, inputs: AttentionInputs,
+                          outcome: StepOutcome) -> StepOutcome | None:
+    """``outcome`` with the output of the same plan run again (the layer's ``forward_again``) on
+    the cache with slot 0 zeroed, restored afterwards; None where the layer cannot run its plan
+    again. Slot 0 is no row's intended slot (physical block 0 is reserved), so the references
+    do not change."""
+    again = getattr(layer, "forward_again", None)
+    if not callable(again):
+        return None
+    slot0 = inputs.kv_cache[0, 0]
+    held = slot0.clone()
+    slot0.view(torch.uint8).zero_()
+    try:
+        out = again(step_input(scenario, inputs), outcome)
+    finally:
+        slot0.copy_(held)
+    return dataclasses.replace(outcome, out=out)
+
+
+def slot_zero_verdict(verdict: Verdict, layer, scenario: Scenario, inputs: AttentionInputs, rows: list[int],
+                      compare, kernel, summary: str) -> AssertionError:
+    """The failure of a step whose non-finite rows are exactly ``rows``, those that load a
+    non-finite slot 0 past their executed length: the finding (expected from here on) where the
+    same plan run again with slot 0 finite puts every planned row within the budget, so that
+    slot 0 alone made them NaN; else a failure of its own, with what the run again measured."""
+    where = verdict.where
+    again = with_slot_zero_finite(layer, scenario, inputs, verdict.outcome)
+    if again is None:
+        return AssertionError(f"{where}\nrows {rows} load slot 0 (not finite) past their executed length and are "
+                              f"not finite; the layer cannot run its plan again with slot 0 finite, so nothing shows "
+                              f"that slot 0 alone made them so\n{summary}")
+    bad = [c for c in compare(again, scenario, inputs, kernel=kernel) if not c.ok]
+    if bad:
+        return AssertionError(f"{where}\nrows {rows} load slot 0 (not finite) past their executed length, and with "
+                              f"slot 0 finite the same plan is still off:\n"
+                              + "\n".join(c.summary(scenario.row_regime) for c in bad))
+    verdict.expected.append(SLOT_ZERO)
+    return SlotZeroLoaded(f"{where}\nrows {rows} load slot 0 (not finite) past their executed length and are not "
+                          f"finite; with slot 0 finite the same plan is within the budget\n{summary}")
+
+
 def nonfinite_rows(out: torch.Tensor) -> list[int]:
     return (~torch.isfinite(out.float())).flatten(1).any(1).nonzero().flatten().tolist()
 
@@ -366,15 +407,12 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     if outcome.refusal is not None:
         return verdict
     slot_zero = slot_zero_rows(backend, layer, outcome, inputs)
-    if slot_zero:
-        verdict.expected.append(SLOT_ZERO)
     verdict.problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
                         + selection_problems(outcome, scenario)
                         + (rerun_problems(layer, step_input(scenario, inputs), outcome) if inputs is not None else [])
                         + mode_problems(layer))
     if scenario.extra.get("topk_holes") is not None:
         # the rows that load slot 0 are left out of the output check here, not a finding of their own
-        verdict.expected = [f for f in verdict.expected if f is not SLOT_ZERO]
         if executes_the_length_rule(backend) and topk_hole_rows(scenario, outcome.planned_rows):
             verdict.expected.append(TOPK_HOLES)
         judge_holes(verdict, backend, scenario, inputs if compare else None, slot_zero)
@@ -394,8 +432,7 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     if KPE_SCALE in expected:
         verdict.failure = KpeScaleIgnored(f"{where}\n{summary}")
     elif slot_zero and nonfinite_rows(outcome.out[:n]) == slot_zero:
-        verdict.failure = SlotZeroLoaded(f"{where}\nrows {slot_zero} load slot 0 (not finite) past their executed "
-                                         f"length and are not finite\n{summary}")
+        verdict.failure = slot_zero_verdict(verdict, layer, scenario, inputs, slot_zero, by_offset, kernel, summary)
     elif twin is not None and torch.equal(outcome.out[:n], twin(scenario, inputs)[:n]):
         verdict.kernel_rounding = True
     else:

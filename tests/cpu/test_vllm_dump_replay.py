@@ -47,6 +47,13 @@ def pytest_run(*args: str) -> tuple[int, str, dict[str, int]]:
     return done.returncode, out, counts
 
 
+def ended_green(counts: dict[str, int]) -> int:
+    """The replays that passed or ended at a finding the release is known for (a strict xfail
+    expecting the finding's own exception: on FlashInfer's kernel, vLLM 0.31.0's slot 0 loaded
+    past a row's length, for one)."""
+    return counts.get("passed", 0) + counts.get("xfailed", 0)
+
+
 @pytest.mark.parametrize(("bug", "tests", "kinds"), RUNS, ids=[f"{bug}-{'drawn' if tests == DRAWN else 'cases'}"
                                                                  for bug, tests, _ in RUNS])
 def test_a_dumped_case_replays_red_under_the_bug_and_green_without_it(vllm_backend, bug, tests, kinds, tmp_path):
@@ -67,7 +74,7 @@ def test_a_dumped_case_replays_red_under_the_bug_and_green_without_it(vllm_backe
     status, out, counts = pytest_run(f"--replay={dumps}", f"--vllm={bugged}")
     assert status == 1 and counts.get("failed") == len(written), f"replay under the bug:\n{out[-3000:]}"
     status, out, counts = pytest_run(f"--replay={dumps}", f"--vllm={vllm_backend.source.root}", "-rA")
-    assert status == 0 and counts.get("passed") == len(written), f"replay on the release as shipped:\n{out[-3000:]}"
+    assert status == 0 and ended_green(counts) == len(written), f"replay on the release as shipped:\n{out[-3000:]}"
     assert "the code under test differs" in out, out[-3000:]
 
 
@@ -92,4 +99,4 @@ def test_a_device_split_case_keeps_the_host_split_and_replays_red_under_the_bug_
     status, out, counts = pytest_run(f"--replay={dumps}", f"--vllm={bugged}")
     assert status == 1 and counts.get("failed") == len(cases), f"replay under the bug:\n{out[-3000:]}"
     status, out, counts = pytest_run(f"--replay={dumps}", f"--vllm={vllm_backend.source.root}")
-    assert status == 0 and counts.get("passed") == len(cases), f"replay on the release as shipped:\n{out[-3000:]}"
+    assert status == 0 and ended_green(counts) == len(cases), f"replay on the release as shipped:\n{out[-3000:]}"

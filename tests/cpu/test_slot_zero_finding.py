@@ -1,0 +1,132 @@
+"""The judge's check behind vLLM 0.31.0's finding "slot 0 loaded past a row's length"
+(docs/findings.md#vllm-slot-0-loaded-past-a-rows-length): rows that are NaN because FlashInfer's
+fa3 kernel loads a non-finite slot 0 past their executed length, with weight 0, are the finding
+only where the same plan, run again with slot 0 finite, is within the budget on every row.
+
+The finding needs FlashInfer's own kernel (only it loads past a row's length); here a layer
+stand-in plays the kernel: its output is the working-precision reference of the step, NaN on the
+rows it loads slot 0 for where the cache's slot 0 is not finite, and off where a bug is planted.
+The verdicts asserted are the judge's, as on the GPU.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backends.seam import StepInput, StepOutcome
+from harness.backend_step import references
+from harness.builder import build_scenario
+from harness.device_inputs import build_attention_inputs
+from harness.findings import SlotZeroLoaded
+from harness.judge import SLOT_ZERO, judge_step
+from harness.spec import batch
+
+#: A vLLM backend as the judge sees one (it has a design); plans bf16, no finding of its own here.
+BACKEND = SimpleNamespace(name="vllm-stand-in", design="exact", kernel=None, version="0.31.0",
+                          plans_fp8_as_storage_dtype=False, describe=lambda: "vLLM stand-in on fa3's loads")
+
+
+class LoadsSlotZero:
+    """FlashInfer's fa3 kernel as vLLM 0.31.0 drives it, for the step of ``scenario``: the
+    working-precision reference, each row of ``loads`` reading slot 0 past its length (NaN where
+    slot 0 is not finite), each row of ``off`` scaled by 1.5 (a bug of the backend's own)."""
+
+    on_flashinfer = True
+
+    def __init__(self, scenario, loads: list[int], off: list[int] = ()):
+        self.scenario, self.loads, self.off = scenario, loads, list(off)
+        self.runs = 0
+
+    def output(self, step: StepInput, rows: int) -> torch.Tensor:
+        self.runs += 1
+        outcome = StepOutcome(BACKEND.name, rows)
+        _, (out, _) = references(outcome, self.scenario, SimpleNamespace(
+            q_nope=step.q_nope, q_pe=step.q_pe, ckv=step.kv_cache.reshape(-1, 1, step.kv_cache.shape[-1])[..., :512],
+            kpe=step.kv_cache.reshape(-1, 1, step.kv_cache.shape[-1])[..., 512:]))
+        out = out.clone()
+        out[self.off] *= 1.5
+        if not bool(torch.isfinite(step.kv_cache[0, 0].float()).all()):
+            out[self.loads] = float("nan")
+        return out
+
+    def step(self, step: StepInput) -> StepOutcome:
+        rows = self.scenario.planned_rows
+        return StepOutcome(BACKEND.name, rows, out=self.output(step, rows))
+
+    def forward_again(self, step: StepInput, outcome: StepOutcome) -> torch.Tensor:
+        return self.output(step, outcome.planned_rows)
+
+    def slots_loaded_past_length(self, outcome: StepOutcome) -> dict[int, list[int]]:
+        return {row: [0] for row in self.loads}
+
+
+class CannotRunAgain(LoadsSlotZero):
+    forward_again = None
+
+
+@pytest.fixture(scope="module")
+def step():
+    scenario = build_scenario(batch((5, 1), (3000, 1), (3001, 2), topk=2048, kpool=4, num_heads=16), 0)
+    inputs = build_attention_inputs(scenario, "cpu")
+    assert not bool(torch.isfinite(inputs.kv_cache[0, 0].float()).all()), "slot 0 holds NaN in these inputs"
+    return scenario, inputs
+
+
+def test_rows_nan_only_through_slot_zero_are_the_finding(step):
+    scenario, inputs = step
+    layer = LoadsSlotZero(scenario, loads=[1, 2])
+    verdict = judge_step(BACKEND, layer, scenario, inputs)
+    assert isinstance(verdict.failure, SlotZeroLoaded), verdict.failure
+    assert SLOT_ZERO in verdict.expected
+    assert "with slot 0 finite the same plan is within the budget" in str(verdict.failure)
+    assert layer.runs == 2
+    assert not bool(torch.isfinite(inputs.kv_cache[0, 0].float()).all()), "slot 0 is restored after the run again"
+
+
+def test_a_bug_on_the_rows_that_load_slot_zero_is_not_absorbed(step):
+    scenario, inputs = step
+    verdict = judge_step(BACKEND, LoadsSlotZero(scenario, loads=[1, 2], off=[2]), scenario, inputs)
+    assert type(verdict.failure) is AssertionError, verdict.failure
+    assert SLOT_ZERO not in verdict.expected
+    assert "with slot 0 finite the same plan is still off" in str(verdict.failure)
+
+
+def test_a_bug_on_another_row_is_not_absorbed(step):
+    scenario, inputs = step
+    verdict = judge_step(BACKEND, LoadsSlotZero(scenario, loads=[1], off=[3]), scenario, inputs)
+    assert type(verdict.failure) is AssertionError and SLOT_ZERO not in verdict.expected, verdict.failure
+    assert "still off" in str(verdict.failure)
+
+
+def test_predicted_loads_that_leave_the_output_right_pass(step):
+    """The kernel's loads predicted, the output finite and right: no finding expected, so no
+    strict xfail to pass unexpectedly."""
+    scenario, inputs = step
+    layer = LoadsSlotZero(scenario, loads=[])
+    layer.slots_loaded_past_length = lambda outcome: {1: [0]}
+    verdict = judge_step(BACKEND, layer, scenario, inputs)
+    assert verdict.failure is None and verdict.expected == []
+
+
+def test_a_layer_that_cannot_run_its_plan_again_fails_rather_than_claims_the_finding(step):
+    scenario, inputs = step
+    verdict = judge_step(BACKEND, CannotRunAgain(scenario, loads=[1]), scenario, inputs)
+    assert type(verdict.failure) is AssertionError and SLOT_ZERO not in verdict.expected
+    assert "cannot run its plan again" in str(verdict.failure)
+
+
+def test_the_run_again_sees_the_step_inputs_with_slot_zero_finite(step):
+    scenario, inputs = step
+    seen = []
+    layer = LoadsSlotZero(scenario, loads=[1])
+
+    def forward_again(s, outcome):
+        seen.append(s.kv_cache[0, 0].clone())
+        return layer.output(s, outcome.planned_rows)
+
+    layer.forward_again = forward_again
+    judge_step(BACKEND, layer, scenario, inputs)
+    assert len(seen) == 1 and bool((seen[0].float() == 0).all())
