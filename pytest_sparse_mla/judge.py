@@ -60,11 +60,16 @@ class StepJudge:
     def __init__(self, request, marks_findings: bool = True):
         self.request = request
         self.marks_findings = marks_findings
+        #: every verdict this judge reported, in order (a test reads the comparisons of the
+        #: step ``harness.judge.run_case`` ran for it from the last)
+        self.verdicts: list = []
 
     def raising_findings(self) -> StepJudge:
         """The same judge, raising a known finding's exception without making the test an xfail
         (for a test that runs many cases and expects a finding on some of them)."""
-        return StepJudge(self.request, marks_findings=False)
+        judge = StepJudge(self.request, marks_findings=False)
+        judge.verdicts = self.verdicts
+        return judge
 
     def admit(self, backend, config) -> None:
         """Skip, with the backend's reason, a configuration the backend does not serve."""
@@ -91,6 +96,7 @@ class StepJudge:
             pytest.skip(f"unsupported: {exc}")
         self.expect(verdict.expected)
         self.report(verdict, scenario, label, layer)
+        self.verdicts.append(verdict)
         return verdict
 
     def step(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
