@@ -589,7 +589,7 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
             "compare": compare, "with_inputs": with_inputs, "adaptive_verification": adaptive_verification,
             "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "steps": [],
             "flashinfer": flashinfer_in_use(), "layer_mode": layer_mode_of(backend)}
-    outcomes = []
+    outcomes, found = [], None
     if not rebuilds:
         note_backend_case(None)  # an earlier case of the same test is not this one
     for i, scenario in enumerate(scenarios):
@@ -605,11 +605,27 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
             inputs = with_blocks_apart(inputs, kv_block_stride) if kv_block_stride is not None else inputs
         named, of = (f"_step{i}", f"step {i} of the sequence's {len(scenarios)}") if kind == "sequence" else ("", "")
         of = ", ".join(part for part in (what, of) if part)
-        outcome = judge.step(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label + named,
-                             context_of_step=of)
+        verdict = judge.verdict(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label + named,
+                                context_of_step=of)
+        outcome = verdict.outcome
+        if verdict.failure is not None:
+            if not (i + 1 < len(scenarios) and launched_finding(verdict)):
+                raise verdict.failure
+            found = found or verdict.failure
         outcomes.append(outcome)
         if outcome is not None and outcome.refusal is not None:
             break
-        if after_step is not None:
+        if after_step is not None and verdict.failure is None:
             after_step(i, layer, scenario, inputs, outcome)
+    if found is not None:
+        raise found
     return layer, outcomes
+
+
+def launched_finding(verdict: Verdict) -> bool:
+    """A step that ran its kernel and failed as one of the findings expected of it: the sequence
+    goes on, so that a later step's failure of another kind is not hidden behind it (the finding
+    is raised at the end, where nothing else failed)."""
+    expected = tuple(f.exception for f in verdict.expected)
+    return bool(expected) and isinstance(verdict.failure, expected) and verdict.outcome is not None \
+        and verdict.outcome.out is not None

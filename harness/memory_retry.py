@@ -20,9 +20,15 @@ OOM_PAUSE_S = 5.0
 T = TypeVar("T")
 
 
+#: What a child's stderr says when the GPU had no memory for it.
+OUT_OF_MEMORY_SIGNS = ("OutOfMemoryError", "CUDA out of memory", "CUDA error: out of memory",
+                       "cudaErrorMemoryAllocation")
+
+
 def out_of_gpu_memory(stderr: str) -> bool:
-    """Whether a child's stderr ends in torch's CUDA out-of-memory error."""
-    return "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr
+    """Whether a child's stderr ends in a CUDA out-of-memory error: torch's allocator's, or the
+    runtime's where a context or a library's workspace could not be made."""
+    return any(sign in stderr for sign in OUT_OF_MEMORY_SIGNS)
 
 
 def retried_when_out_of_gpu_memory(

@@ -67,16 +67,24 @@ def row_width(backend, spec) -> int:
 
 
 @contextlib.contextmanager
-def kv_parts_handed(layer, contiguous: bool):
+def kv_parts_handed(layer, contiguous: bool, order: dict | None = None):
     """While open, the layer's attention kernel (``layer.state.wrapper.run(q_nope, q_pe, ckv,
     kpe, ...)``: the port's and vLLM's) gets contiguous copies of ckv and kpe where
     ``contiguous``, else the views it is handed; yields a list of ``(ckv, kpe)`` contiguity of
-    what each call was handed before any copy."""
+    what each call was handed before any copy.
+
+    ``order`` (shared by the runs compared) keeps the kv_indices the first run handed its kernel;
+    each later run's kernel gets them in that order, after a check that they hold the same
+    entries as the run's own. A convert that compacts each row's entries in an order that varies
+    from run to run (vLLM 0.30.0's atomic slot allocator on a GPU) would otherwise change the
+    output bits by summation order alone, the strides aside."""
     wrapper = layer.state.wrapper
     run, handed = wrapper.run, []
 
     def handing_run(q_nope, q_pe, ckv, kpe, *args, **kwargs):
         handed.append((ckv.is_contiguous(), kpe.is_contiguous()))
+        if order is not None:
+            same_order(layer.state.kv_indices, order)
         if contiguous:
             ckv, kpe = ckv.contiguous(), kpe.contiguous()
         return run(q_nope, q_pe, ckv, kpe, *args, **kwargs)
@@ -86,6 +94,21 @@ def kv_parts_handed(layer, contiguous: bool):
         yield handed
     finally:
         del wrapper.run
+
+
+def same_order(kv_indices, order: dict) -> None:
+    """kv_indices in the order ``order`` kept from the first run (kept there on the first);
+    ``order["reordered"]``: a later run's own order differed."""
+    if "kv_indices" not in order:
+        order["kv_indices"] = kv_indices.clone()
+        return
+    first = order["kv_indices"]
+    if torch.equal(first, kv_indices):
+        return
+    assert torch.equal(first.sort().values, kv_indices.sort().values), \
+        "the two runs' kv_indices hold different entries, not the same entries in another order"
+    order["reordered"] = True
+    kv_indices.copy_(first)
 
 
 def single_token_rows(scenario, planned: int) -> torch.Tensor:

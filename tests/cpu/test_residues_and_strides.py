@@ -48,6 +48,7 @@ from tests.residues_and_strides import (
     rejected_drafts_params,
     residue_params,
     row_width,
+    same_order,
     single_token_rows,
     slot_offset_params,
 )
@@ -249,13 +250,24 @@ def test_ckv_and_kpe_views_give_the_bits_of_contiguous_copies(vllm_on_stand_in, 
     scenario = build_scenario(case.spec, 0)
     inputs = build_attention_inputs(scenario, device)
     config = layer_config(scenario.spec, scenario.topk_indices.shape[0])
-    outputs = {}
+    outputs, order = {}, {}
     for contiguous in (False, True):
         layer = vllm_on_stand_in.open_layer(config, device)
-        with kv_parts_handed(layer, contiguous) as handed:
+        with kv_parts_handed(layer, contiguous, order) as handed:
             outputs[contiguous] = judge.step(vllm_on_stand_in, layer, scenario, inputs).out
         assert handed and not any(ckv or kpe for ckv, kpe in handed)
     assert torch.equal(outputs[False], outputs[True])
+
+
+def test_a_second_run_reads_the_first_runs_order_of_the_same_entries():
+    order = {}
+    first = torch.tensor([7, 3, 5, 0], dtype=torch.int32)
+    same_order(first, order)
+    again = torch.tensor([3, 5, 7, 0], dtype=torch.int32)
+    same_order(again, order)
+    assert again.tolist() == [7, 3, 5, 0] and order["reordered"]
+    with pytest.raises(AssertionError, match="different entries"):
+        same_order(torch.tensor([3, 5, 6, 0], dtype=torch.int32), order)
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:

@@ -369,7 +369,8 @@ def child_on_this_device(monkeypatch, device):
 def test_a_scale_child_that_dies_is_reported_with_its_stage_and_regimes(child_on_this_device):
     case = case_by_id("rows1-kpool4-bf16-rope64-h16")
     result = run_case_in_child(case, f"{__name__}:dying_impl", timeout=240)
-    assert result["outcome"] == "crashed" and result["stage"] == "selection", result
+    assert result["outcome"] == "crashed" and result["stage"] == "selection", \
+        f"{result['outcome']} at stage {result.get('stage')}: {result.get('detail')}"
     assert result["regimes"] == {"G": 1}
     assert "exited with 3 at stage selection" in result["detail"] and "illegal memory access" in result["detail"]
     assert "memory_retries" not in result  # a crash, not a memory shortage: made once
@@ -397,8 +398,21 @@ def test_a_scale_child_that_ran_out_of_gpu_memory_is_made_again(monkeypatch):
 def test_a_scale_child_reports_a_refusal_at_plan(child_on_this_device):
     case = case_by_id("rows2-kpool4-bf16-rope64-h128")
     result = run_case_in_child(case, f"{__name__}:refusing_impl", timeout=240)
-    assert result["outcome"] == "refused" and result["refusal_is_value_error"], result
+    assert result["outcome"] == "refused" and result["refusal_is_value_error"], \
+        f"{result['outcome']} at stage {result.get('stage')}: {result.get('detail')}"
     assert result["detail"].startswith("ValueError: FA MLA needs 2 work items") and result["regimes"] == {
         "C": 1,
         "G": 1,
     }
+
+
+@pytest.mark.parametrize("stderr", [
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB.",
+    "RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+    "RuntimeError: cudaErrorMemoryAllocation: out of memory",
+], ids=["allocator", "context", "runtime"])
+def test_every_way_a_child_says_the_gpu_had_no_memory_for_it_is_retried(stderr):
+    from harness.memory_retry import out_of_gpu_memory
+
+    assert out_of_gpu_memory(stderr)
+    assert not out_of_gpu_memory("RuntimeError: CUDA error: an illegal memory access was encountered")

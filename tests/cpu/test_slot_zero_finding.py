@@ -21,7 +21,7 @@ from harness.backend_step import references
 from harness.builder import build_scenario
 from harness.device_inputs import build_attention_inputs
 from harness.findings import SlotZeroLoaded
-from harness.judge import SLOT_ZERO, judge_step
+from harness.judge import SLOT_ZERO, judge_step, run_sequence
 from harness.spec import batch
 
 #: A vLLM backend as the judge sees one (it has a design); plans bf16, no finding of its own here.
@@ -130,3 +130,51 @@ def test_the_run_again_sees_the_step_inputs_with_slot_zero_finite(step):
     layer.forward_again = forward_again
     judge_step(BACKEND, layer, scenario, inputs)
     assert len(seen) == 1 and bool((seen[0].float() == 0).all())
+
+
+class StepsOfASequence(LoadsSlotZero):
+    """The stand-in through the steps of a sequence: step ``i`` is ``scenarios[i]``, its rows
+    ``loads[i]`` loading slot 0, ``off[i]`` off."""
+
+    def __init__(self, scenarios, loads, off):
+        super().__init__(scenarios[0], loads[0], off[0])
+        self.scenarios, self.all_loads, self.all_off, self.index = scenarios, loads, off, -1
+
+    def step(self, step: StepInput) -> StepOutcome:
+        self.index += 1
+        self.scenario = self.scenarios[self.index]
+        self.loads, self.off = self.all_loads[self.index], self.all_off[self.index]
+        return super().step(step)
+
+
+class Judge:
+    """``harness.judge.judge_step``'s verdicts, nothing reported."""
+
+    def admit(self, backend, config) -> None:
+        pass
+
+    def verdict(self, backend, layer, scenario, inputs, **kwargs):
+        return judge_step(backend, layer, scenario, inputs, compare=kwargs.get("compare", True),
+                          context_of_step=kwargs.get("context_of_step", ""))
+
+
+def sequence_backend(loads, off):
+    specs = [batch((5, 1), (3000, 1), (3001, 2), topk=2048, kpool=4, num_heads=16),
+             batch((6, 1), (3001, 1), (3003, 2), topk=2048, kpool=4, num_heads=16)]
+    scenarios = [build_scenario(spec, 0) for spec in specs]
+    return SimpleNamespace(**vars(BACKEND), unsupported=lambda config: None,
+                           open_layer=lambda config, device: StepsOfASequence(scenarios, loads, off)), specs
+
+
+@pytest.mark.parametrize(("loads", "off", "raised"), [
+    ([[1], []], [[], []], SlotZeroLoaded),            # the finding at step 0, step 1 right: the finding
+    ([[1], []], [[], [2]], AssertionError),           # step 1 off behind the finding of step 0: its failure
+    ([[1], [1]], [[], []], SlotZeroLoaded),           # the finding at both steps
+], ids=["finding-then-right", "finding-then-a-bug", "finding-twice"])
+def test_a_finding_of_an_early_step_does_not_hide_a_later_failure(loads, off, raised):
+    backend, specs = sequence_backend(loads, off)
+    with pytest.raises(AssertionError) as caught:
+        run_sequence(Judge(), backend, [(spec, 0) for spec in specs], "cpu")
+    assert type(caught.value) is raised, caught.value
+    if raised is AssertionError:
+        assert "step 1 of the sequence's 2" in str(caught.value)

@@ -57,9 +57,11 @@ class UnreportedJudge:
         if reason:
             pytest.skip(f"{backend.name}: {reason}")
 
-    def step(self, backend, layer, scenario, inputs, *, twin=None, compare=True, label="", context_of_step=""):
-        verdict = judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin,
-                             context_of_step=context_of_step)
+    def verdict(self, backend, layer, scenario, inputs, *, twin=None, compare=True, label="", context_of_step=""):
+        return judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin, context_of_step=context_of_step)
+
+    def step(self, backend, layer, scenario, inputs, **kwargs):
+        verdict = self.verdict(backend, layer, scenario, inputs, **kwargs)
         if verdict.failure is not None:
             raise verdict.failure
         return verdict.outcome

@@ -60,6 +60,7 @@ def test_kernel_matches_as_implemented_reference(gpu, judge, case, layout, confi
     judged(gpu, judge, case, layout, config, seed=11)
 
 
+@pytest.mark.gpu_large
 @pytest.mark.parametrize(("case", "layout", "config"), params(large_batch_cases(), offset=3))
 def test_large_batches(gpu, judge, case, layout, config):
     """About 66 and 132 rows, contexts up to 128k, slot ids >= 2**23."""
