@@ -50,4 +50,5 @@ pytest_plugins = [
     "pytest_sparse_mla.backend",
     "pytest_sparse_mla.interpreter",
     "pytest_sparse_mla.judge",
+    "pytest_sparse_mla.flashmla_table",
 ]

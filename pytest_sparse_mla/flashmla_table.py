@@ -9,7 +9,7 @@ import os
 import uuid
 from pathlib import Path
 
-import torch
+import pytest
 
 TABLE_ENV = "SPARSE_MLA_FLASHMLA_TABLE"
 _RUN_IDS: dict[int, str] = {}
@@ -26,6 +26,27 @@ def table_path(config) -> Path:
     cache = getattr(config, "cache", None)
     folder = cache.mkdir("sparse-mla") if cache is not None else config.rootpath / ".pytest_cache" / "d" / "sparse-mla"
     return folder / "flashmla-table.jsonl"
+
+
+def table_problem(path: Path) -> str | None:
+    """Why the table cannot be written at ``path`` (the folder cannot be made, or the file not
+    opened for appending), or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"{TABLE_ENV}={path}: FlashMLA's table cannot be written there ({exc.strerror or exc})"
+    return None
+
+
+def pytest_configure(config):
+    """A table path the run cannot write is a usage error before any test, not a failure of the
+    last GPU case."""
+    named = os.environ.get(TABLE_ENV)
+    problem = table_problem(Path(named)) if named else None
+    if problem:
+        raise pytest.UsageError(problem)
 
 
 def run_id(config) -> str:
@@ -57,8 +78,8 @@ def write_table_row(request, row: dict) -> None:
         out.write(json.dumps(row, sort_keys=True) + "\n")
 
 
-def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| over the positions where both are finite (0 for no rows)."""
+def max_difference(a, b) -> float:
+    """max |a - b| over the positions where both tensors are finite (0 for no rows)."""
     a, b = a.double(), b.double()
-    both = torch.isfinite(a) & torch.isfinite(b)
+    both = a.isfinite() & b.isfinite()
     return float((a - b).abs()[both].max()) if bool(both.any()) else 0.0

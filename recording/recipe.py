@@ -97,6 +97,20 @@ def save_with_digest(path, data: dict) -> Path:
     return path
 
 
+class KeyGivenTwice(ValueError):
+    """A JSON object of a case file names one key twice (the message: the key)."""
+
+
+def keys_given_once(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict; a key given twice is :class:`KeyGivenTwice`."""
+    seen: dict = {}
+    for name, value in pairs:
+        if name in seen:
+            raise KeyGivenTwice(name)
+        seen[name] = value
+    return seen
+
+
 def load_checked(path, kind: str, key: str, version: int, problem_of) -> dict:
     """Read one JSON case file of ``kind`` (``key``: ``version`` marks it), check its fields with
     ``problem_of`` and its content digest; any problem is a FixtureError naming the file and
@@ -105,9 +119,12 @@ def load_checked(path, kind: str, key: str, version: int, problem_of) -> dict:
     if not path.is_file():
         raise FixtureError(f"{path}: no such file")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=keys_given_once)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FixtureError(f"{path}: not a JSON {kind}: {exc}") from exc
+    except KeyGivenTwice as exc:
+        raise FixtureError(f"{path}: {kind} field '{exc}' is given twice: the file shows one value and a reader "
+                           "would take another; keep one") from exc
     if not isinstance(data, dict) or data.get(key) != version:
         raise FixtureError(f"{path}: not a {kind} of version {version} (no '{key}': {version})")
     problem = problem_of(data)

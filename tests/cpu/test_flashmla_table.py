@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from harness.cases import KernelConfig
 from pytest_sparse_mla.flashmla_table import TABLE_ENV, table_path, table_row, write_table_row
 from reference.budget import Comparison
@@ -75,3 +77,16 @@ def test_without_the_cache_plugin_the_table_goes_to_the_rootdirs_cache_folder(mo
 def test_the_runner_names_a_table_per_run(monkeypatch, tmp_path):
     monkeypatch.setenv(TABLE_ENV, str(tmp_path / "flashmla-table-0.7.4-warm.jsonl"))
     assert table_path(SimpleNamespace()) == tmp_path / "flashmla-table-0.7.4-warm.jsonl"
+
+
+def test_a_table_path_the_run_cannot_write_is_a_usage_error_before_any_test(pytester, monkeypatch, tmp_path):
+    """Not a failure of the GPU tier's last FlashMLA case, after the whole run: where the folder
+    cannot be made (here: under a file), the run stops at its start, naming the path."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(TABLE_ENV, str(blocker / "table.jsonl"))
+    pytester.makeconftest('pytest_plugins = ("pytest_sparse_mla",)')
+    pytester.makepyfile(test_nothing="def test_nothing():\n    raise AssertionError('no test may run')\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(pytester.path))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{TABLE_ENV}={blocker / 'table.jsonl'}: FlashMLA's table cannot be written there*"])

@@ -266,3 +266,15 @@ def test_a_recipe_with_topk_1e9_fails_its_replay_at_load_with_the_bound(pytester
     assert len(failed) == 1 and failed[0].endswith(f"test_replay.py::test_replay_fixture[{path}] - Failed: {line}"), \
         out[-2000:]
     assert out.count(line) == 2 and "fixture replay diagnostics" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("key", ["seed", "layout"])
+def test_a_field_given_twice_is_refused_naming_it(tmp_path, good_recipe, key):
+    """A file that shows one value for a field and holds another (JSON keeps the last of two):
+    refused, even where the value the digest was made of comes last."""
+    path = written(tmp_path, good_recipe)
+    text = path.read_text()
+    shown = {"seed": 999, "layout": "strided"}[key]
+    path.write_text(text.replace("{", "{" + json.dumps(key) + ": " + json.dumps(shown) + ", ", 1))
+    with pytest.raises(FixtureError, match=f"recipe field '{key}' is given twice"):
+        load_recipe(path)
