@@ -497,14 +497,22 @@ def load_derived(path, meta: dict, stored: dict[str, torch.Tensor]) -> dict[str,
     return rebuilt
 
 
+#: How the files of written cases end: fixtures, recipes, sequences and backend cases.
+CASE_FILE_SUFFIXES = (".safetensors", ".recipe.json", ".sequence.json", ".case.json")
+
+
+def is_case_file(path) -> bool:
+    """A file a dump writes and ``--replay`` runs (by its name)."""
+    return Path(path).name.endswith(CASE_FILE_SUFFIXES)
+
+
 def fixture_paths(paths) -> list[Path]:
-    """Expand files and folders (recursively, ``*.safetensors``, ``*.recipe.json``,
-    ``*.sequence.json`` and ``*.case.json``) into a sorted list of files."""
+    """Expand files and folders (recursively, every :data:`CASE_FILE_SUFFIXES`) into a sorted
+    list of files."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found.extend(sorted([*p.rglob("*.safetensors"), *p.rglob("*.recipe.json"), *p.rglob("*.sequence.json"),
-                                 *p.rglob("*.case.json")]))
+            found.extend(sorted(f for suffix in CASE_FILE_SUFFIXES for f in p.rglob(f"*{suffix}")))
         else:
             found.append(p)
     return found

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import checks
+from ..fixture import is_case_file
 
 SCHEMA = 3
 TIMING_DIR = "timing"  # inside a records folder: the timing pass's per-case times and logs
@@ -230,6 +231,10 @@ def check_baseline(directory: Path) -> dict[str, CaseRecord]:
     directory = Path(directory)
     if not directory.exists():
         raise BaselineError(f"baseline {directory} does not exist; {RERECORD}")
+    if is_case_file(directory):
+        raise BaselineError(f"baseline {directory} is a written case (a file --dump-failures writes), not a baseline: "
+                            f"run it with --replay={directory}; --compare-baseline takes the folder "
+                            "--record-baseline wrote")
     if not directory.is_dir():
         raise BaselineError(f"baseline {directory} is not a folder; {RERECORD}")
     records = read_records(directory)

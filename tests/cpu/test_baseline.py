@@ -327,6 +327,17 @@ def test_an_unusable_baseline_is_refused_naming_the_path(tmp_path, make, message
     assert str(tmp_path / "base") in str(e.value) and message in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["case.safetensors", "case.recipe.json", "case.sequence.json", "case.case.json"])
+def test_a_written_case_given_as_a_baseline_is_named_as_one_with_what_to_give(tmp_path, name):
+    (tmp_path / name).write_text("{}")
+    with pytest.raises(BaselineError) as e:
+        check_baseline(tmp_path / name)
+    said = str(e.value)
+    path = tmp_path / name
+    assert f"is a written case (a file --dump-failures writes), not a baseline: run it with --replay={path}" in said
+    assert "the folder --record-baseline wrote" in said
+
+
 # --- the plugin, through pytester ---------------------------------------------------------------
 
 CASES = """
