@@ -28,7 +28,8 @@ where every row was handed its valid slots and the output is beyond the toleranc
 float64 softmax over them (the budget of the tolerance policy below: the error that working
 precision alone costs, computed here over the same slots and split as the kernel split each
 row, times a factor, plus a floor; NaN never passes); else "nothing: the step is right on this
-install". Exit status 0 right, 1 wrong, 2 usage.
+install". Exit status 0 right, 1 wrong, 2 usage, 4 it cannot run here (torch, Triton or FlashInfer
+not importable, or no device of the kind asked for): nothing was judged.
 """
 
 from __future__ import annotations
@@ -48,7 +49,20 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+CANNOT_RUN_HERE = 4
+
+
+def cannot_run_here(why: str) -> int:
+    """One line on stderr for what this machine lacks; the exit status that says so."""
+    print(f"cannot run here: {why}; nothing was judged", file=sys.stderr)
+    return CANNOT_RUN_HERE
+
+
+try:
+    import torch
+except ImportError as missing:
+    sys.exit(cannot_run_here(f"{missing.name or missing} is not importable (this reproducer needs torch with Triton, "
+                             "FlashInfer and a vLLM release's files)"))
 
 # --- written with the case ---------------------------------------------------------------------
 CASE = {}
@@ -635,6 +649,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--data", default=str(Path(__file__).with_name("case.pt")))
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return cannot_run_here(f"no CUDA device (--device {args.device})")
     root = Path(args.vllm_root)
     module_file = root / REAL_FILES[0]
     if not module_file.is_file():
@@ -666,5 +682,16 @@ def main(argv=None) -> int:
     return 1 if any(v.off for v in verdicts) else 0
 
 
+def main_here(argv=None) -> int:
+    """:func:`main`, with a dependency this machine lacks (torch, Triton, FlashInfer) or a device
+    it does not have said in one line and exit status :data:`CANNOT_RUN_HERE`, never as a
+    verdict on the code under test."""
+    try:
+        return main(argv)
+    except ImportError as missing:
+        return cannot_run_here(f"{missing.name or missing} is not importable (this reproducer needs torch with "
+                               "Triton, FlashInfer and a vLLM release's files)")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_here())

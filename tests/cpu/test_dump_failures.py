@@ -672,3 +672,20 @@ def test_a_strided_or_packed_port_case_is_a_backend_case_that_replays_red_and_gr
     green = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={dump}", simulated=True)
     green_text = "\n".join(green.outlines + green.errlines)
     assert green.ret == 0 and green.parseoutcomes().get("passed") == 2, green_text[-3000:]
+
+
+@pytest.mark.parametrize(("missing", "env", "said"), [
+    ("flashinfer", {"REPRO_DEVICE": "cpu"}, "flashinfer is not importable"),
+    ("safetensors", {"REPRO_DEVICE": "cpu"}, "safetensors is not importable"),
+    ("no_such_module", {"REPRO_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}, "no CUDA device (REPRO_DEVICE=cuda)"),
+], ids=["no-flashinfer", "no-safetensors", "no-cuda"])
+def test_a_reproducer_that_cannot_run_here_says_so_in_one_line_and_blames_no_kernel(tmp_path, missing, env, said):
+    """Exit status 4 and one line on stderr, never a traceback and status 1 (FlashInfer is wrong)."""
+    out = tmp_path / "repro"
+    assert repro_main([str(ROOT / "fixtures" / "c-compacted-fp8.safetensors"), "-o", str(out)]) == 0
+    run = subprocess.run([sys.executable, "-m", "tests.run_without", missing, str(out / "c-compacted-fp8.repro.py")],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=300)
+    assert run.returncode == 4, run.stdout + run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cannot run here: {said}") and \
+        lines[0].endswith("; nothing was judged"), run.stderr

@@ -105,6 +105,13 @@ def test_a_kernel_off_on_the_slots_it_is_handed_is_named(vllm_backend, tmp_path)
     status, out = run_standalone(folder, vllm_backend.source.root, tmp_path,
                                  wrapper="tests.cpu.test_vllm_standalone_repro:SkewedWrapper")
     assert status == 1 and KERNEL_OFF in out and "beyond the budget" in out, out[-3000:]
+    # on a machine without FlashInfer: one line and its own status, no verdict on vLLM or the kernel
+    done = subprocess.run([sys.executable, "-m", "tests.run_without", "flashinfer", str(folder / SCRIPT_NAME),
+                           str(vllm_backend.source.root), "--device", "cpu"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 4 and len(lines) == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert lines[0].startswith("cannot run here: flashinfer") and lines[0].endswith("nothing was judged"), lines
 
 
 def test_the_launcher_refuses_a_script_that_imports_the_project(tmp_path):
