@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from recording.commands import replay_command
+from mla_constants import DEFAULT_IMPL_SPEC
+from recording.commands import found_through_pythonpath, replay_command
 
 from .keys import DUMP_KEY, GROUP, REPLAY_KEY
 
@@ -72,8 +73,11 @@ def run_options(config) -> dict:
 
     from .impl import IMPL_SPEC
 
-    return {"impl_spec": config.stash.get(IMPL_SPEC, None), "vllm": config.getoption("--vllm", None),
-            "backends": tuple(s for s in config.getoption("--backend", None) or () if is_factory_spec(s))}
+    impl_spec = config.stash.get(IMPL_SPEC, None)
+    backends = tuple(s for s in config.getoption("--backend", None) or () if is_factory_spec(s))
+    own = [spec for spec in (impl_spec, *backends) if spec and spec != DEFAULT_IMPL_SPEC]
+    return {"impl_spec": impl_spec, "vllm": config.getoption("--vllm", None), "backends": backends,
+            "search_path": found_through_pythonpath(own)}
 
 
 class ReplayCollector:

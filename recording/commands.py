@@ -4,16 +4,40 @@ here: the controlling pytest process imports it)."""
 
 from __future__ import annotations
 
+import os
 import shlex
+from pathlib import Path
 
 from mla_constants import DEFAULT_IMPL_SPEC
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
-def replay_command(path, impl_spec: str | None = None, vllm: str | None = None, backends=()) -> str:
+
+def found_through_pythonpath(specs, pythonpath: str | None = None) -> tuple[str, ...]:
+    """The folders of ``PYTHONPATH`` (default: the environment's) outside the project that hold
+    the modules of ``specs`` (``module:attr``): what a printed command must carry to find them
+    again."""
+    entries = [Path(p) for p in (os.environ.get("PYTHONPATH", "") if pythonpath is None else pythonpath).split(
+        os.pathsep) if p]
+    found = []
+    for spec in specs:
+        top = spec.partition(":")[0].split(".")[0]
+        for entry in entries:
+            if (entry / top).is_dir() or (entry / f"{top}.py").is_file():
+                if entry.resolve() != PROJECT_ROOT:
+                    found.append(str(entry.resolve()))
+                break
+    return tuple(dict.fromkeys(found))
+
+
+def replay_command(path, impl_spec: str | None = None, vllm: str | None = None, backends=(),
+                   search_path=()) -> str:
     """The command that replays ``path`` (a fixture, a recipe, a case or a folder of them) through
     the implementation it ran with: ``--impl`` where that is not the project's own, ``--vllm``,
-    and each user's own backend (``--backend module:factory``) the run named."""
-    words = ["pytest", f"--replay={shlex.quote(str(path))}"]
+    and each user's own backend (``--backend module:factory``) the run named; ``PYTHONPATH`` set
+    to ``search_path`` first where their modules were found there (:func:`found_through_pythonpath`)."""
+    words = [f"PYTHONPATH={shlex.quote(os.pathsep.join(search_path))}"] if search_path else []
+    words += ["pytest", f"--replay={shlex.quote(str(path))}"]
     if impl_spec and impl_spec != DEFAULT_IMPL_SPEC:
         words += ["--impl", shlex.quote(impl_spec)]
     if vllm:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from recording.commands import found_through_pythonpath, replay_command
 from recording.fixture import load_fixture
 from recording.recipe import load_recipe, rebuild_fixture
 from recording.replay import replay
@@ -388,7 +389,6 @@ def test_the_reproducer_tells_the_callers_plan_from_flashinfers_output(tmp_path,
 
 
 def test_the_printed_commands_carry_the_implementation_and_vllm_of_the_run():
-    from recording.commands import replay_command
 
     assert replay_command("D/a b.safetensors") == "pytest --replay='D/a b.safetensors'"
     assert replay_command("D", "fast.impl:default_impl") == "pytest --replay=D"
@@ -689,3 +689,36 @@ def test_a_reproducer_that_cannot_run_here_says_so_in_one_line_and_blames_no_ker
     lines = run.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"cannot run here: {said}") and \
         lines[0].endswith("; nothing was judged"), run.stderr
+
+
+def test_the_pythonpath_an_impl_was_found_through_is_carried_by_the_printed_replay(tmp_path, monkeypatch):
+    mine = tmp_path / "mine"
+    (mine / "mybugs").mkdir(parents=True)
+    (mine / "mybugs" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(mine), str(ROOT)]))
+    assert found_through_pythonpath(["mybugs.kv:Bug", "tests.bugs:KpoolFromWrongSpec", "absent:x"]) == (str(mine),)
+    assert replay_command("D", "mybugs.kv:Bug", search_path=(str(mine),)) == \
+        f"PYTHONPATH={mine} pytest --replay=D --impl mybugs.kv:Bug"
+
+
+def test_a_printed_replay_line_runs_as_printed_with_an_impl_found_through_pythonpath(tmp_path):
+    """A bug of the user's own, in a module found only through PYTHONPATH: the replay line the
+    failure prints, run as printed from a shell without that PYTHONPATH, replays the case red
+    (not a usage error: no module named ...)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "mybug.py").write_text("from tests.bugs import KpoolFromWrongSpec as OneShort  # noqa: F401\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(mine)}
+    dumps = tmp_path / "dumps"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+                          "--impl", "mybug:OneShort", "tests/cpu/test_kvlen_regimes.py", "-k",
+                          "test_kv_len_equals_valid_count and ctx2049-kpool4", f"--dump-failures={dumps}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    printed = [line.strip().removeprefix("replay: ") for line in run.stdout.splitlines()
+               if line.strip().startswith("replay: ")]
+    assert run.returncode == 1 and printed, run.stdout[-3000:]
+    assert printed[0].startswith(f"PYTHONPATH={mine} pytest --replay="), printed
+    without = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    again = subprocess.run(printed[0] + " -p no:cacheprovider -p no:xdist -q", shell=True, cwd=ROOT, env=without,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 1 and "failed" in again.stdout.splitlines()[-1], again.stdout[-3000:] + again.stderr
