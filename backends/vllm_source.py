@@ -66,6 +66,9 @@ SLICE_FILES = SLICE_MODULE_FILES + OPTIONAL_FILES
 SLICE_COMMAND = "python -m backends.vllm_source slice WHEEL -o DIR"
 #: The file a slice keeps the release's version in (the wheel's METADATA, unchanged).
 SLICE_METADATA = "vllm-slice.METADATA"
+#: The slice's manifest: each file it was written with and the hash the wheel's RECORD gives it
+#: (RECORD's own format), so that a slice whose files were edited or removed since says so.
+SLICE_MANIFEST = "vllm-slice.RECORD"
 
 
 #: The supported vLLM x FlashInfer matrix: each FlashInfer release with the vLLM releases judged on
@@ -93,12 +96,15 @@ class VllmSource:
     version: str  # the release, e.g. "0.33.0"
     origin: str  # what the user named, for reports
     installed: bool = False  # the importable vllm (its own imports, no stand-ins)
+    #: the files of a slice that differ from the hash its manifest gives them (the release's)
+    modified: tuple[str, ...] = ()
 
     def path_of(self, relative: str) -> Path:
         return self.root / relative
 
     def describe(self) -> str:
-        return f"vLLM {self.version} ({self.origin})"
+        changed = f", modified: {', '.join(self.modified)} not as the release ships" if self.modified else ""
+        return f"vLLM {self.version} ({self.origin}){changed}"
 
 
 def design_of(source: VllmSource) -> str:
@@ -187,9 +193,40 @@ def _version_of_folder(root: Path) -> str:
 
 
 def _check_modules(root: Path, origin: str) -> None:
+    listed = slice_manifest(root)
+    damaged = [m for m in (listed or ()) if not (root / m).is_file()]
+    if damaged:
+        raise VllmSourceError(f"{origin}: damaged slice: {', '.join(Path(m).name for m in damaged)} missing "
+                              f"({', '.join(damaged)}; its {SLICE_MANIFEST} lists them): write it again with "
+                              f"`{SLICE_COMMAND}`")
     missing = [m for m in MODULE_FILES if not (root / m).is_file()]
     if missing:
         raise VllmSourceError(f"{origin}: lacks {missing}; a vLLM release without the SM90 sparse backend")
+
+
+def slice_manifest(root: Path) -> dict[str, str] | None:
+    """A slice's manifest (path -> ``algorithm=digest``, as the wheel's RECORD gave it), or None
+    for a folder without one (a checkout, an unpacked wheel, a slice written before manifests)."""
+    try:
+        return _record_of((root / SLICE_MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _record_hash(algorithm: str, data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=").decode()
+
+
+def modified_files(root: Path) -> tuple[str, ...]:
+    """The files of a slice (present ones) whose content is not what its manifest gives them."""
+    changed = []
+    for name, entry in (slice_manifest(root) or {}).items():
+        algorithm, _, expected = entry.partition("=")
+        path = root / name
+        if path.is_file() and algorithm in hashlib.algorithms_guaranteed and \
+                _record_hash(algorithm, path.read_bytes()) != expected:
+            changed.append(name)
+    return tuple(changed)
 
 
 # --- reading a wheel against its RECORD ---------------------------------------------------------
@@ -203,6 +240,7 @@ class WheelFiles:
     metadata: bytes  # the dist-info's METADATA, as the wheel holds it
     files: dict[str, bytes]  # path in the wheel -> content
     digest: str  # sha256 over the RECORD hashes of the files and the METADATA: the content's name
+    hashes: dict[str, str]  # path in the wheel -> its RECORD entry (``algorithm=digest``)
 
 
 def _read_member(archive: zipfile.ZipFile, name: str) -> bytes:
@@ -231,7 +269,7 @@ def _checked(archive: zipfile.ZipFile, name: str, record: dict[str, str]) -> byt
     algorithm, _, expected = record.get(name, "").partition("=")
     if not expected or algorithm not in hashlib.algorithms_guaranteed:
         raise VllmSourceError(f"its RECORD gives {name} no hash to check it against")
-    found = base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=").decode()
+    found = _record_hash(algorithm, data)
     if found != expected:
         raise VllmSourceError(f"{name} does not match the wheel's RECORD ({algorithm} {found}, RECORD: {expected}): "
                               "the wheel was changed after it was built")
@@ -279,7 +317,8 @@ def read_wheel(wheel: str | os.PathLike, names) -> WheelFiles:
             raise VllmSourceError(f"vLLM {version} lacks {missing}; a vLLM release without the SM90 sparse backend")
         files = {n: _checked(archive, n, record) for n in names if n in present}
     content = "\n".join(f"{n} {record[n]}" for n in [*sorted(files), metas[0]])
-    return WheelFiles(version, metadata, files, hashlib.sha256(content.encode()).hexdigest())
+    return WheelFiles(version, metadata, files, hashlib.sha256(content.encode()).hexdigest(),
+                      {n: record[n] for n in files})
 
 
 # --- writing a slice: a new or empty folder, filled through a folder of its own ------------------
@@ -311,6 +350,12 @@ def _write_files(found: WheelFiles, folder: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     (folder / SLICE_METADATA).write_bytes(found.metadata)
+    (folder / SLICE_MANIFEST).write_bytes(_manifest_of(found))
+
+
+def _manifest_of(found: WheelFiles) -> bytes:
+    """The slice's manifest: a RECORD row (path, ``algorithm=digest``) per file written."""
+    return "".join(f"{name},{entry}\n" for name, entry in sorted(found.hashes.items())).encode()
 
 
 def _placed(found: WheelFiles, out: Path) -> bool:
@@ -332,7 +377,7 @@ def _placed(found: WheelFiles, out: Path) -> bool:
 
 
 def _written(found: WheelFiles, folder: Path) -> list[Path]:
-    return [folder / n for n in found.files] + [folder / SLICE_METADATA]
+    return [folder / n for n in found.files] + [folder / SLICE_METADATA, folder / SLICE_MANIFEST]
 
 
 def write_slice(wheel: str | os.PathLike, out: str | os.PathLike, *, kernels: bool = True) -> list[Path]:
@@ -364,7 +409,7 @@ def _cache_root() -> Path:
 def _slice_contents_key() -> str:
     """A short digest of :data:`SLICE_FILES`: a cached slice is reused only by code that slices
     the same files."""
-    return hashlib.sha1("\n".join(SLICE_FILES).encode()).hexdigest()[:8]
+    return hashlib.sha1("\n".join((*SLICE_FILES, SLICE_METADATA, SLICE_MANIFEST)).encode()).hexdigest()[:8]
 
 
 def _slice_of_wheel(wheel: Path) -> Path:
@@ -380,8 +425,9 @@ def _slice_of_wheel(wheel: Path) -> Path:
             _placed(found, target)
         except OSError as exc:
             raise VllmSourceError(f"cannot write the slice into the cache {target} ({exc.strerror or exc})") from None
+    own = {SLICE_METADATA: found.metadata, SLICE_MANIFEST: _manifest_of(found)}
     for path in _written(found, target):
-        expected = found.metadata if path.name == SLICE_METADATA else found.files[path.relative_to(target).as_posix()]
+        expected = own.get(path.name) or found.files[path.relative_to(target).as_posix()]
         if not path.is_file() or path.read_bytes() != expected:
             raise VllmSourceError(f"the cached slice {target} differs from the wheel at {path.relative_to(target)} "
                                   f"(changed since it was written): remove {target}")
@@ -430,7 +476,7 @@ def resolve(spec: str) -> VllmSource:
     if not (root / "vllm").is_dir():
         raise VllmSourceError(f"{where}: a folder without a vllm package (no vllm/ in it; expected {EXPECTED})")
     _check_modules(root, where)
-    return VllmSource(root, _version_of_folder(root), str(path))
+    return VllmSource(root, _version_of_folder(root), str(path), modified=modified_files(root))
 
 
 def main(argv: list[str] | None = None) -> int:

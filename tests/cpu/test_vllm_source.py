@@ -151,6 +151,24 @@ def test_a_slice_names_the_release_it_was_written_from(wheel, tmp_path):
     assert flashinfer_pin(sliced) == flashinfer_pin(original)
 
 
+def test_a_slice_whose_files_were_edited_is_named_as_modified_with_the_files(wheel, tmp_path):
+    write_slice(wheel, tmp_path / "slice", kernels=False)
+    assert resolve(str(tmp_path / "slice")).modified == ()
+    module = tmp_path / "slice" / BACKEND_MODULE
+    module.write_text(module.read_text() + "\n# edited\n")
+    source = resolve(str(tmp_path / "slice"))
+    assert source.modified == (BACKEND_MODULE,)
+    assert source.describe() == (f"vLLM {source.version} ({tmp_path / 'slice'}), modified: {BACKEND_MODULE} not as "
+                                 "the release ships")
+
+
+def test_a_slice_missing_a_file_its_manifest_lists_is_a_damaged_slice(wheel, tmp_path):
+    write_slice(wheel, tmp_path / "slice", kernels=False)
+    (tmp_path / "slice" / "vllm/v1/attention/backends/mla/sparse_utils.py").unlink()
+    with pytest.raises(VllmSourceError, match=r"damaged slice: sparse_utils\.py missing .*write it again"):
+        resolve(str(tmp_path / "slice"))
+
+
 def test_the_flashinfer_pin_is_the_wheels_requirement(wheel):
     """``flashinfer_pin`` against the wheel's METADATA read here: its ``flashinfer-python==``
     requirement outside any extra."""
