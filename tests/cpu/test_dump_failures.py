@@ -722,3 +722,26 @@ def test_a_printed_replay_line_runs_as_printed_with_an_impl_found_through_python
     again = subprocess.run(printed[0] + " -p no:cacheprovider -p no:xdist -q", shell=True, cwd=ROOT, env=without,
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 1 and "failed" in again.stdout.splitlines()[-1], again.stdout[-3000:] + again.stderr
+
+
+def child_pytest(*args: str) -> tuple[int, str]:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "-rxXf",
+                          *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_a_recipe_replays_green_once_its_bug_is_fixed_with_the_finding_its_test_expected_named(tmp_path):
+    """A case of the regime C finding's own layout (packed: its regime C row is planned as a
+    prefix, a strict xfail in the test that wrote it) failing on another row under a bug: red
+    under the bug, and without it the finding, named, not "plan != intent"."""
+    dumps = tmp_path / "dumps"
+    status, out = child_pytest("--impl", "tests.bugs:KpoolFromWrongSpec", "tests/cpu/test_kvlen_regimes.py", "-k",
+                               "test_plan_reads_the_intended_slots and ctx1-kpool4-packed", f"--dump-failures={dumps}")
+    assert status == 1 and "1 failed" in out, out[-3000:]
+    (recipe,) = sorted(dumps.glob("*.recipe.json"))
+    status, out = child_pytest(f"--replay={recipe}", "--impl", "tests.bugs:KpoolFromWrongSpec")
+    assert status == 1 and "1 failed" in out and "plan != intent" in out, out[-3000:]
+    status, out = child_pytest(f"--replay={recipe}")
+    assert status == 0 and "1 xfailed" in out, out[-3000:]
+    assert "expected finding (the plan is off on regime C rows only): regime C rows planned as a prefix under packed" \
+        in out and "XFAIL" in out, out[-3000:]
