@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,10 @@ def rerun_unavailable_reason(config) -> str | None:
     from harness.availability import sm90_flashinfer_unavailable_reason
 
     return sm90_flashinfer_unavailable_reason()
+
+
+#: The checked-in fixtures: what a run without ``--replay`` replays (``tests/test_replay.py``).
+DEFAULT_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def run_options(config) -> dict:

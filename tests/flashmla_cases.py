@@ -72,7 +72,7 @@ MAGNITUDE_CONFIGS = (KernelConfig("bfloat16", True, 16), KernelConfig("float8_e4
 def magnitude_params():
     """The magnitude edge's cases (raw score offsets far from zero, docs/edges.md#magnitude) in
     each of :data:`MAGNITUDE_CONFIGS`."""
-    from tests.gpu.test_edges import magnitude_cases
+    from tests.support.magnitude import magnitude_cases
 
     return [pytest.param(case, config, id=f"{case.id}-{config.id}")
             for config in MAGNITUDE_CONFIGS for case in magnitude_cases()]

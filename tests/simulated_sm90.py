@@ -1,6 +1,6 @@
 """A simulated SM90 machine: a process without a GPU runs the GPU tier's tests as if on an SM90
 machine with FlashInfer: the GPU gate opens, FlashInfer's wrapper is the CPU stand-in of
-``tests/cpu/test_rerun.py`` (plans like FlashInfer under CUDA graphs, reads kv_indices at run,
+``tests/support/reference_wrapper.py`` (plans like FlashInfer under CUDA graphs, reads kv_indices at run,
 computes with the low-precision reference) and returns base-2 LSE where the state asks for
 FlashInfer's own, and the features are the stand-in's. CUDA graphs are :class:`SimulatedGraph`:
 a capture keeps the attention state's steps with what a captured launch fixes, and a replay runs
@@ -44,7 +44,7 @@ import backends.sm90_state as sm90
 import fast.convert
 import harness.availability
 from reference.oracle import LOG2_E
-from tests.cpu.test_rerun import ReferenceWrapper
+from tests.support.reference_wrapper import ReferenceWrapper
 
 FEATURES = SimpleNamespace(version="simulated-sm90", plan_checks_page_counts=False, run_checks_cache_coverage=False,
                            run_checks_query_shape=False, describe=lambda: "simulated SM90 (reference stand-in)")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from harness.findings import RegimeCPlannedAsPrefix
+from pytest_sparse_mla import replay as replay_plugin
 from pytest_sparse_mla.baselines import note_fixture_replay, upgrade_check_fixtures
 from pytest_sparse_mla.keys import REPLAY_KEY
 from pytest_sparse_mla.replay import rerun_unavailable_reason, run_options
@@ -35,16 +36,15 @@ from recording.replay import replay
 from recording.sequence import is_sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_FIXTURES = ROOT / "fixtures"
 
 
 def pytest_generate_tests(metafunc):
     if "fixture_path" not in metafunc.fixturenames:
         return
     given = metafunc.config.getoption("--replay") or upgrade_check_fixtures(metafunc.config)
-    paths = fixture_paths(given or [DEFAULT_FIXTURES])
+    paths = fixture_paths(given or [replay_plugin.DEFAULT_FIXTURES])
     if not paths:  # a replay of nothing fails: a vanished fixtures/ must not leave CI green
-        where = ", ".join(given) if given else str(DEFAULT_FIXTURES)
+        where = ", ".join(given) if given else str(replay_plugin.DEFAULT_FIXTURES)
         metafunc.parametrize("fixture_path", [pytest.param(f"no fixture files under {where}", id="no-fixtures")])
         return
     ids = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p) for p in paths]

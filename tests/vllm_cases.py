@@ -52,7 +52,7 @@ def step_params(extra=()):
 def magnitude_params():
     """The magnitude edge's cases (raw score offsets far from zero, docs/edges.md#magnitude), each
     with a covering configuration (fp8 rope at k_scale 1: the kpe finding has cases of its own)."""
-    from tests.gpu.test_edges import magnitude_cases
+    from tests.support.magnitude import magnitude_cases
 
     return [pytest.param(case, vllm_config(i), id=f"{case.id}-{vllm_config(i).id}")
             for i, case in enumerate(magnitude_cases())]

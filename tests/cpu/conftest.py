@@ -48,3 +48,31 @@ def flashmla_on_stand_in(flashmla_backend, monkeypatch):
     flashmla_stand_in.interpreter_bool_masks(monkeypatch)
     flashmla_stand_in.in_place_of_the_kernels(monkeypatch)
     return flashmla_backend
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The port's attention state on :class:`tests.support.reference_wrapper.ReferenceWrapper`
+    (plans as FlashInfer does under CUDA graphs, runs the low-precision reference) in place of
+    FlashInfer's wrapper; the class, its refusal and plans reset."""
+    import torch
+
+    import backends.flashinfer_compat as compat
+    import backends.sm90_state as sm90
+    from tests.support.reference_wrapper import ReferenceWrapper
+
+    monkeypatch.setattr(sm90, "MLAWrapper", ReferenceWrapper)
+    monkeypatch.setattr(compat, "MLAWrapper", ReferenceWrapper)
+    monkeypatch.setattr(sm90, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU-only torch
+    monkeypatch.setattr(ReferenceWrapper, "refuse", None)
+    monkeypatch.setattr(ReferenceWrapper, "plans", [])
+    return ReferenceWrapper
+
+
+@pytest.fixture
+def gpu_tier_may_run(monkeypatch):
+    """The controller's start-up check sees a machine where the GPU tier may run."""
+    import pytest_sparse_mla.baselines as plugin
+
+    monkeypatch.setattr(plugin, "gpu_tier_unavailable_reason", lambda: None)

@@ -44,7 +44,7 @@ from recording.baseline import (
 )
 from recording.baseline import summary as summary_of
 from recording.fixture import load_fixture
-from tests.cpu.test_rerun import stand_in  # noqa: F401  (the stand-in FlashInfer wrapper fixture)
+from tests.support.child_runs import run_plugin_in_process as run
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures"
@@ -366,21 +366,10 @@ def test_cpu_only():
 
 
 @pytest.fixture
-def gpu_tier_may_run(monkeypatch):
-    """The controller's start-up check sees a machine where the GPU tier may run."""
-    monkeypatch.setattr(plugin, "gpu_tier_unavailable_reason", lambda: None)
-
-
-@pytest.fixture
 def suite(pytester, gpu_tier_may_run):
     pytester.makeconftest('pytest_plugins = ("pytest_sparse_mla",)')
     pytester.makepyfile(test_cases=CASES)
     return pytester
-
-
-def run(pytester, *args):
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:benchmark", "--rootdir",
-                                        str(pytester.path), *args)
 
 
 def record(pytester, *args):
@@ -698,7 +687,7 @@ TWO = ("c-compacted-fp8", "h-kpool1-decode-bf16")
 
 
 @pytest.fixture
-def replaying(stand_in, device, monkeypatch, pytester, gpu_tier_may_run):  # noqa: F811
+def replaying(stand_in, device, monkeypatch, pytester, gpu_tier_may_run):
     """The replay tests re-run fixtures on the stand-in as if on an SM90 GPU; ``version(v)``
     sets the FlashInfer version the run reports."""
     import harness.availability
@@ -723,7 +712,7 @@ def replay_run(pytester, *args):
 
 
 def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_release(
-        replaying, stand_in, pytester, monkeypatch):  # noqa: F811 (stand_in)
+        replaying, stand_in, pytester, monkeypatch):
     replaying("0.7.2.post1")
     result = replay_run(pytester, "--record-baseline=base")
     assert result.ret == 0, "\n".join(result.outlines[-30:])

@@ -653,7 +653,7 @@ def test_a_strided_or_packed_port_case_is_a_backend_case_that_replays_red_and_gr
     whose record names the port's layout, which its replay reopens: red under the bug, naming the
     layout, and green without it (on a simulated SM90 machine: FlashInfer's wrapper replaced by the
     reference)."""
-    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+    from tests.support.child_runs import run_gpu_family
 
     dump, impl = tmp_path / "dumps", f"--impl=tests.bugs:{bug}"
     result = run_gpu_family(pytester, monkeypatch, "tests/gpu/test_attention_regimes.py", STRIDED_AND_PACKED, impl,

@@ -267,9 +267,9 @@ def test_a_replay_of_an_empty_folder_is_a_usage_error(pytester, tmp_path):
 
 
 def test_the_replay_test_fails_when_the_fixture_folder_is_empty(pytester, tmp_path, monkeypatch):
-    import tests.test_replay as replay_tests
+    import pytest_sparse_mla.replay as replay_plugin
 
-    monkeypatch.setattr(replay_tests, "DEFAULT_FIXTURES", tmp_path)  # as if fixtures/ had vanished
+    monkeypatch.setattr(replay_plugin, "DEFAULT_FIXTURES", tmp_path)  # as if fixtures/ had vanished
     result = run_pytest(pytester, str(ROOT / "tests/test_replay.py"), "--replay-recorded-only")
     out = "\n".join(result.outlines)
     assert result.ret == 1 and "1 failed" in out and f"no fixture files under {tmp_path}" in out, out[-2000:]

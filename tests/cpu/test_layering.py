@@ -3,6 +3,8 @@
 mla_constants < reference, fast < harness < recording < pytest_sparse_mla, scripts, bench < tests:
 a module imports only from its own package and from lower layers. Packages of one layer never
 import each other (reference and fast in particular), and nothing outside tests/ imports tests.
+No module imports a test module (``tests/**/test_*.py``): what test modules share lives in
+``tests/support/`` and ``tests/*.py``.
 
 harness/ and recording/ reach a vendor only through the backend seam: they import no vendor
 package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and from backends/ only
@@ -270,3 +272,27 @@ def test_every_port_study_named_exists_and_uses_the_port():
              if name not in paths
              or PORT_API not in {module for _, module in imported_modules(paths[name].read_text(), paths[name])}]
     assert stale == [], f"PORT_STUDIES names modules that do not import {PORT_API}: {stale}"
+
+
+def imports_of_test_modules(root: Path = ROOT) -> list[str]:
+    """One line per import of a test module (``tests/**/test_*.py``) by any module: what the
+    test modules share lives in ``tests/support/`` and ``tests/*.py``, so that no test module
+    depends on another's fixtures, helpers or collection."""
+    problems = []
+    for path in project_modules(root):
+        for line, module in sorted(imported_modules(path.read_text(), path, root)):
+            if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_"):
+                problems.append(f"{path.relative_to(root)}:{line}: imports the test module {module}")
+    return problems
+
+
+def test_no_module_imports_a_test_module():
+    problems = imports_of_test_modules()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_test_module_check_sees_one_imported_inside_a_function(tmp_path):
+    (tmp_path / "tests" / "cpu").mkdir(parents=True)
+    (tmp_path / "tests" / "cpu" / "test_a.py").write_text("def f():\n    from tests.cpu.test_b import helper\n")
+    (tmp_path / "tests" / "support.py").write_text("from tests.cpu import conftest\n")
+    assert [p.split(": ")[1] for p in imports_of_test_modules(tmp_path)] == ["imports the test module tests.cpu.test_b"]

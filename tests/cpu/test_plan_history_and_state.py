@@ -30,7 +30,7 @@ from harness.plan_history import (
     keeps_plans,
 )
 from tests import simulated_sm90
-from tests.cpu.test_rerun import ReferenceWrapper
+from tests.support.reference_wrapper import ReferenceWrapper
 
 
 @pytest.fixture
@@ -260,7 +260,7 @@ GPU_TWIN = "tests/gpu/test_plan_history_and_state.py"
 
 def replayed(pytester, monkeypatch, dump, *args):
     """``pytest --replay=dump`` on the simulated SM90 machine: the nested session and its output."""
-    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+    from tests.support.child_runs import run_gpu_family
 
     result = run_gpu_family(pytester, monkeypatch, "tests/test_replay.py", "", f"--replay={dump}", *args,
                             simulated=True)
@@ -275,7 +275,7 @@ def dumped_replayed_red_and_green(pytester, monkeypatch, tmp_path, impl: str, te
     was recorded) replays green under ``impl``: the mode is what makes it red."""
     from recording.backend_case import load_backend_case
     from recording.recipe import save_with_digest
-    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+    from tests.support.child_runs import run_gpu_family
 
     dump = tmp_path / "dumps"
     result = run_gpu_family(pytester, monkeypatch, GPU_TWIN, "port-fa3", impl, f"--dump-failures={dump}",

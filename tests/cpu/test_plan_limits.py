@@ -32,7 +32,7 @@ from harness.plan_limits import (
 )
 from harness.plan_limits.child import rows_from_line, warm_up
 from mla_constants import FA3_WORK_CAPACITY
-from tests.cpu.test_rerun import ReferenceWrapper, stand_in  # noqa: F401 - the fixture
+from tests.support.reference_wrapper import ReferenceWrapper
 
 
 def threshold_attempts(limit: int, failing: str = "refused"):
@@ -388,7 +388,7 @@ def test_work_capacity_rule():
 # --- what a child does, through the CPU stand-in of the wrapper ------------------------------------
 
 
-def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):  # noqa: F811
+def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):
     assert plan_attempt(5, 16, width=64, device="cpu")["outcome"] == "accepted"
     ReferenceWrapper.refuse = "FA MLA needs 5 work items including KV splits; native capacity is 4."
     try:
@@ -403,7 +403,7 @@ def test_plan_attempt_accepts_and_reports_a_refusal(stand_in):  # noqa: F811
 POOL = 512  # KV slots the CPU rows attempts read from (6 rows of 64: the production pool costs seconds on CPU)
 
 
-def test_rows_attempt_judges_every_row(stand_in, monkeypatch):  # noqa: F811
+def test_rows_attempt_judges_every_row(stand_in, monkeypatch):
     stages = []
     warm_up("cpu")  # a warm rows child: started, then its size read from a line
     result = rows_from_line("6 2 64 0\n", emit=stages.append, device="cpu", pool_slots=POOL)

@@ -21,7 +21,13 @@ from harness import availability, gpu_env
 from pytest_sparse_mla.gpus import THREAD_ENV, available_cores, threads_per_worker
 from pytest_sparse_mla.impl import resolve_device
 from pytest_sparse_mla.regimes import EDGE_LABEL
-from tests.cpu.test_regime_summary import LAUNCH_SUITE, refused_column, summary_table
+from tests.support.child_runs import (
+    LAUNCH_SUITE,
+    assert_one_usage_error,
+    refused_column,
+    summary_table,
+    usage_run,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = [("NVIDIA H200", "9.0")]
@@ -244,40 +250,6 @@ def test_device_cuda_without_cuda_is_a_usage_error(pytester, monkeypatch):
 
 # --- --impl and --dump-failures checked at start-up -----------------------------------------------
 
-BAD_IMPLS = """
-def raises():
-    raise RuntimeError("this backend needs its server")
-
-
-def lacking():
-    return object()
-"""
-
-
-#: GPU_TEST on this machine as it is: the device is whichever ``--device=auto`` picks here.
-USAGE_TEST = """
-import pytest
-
-@pytest.mark.gpu
-def test_needs_the_gpu():
-    pass
-
-def test_runs_anywhere(device):
-    assert device.type in ("cpu", "cuda")
-"""
-
-
-def usage_run(pytester, *args: str, xdist: bool = False):
-    """A nested run of USAGE_TEST with ``args`` on this machine, in this process (as the
-    controller of an xdist run with ``xdist``)."""
-    pytester.makeconftest("pytest_plugins = ('pytest_sparse_mla',)\n")
-    pytester.makepyfile(test_gating=USAGE_TEST, bad_impls=BAD_IMPLS)
-    pytester.makeini("[pytest]\nmarkers =\n    gpu: needs the GPU tier\n")
-    pytester.syspathinsert()
-    workers = ("-n", "2") if xdist else ("-p", "no:xdist")
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *workers, *args)
-    return result, "\n".join(result.outlines + result.errlines)
-
 
 @pytest.mark.parametrize(("spec", "message"), [
     (":default_impl", "--impl expects 'module:factory', got ':default_impl'"),
@@ -290,15 +262,6 @@ def test_an_impl_spec_is_its_module_before_the_first_colon_and_a_factory_after(s
     with pytest.raises(ValueError) as excinfo:
         load_impl(spec)
     assert message in str(excinfo.value), str(excinfo.value)
-
-
-def assert_one_usage_error(result, out: str, line: str, *, exact: bool = True) -> None:
-    """rc 4, one error line (``line``, or beginning with it), no test run, no traceback."""
-    assert result.ret == pytest.ExitCode.USAGE_ERROR, out[-3000:]
-    errors = [text for text in out.splitlines() if text.startswith("ERROR: ")]
-    assert len(errors) == 1, out[-3000:]
-    assert errors[0] == f"ERROR: {line}" if exact else errors[0].startswith(f"ERROR: {line}"), out[-3000:]
-    assert "passed" not in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize(("spec", "line"), [

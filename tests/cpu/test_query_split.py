@@ -33,7 +33,7 @@ from recording.fixture import FixtureError
 from recording.recipe import save_with_digest, scenario_digest
 from reference.rules import request_ids_per_row, row_context
 from scripts.vllm_planted_bugs import HOST_SPLIT_BOUND
-from tests.cpu.test_vllm_situations import BF16, BUILDER, UnreportedJudge, planted
+from tests.support.vllm_planting import BF16, BUILDER, UnreportedJudge, planted
 
 CASES = device_split_cases()
 SEED = 3

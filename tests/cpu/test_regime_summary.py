@@ -21,6 +21,7 @@ import pytest
 
 from pytest_sparse_mla.regimes import EDGE_FAMILIES, EDGE_LABEL, NO_REGIME, credited_regimes, tally_outcome, worse
 from tests import simulated_page_counts, simulated_sm90
+from tests.support.child_runs import LAUNCH_SUITE, refused_column, summary_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,69 +161,6 @@ def test_no_family():
 def test_plain(regime_log):
     regime_log.record(["B"])
 """
-
-
-LAUNCH_SUITE = """
-import pytest
-
-
-@pytest.mark.regimes("A")
-def test_ran(regime_log):
-    regime_log.record(["A", "A"])
-    regime_log.kernel_ran()
-
-
-@pytest.mark.regimes("A")
-def test_refused(regime_log):
-    regime_log.record(["A"] * 3)
-    regime_log.expected_refusal("ValueError at plan: CSR metadata page counts")
-
-
-@pytest.mark.regimes("B")
-def test_refused_then_failed(regime_log):
-    regime_log.record(["B"])
-    regime_log.expected_refusal("ValueError at plan: CSR metadata page counts")
-    assert False, "a check after the refusal failed"
-
-
-@pytest.mark.edge("stale-slots")
-def test_edge_refused(regime_log):
-    regime_log.record(["C"] * 4)
-    regime_log.expected_refusal("ValueError at plan: CSR metadata page counts")
-
-
-def test_ran_twice(regime_log):
-    regime_log.kernel_ran()
-    regime_log.kernel_ran()
-
-
-def test_launched_nothing():
-    pass
-"""
-
-
-def summary_table(output: str) -> dict[str, tuple]:
-    """regime -> (rows checked, passed, failed, xfailed, skipped) from the printed table."""
-    lines = output.splitlines()
-    start = next(i for i, line in enumerate(lines) if "rows and test outcomes per context regime" in line)
-    table = {}
-    for line in lines[start + 2:]:
-        if "|" not in line:
-            break
-        left, right = line.split("|", 1)
-        name, checked = left.rsplit(None, 1)
-        counts = right.split()[:4]
-        table[name.strip()] = (checked, *map(int, counts))
-    return table
-
-
-def refused_column(output: str) -> dict[str, int]:
-    """regime -> the tests counted as expected refusals, from the printed table."""
-    lines = output.splitlines()
-    start = next(i for i, line in enumerate(lines) if "rows and test outcomes per context regime" in line)
-    assert lines[start + 1].split("|", 1)[1].split()[1:6] == ["passed", "failed", "xfailed", "skipped", "refused"]
-    return {line.split("|", 1)[0].rsplit(None, 1)[0].strip(): int(line.split("|", 1)[1].split()[4])
-            for line in lines[start + 2:] if "|" in line}
 
 
 def run_suite(pytester, name: str, suite: str) -> tuple[dict[str, tuple], str]:

@@ -16,7 +16,7 @@ from backends.registry import BackendError, missing_backend_members, name_proble
 from backends.seam import Backend
 from fast.impl import FastImpl
 from tests.bugs import KpoolFromWrongSpec
-from tests.cpu.test_plugin_gating import assert_one_usage_error
+from tests.support.child_runs import assert_one_usage_error
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN = "port-fa3, port-fa2, vllm[-RELEASE], flashmla[-RELEASE] or module:factory"

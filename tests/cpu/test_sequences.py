@@ -242,7 +242,7 @@ def test_gpu_journey_a_stateful_bug_dumps_a_sequence_that_replays_red_and_green_
     family; its dump is the sequence of steps through one attention state, which replays red
     under the bug and green on the project's own path (on a simulated SM90 machine: FlashInfer's
     wrapper replaced by the reference)."""
-    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+    from tests.support.child_runs import run_gpu_family
 
     dump = tmp_path / "dumps"
     bug = "--impl=tests.bugs:StaleLengthsPastTheRowCount"
@@ -277,7 +277,7 @@ def test_gpu_journey_a_graph_captured_sequence_replays_red_under_its_bug_and_gre
     tile of the smaller plan unwritten), which the replay judges as the test does, against an
     eager run of the same plan, and reports without failing."""
     from harness.findings import STALE_CLUSTER_FINDING
-    from tests.cpu.test_suite_catches_bugs import run_gpu_family
+    from tests.support.child_runs import run_gpu_family
 
     dump = tmp_path / "dumps"
     bug = "--impl=tests.bugs:StaleLengthsPastTheRowCount"

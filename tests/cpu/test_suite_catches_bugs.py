@@ -7,15 +7,12 @@ replaced by the reference), where the families must also pass on the project's o
 
 from __future__ import annotations
 
-import gc
-import os
 import re
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests import simulated_sm90
+from tests.support.child_runs import run_gpu_family
 
 ROOT = Path(__file__).resolve().parents[2]
 KVLEN = "tests/cpu/test_kvlen_regimes.py"
@@ -201,43 +198,6 @@ GPU_BUG_IDS = [c[1] for c in GPU_BUG_CASES]
 #: cases of 1 to 3 rows. The larger scale and the invariance cases run there with their bugs
 #: only, whose messages above show the rows and placements the bugs leave right passing.
 PROJECT_PATH_RUNS = [(EDGES, ""), (SCALE, "rows1- or rows2- or rows3-")]
-
-#: glibc keeps freed memory for reuse instead of returning it: the references' large temporaries
-#: are then not mapped and zeroed afresh on every call (half the simulated runs' time otherwise).
-KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
-
-
-def run_gpu_family(pytester, monkeypatch, path: str, select: str, *args: str, simulated: bool):
-    """Run GPU tests in a nested session in this process (no interpreter, torch, FlashInfer and
-    plugin to start again): on the installed FlashInfer, or on a simulated SM90 machine with
-    every GPU hidden where this process's convert kernel runs in Triton's interpreter (its
-    patches undone after the test; in a subprocess otherwise). The re-created bugs run here
-    read and write only inside the attention state's reserved buffers: none of them can crash
-    the process or leave a CUDA error behind."""
-    selection = ("-k", select) if select else ()
-    common = (str(ROOT / path), *selection, "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(ROOT))
-    if not simulated:
-        try:
-            with simulated_sm90.process_share_of_threads(), simulated_sm90.nested_failures_released():
-                return pytester.runpytest_inprocess(*common, "--require-gpu-tier", *args)
-        finally:  # the GPU memory the nested tests cached goes back to the other workers' tests
-            gc.collect()
-            torch.cuda.empty_cache()
-    if simulated_sm90.can_simulate_in_process():
-        simulated_sm90.simulate_in_process(monkeypatch)
-        with (
-            simulated_sm90.freed_memory_kept(),
-            simulated_sm90.process_share_of_threads(),
-            simulated_sm90.nested_failures_released(),
-        ):
-            return pytester.runpytest_inprocess(*common, *args)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for name, value in KEEP_FREED_MEMORY.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("SPARSE_MLA_DEVICE", "cpu")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    return pytester.runpytest_subprocess(*common, "-p", "tests.simulated_sm90", *args, timeout=600)
 
 
 def assert_caught(result, entry: str, bug: str, message: str) -> None:

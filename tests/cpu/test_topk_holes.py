@@ -24,7 +24,7 @@ from harness.topk_holes import TopkHoles, with_topk_holes
 from mla_constants import INVALID
 from reference.indexer import HOLE_KINDS, row_with_holes, selection_order, tie_capacity, topk_with_holes
 from reference.rules import kv_len_rule, valid_counts
-from tests.cpu.test_rerun import ReferenceWrapper
+from tests.support.reference_wrapper import ReferenceWrapper
 from tests.topk_hole_cases import hole_params
 
 TOPK_SMALL = 128

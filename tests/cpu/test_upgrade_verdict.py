@@ -27,7 +27,7 @@ from recording.baseline import (
     write_record,
 )
 from recording.baseline.comparison import outcome_regressed
-from tests.cpu.test_baseline import gpu_tier_may_run, run  # noqa: F401  (gpu_tier_may_run: a fixture)
+from tests.support.child_runs import run_plugin_in_process as run
 
 RELEASE_A, RELEASE_B = "0.7.2.post1", "0.7.4"
 RUN_ERROR = "RuntimeError: BatchMLAPagedAttentionWrapper.run: CUDA error: an illegal memory access was encountered"
@@ -123,7 +123,7 @@ def test_plan():
 
 
 @pytest.fixture
-def releases(pytester, gpu_tier_may_run, monkeypatch):  # noqa: F811
+def releases(pytester, gpu_tier_may_run, monkeypatch):
     """The suite recorded on release A; ``compare(breaks)`` runs the compare pass on release B
     breaking ``breaks`` and returns the run's result."""
     import recording.environment

@@ -34,6 +34,7 @@ from mla_constants import TOPK
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from tests import fa3_stand_in
+from tests.support.vllm_planting import stand_in_for
 from tests.vllm_cases import magnitude_params, step_params
 
 pytestmark = pytest.mark.vllm
@@ -46,10 +47,6 @@ def stand_in(vllm_backend, monkeypatch):
     wrapper = stand_in_for(vllm_backend)
     fa3_stand_in.install(monkeypatch, wrapper)
     return wrapper
-
-
-def stand_in_for(backend):
-    return fa3_stand_in.StandInWrapper if backend.design == "bounded" else fa3_stand_in.StandIn06Wrapper
 
 
 def with_covering_examples(test):

@@ -11,21 +11,18 @@ differs shows (its case keeps the host's split). The suite runs in child pytest 
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from harness.cases import device_split_cases
 from scripts.vllm_planted_bugs import BUGS_BY_NAME, HOST_SPLIT_BOUND, planted_copy
+from tests.support.child_runs import pytest_run
+from tests.support.vllm_planting import SEQUENCE, SINGLE_STEP
 
 pytestmark = [pytest.mark.vllm, pytest.mark.suite_self_test]
 
 ROOT = Path(__file__).resolve().parents[2]
-SEQUENCE = "(sequence_keeps and 4)"
-SINGLE_STEP = "(step_executes and decode-mixed-lengths-kpool4)"
 #: A Hypothesis test: its failing example is written.
 DRAWN = "drawn_production_inputs"
 #: (bug, the tests that run, the case kinds written)
@@ -35,16 +32,6 @@ RUNS = [
     ("host-lengths", f"{SEQUENCE} or {SINGLE_STEP}", {"sequence", "step"}),
     ("clamp", DRAWN, {"step"}),
 ]
-
-
-def pytest_run(*args: str) -> tuple[int, str, dict[str, int]]:
-    """A child pytest in the project's root: its exit status, output and outcome counts."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    out = done.stdout + done.stderr
-    tail = out.strip().splitlines()[-1] if out.strip() else ""
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|error|errors|skipped|xfailed)", tail)}
-    return done.returncode, out, counts
 
 
 def ended_green(counts: dict[str, int]) -> int:

@@ -11,21 +11,16 @@ host bound beside positions), and fails on the situation's own step.
 
 from __future__ import annotations
 
-import inspect
-import textwrap
-
 import pytest
 
-from harness.cases import KernelConfig, longest_request_cases, situation_cases
+from harness.cases import longest_request_cases, situation_cases
 from harness.input_space import SITUATIONS, classify_case, covering_cases
-from harness.judge import judge_step, run_case
+from harness.judge import run_case
 from tests import fa3_stand_in
-from tests.cpu.test_vllm_backend import stand_in_for
+from tests.support.vllm_planting import BF16, BUILDER, UnreportedJudge, planted, stand_in_for
 
 pytestmark = pytest.mark.vllm
 
-BF16 = KernelConfig("bfloat16", True, 16)
-BUILDER = "FlashInferMLASparseSM90Builder"
 
 #: situation -> (method of the builder, ((vLLM 0.33.0's line, the planted line), ...))
 PLANTED = {
@@ -46,39 +41,6 @@ ADAPTIVE_BUGS = {
     "first-request": ("_kv_lens_host", (("int(sl_host[:num_reqs].max())", "int(sl_host[0])"),)),
     "last-request": ("_kv_lens_host", (("int(sl_host[:num_reqs].max())", "int(sl_host[num_reqs - 1])"),)),
 }
-
-
-class UnreportedJudge:
-    """``harness.judge.judge_step`` on every step, its failure raised, nothing reported to the
-    run's summary (the planted bug's failures are what the test expects)."""
-
-    def admit(self, backend, config) -> None:
-        reason = backend.unsupported(config)
-        if reason:
-            pytest.skip(f"{backend.name}: {reason}")
-
-    def verdict(self, backend, layer, scenario, inputs, *, twin=None, compare=True, label="", context_of_step=""):
-        return judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin, context_of_step=context_of_step)
-
-    def step(self, backend, layer, scenario, inputs, **kwargs):
-        verdict = self.verdict(backend, layer, scenario, inputs, **kwargs)
-        if verdict.failure is not None:
-            raise verdict.failure
-        return verdict.outcome
-
-
-def planted(monkeypatch, module, class_name: str, method: str, edits) -> None:
-    """Set ``class_name.method`` of vLLM's loaded ``module`` to its own source with each ``(line,
-    bug)`` of ``edits`` replaced (each line must occur once: a release that changed it fails here)."""
-    cls = getattr(module, class_name)
-    source = textwrap.dedent(inspect.getsource(getattr(cls, method)))
-    for line, bug in edits:
-        assert source.count(line) == 1, f"{class_name}.{method} of {module.__file__} has {source.count(line)}x {line!r}"
-        source = source.replace(line, bug)
-    source = source.replace("super().", f"super({class_name}, self).")
-    namespace = {}
-    exec(compile(source, module.__file__, "exec"), module.__dict__, namespace)
-    monkeypatch.setattr(cls, method, namespace[method])
 
 
 def bounded_release(vllm_backend) -> None:

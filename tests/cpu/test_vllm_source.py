@@ -36,7 +36,7 @@ from backends.vllm_source import (
     write_slice,
 )
 from pytest_sparse_mla.vllm import NO_VLLM, VLLM_SOURCE
-from tests.cpu.test_plugin_gating import assert_one_usage_error, usage_run
+from tests.support.child_runs import assert_one_usage_error, usage_run
 
 pytestmark = pytest.mark.vllm
 

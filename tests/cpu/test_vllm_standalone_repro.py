@@ -27,8 +27,9 @@ from recording.commands import standalone_command
 from recording.vllm_repro import ALLOWED_IMPORTS, DATA_NAME, SCRIPT_NAME, write_standalone
 from scripts.vllm_planted_bugs import BUGS_BY_NAME, planted_copy
 from tests import fa3_stand_in
-from tests.cpu.test_vllm_dump_replay import SINGLE_STEP, pytest_run
 from tests.run_on_fa3_stand_in import IMPORTED_THE_PROJECT
+from tests.support.child_runs import pytest_run
+from tests.support.vllm_planting import SINGLE_STEP
 
 pytestmark = [pytest.mark.vllm, pytest.mark.suite_self_test]
 

@@ -33,7 +33,7 @@ from harness.launch import (
 from harness.pipeline import selection_mismatches
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.port_reports import record_errors
-from tests.cpu.test_input_space import MAX_ROWS, EvolvingBatch
+from tests.support.evolving_batch import MAX_ROWS, EvolvingBatch
 
 pytestmark = pytest.mark.gpu
 
