@@ -185,22 +185,29 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
     assert import_cycles(import_graph(tmp_path)) == [["pkg.a", "pkg.b"]]
 
 
+def imports_breaking(rule, root: Path = ROOT) -> list[str]:
+    """``path:line: problem`` for every import of every project module that ``rule(path, module)``
+    names a problem of (None: the import is fine)."""
+    return [f"{path.relative_to(root)}:{line}: {problem}" for path in project_modules(root)
+            for line, module in sorted(imported_modules(path.read_text(), path, root))
+            for problem in [rule(path, module)] if problem]
+
+
 def vendor_imports(root: Path = ROOT) -> list[str]:
     """One line per import in harness/ or recording/ of a vendor module, or of a backends module
     other than the seam and the registry (the port's API allowed in :data:`PORT_STUDIES`); and per
     import in fast/ of a vendor module."""
-    problems = []
-    for path in project_modules(root):
+
+    def past_the_seam(path: Path, module: str) -> str | None:
         top = top_level_of(path, root)
         if top not in BEHIND_THE_SEAM + HOST_STAGES:
-            continue
+            return None
         allowed = SEAM_MODULES + ((PORT_API,) if module_name(path, root) in PORT_STUDIES else ())
-        for line, module in sorted(imported_modules(path.read_text(), path, root)):
-            vendor = any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
-            past_seam = top in BEHIND_THE_SEAM and module.startswith("backends") and module not in allowed
-            if vendor or past_seam:
-                problems.append(f"{path.relative_to(root)}:{line}: imports {module} (reach it through backends.seam)")
-    return problems
+        vendor = any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
+        past_seam = top in BEHIND_THE_SEAM and module.startswith("backends") and module not in allowed
+        return f"imports {module} (reach it through backends.seam)" if vendor or past_seam else None
+
+    return imports_breaking(past_the_seam, root)
 
 
 def test_harness_and_recording_reach_vendors_only_through_the_seam():
@@ -278,12 +285,12 @@ def imports_of_test_modules(root: Path = ROOT) -> list[str]:
     """One line per import of a test module (``tests/**/test_*.py``) by any module: what the
     test modules share lives in ``tests/support/`` and ``tests/*.py``, so that no test module
     depends on another's fixtures, helpers or collection."""
-    problems = []
-    for path in project_modules(root):
-        for line, module in sorted(imported_modules(path.read_text(), path, root)):
-            if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_"):
-                problems.append(f"{path.relative_to(root)}:{line}: imports the test module {module}")
-    return problems
+
+    def a_test_module(path: Path, module: str) -> str | None:
+        is_test_module = module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_")
+        return f"imports the test module {module}" if is_test_module else None
+
+    return imports_breaking(a_test_module, root)
 
 
 def test_no_module_imports_a_test_module():
