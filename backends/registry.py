@@ -20,6 +20,7 @@ its workers; implementations are imported only when a backend is opened.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .installed import flashinfer_import_problem as flashinfer_import_problem
@@ -30,10 +31,35 @@ from .installed import installed_flashinfer_version as installed_flashinfer_vers
 if TYPE_CHECKING:
     from .seam import Backend
 
+
+
+@dataclass(frozen=True)
+class BackendFamily:
+    """How a family of backends is opened: ``module.cls``, called with the FlashInfer ``kernel``
+    and the host stages under test (the port), or with the vLLM release ``--vllm`` names
+    (``needs_vllm``: the backends that run a release's files)."""
+
+    module: str
+    cls: str
+    kernel: str | None = None
+    needs_vllm: bool = False
+
+    def open(self, vllm_source, impl) -> Backend:
+        opener = getattr(importlib.import_module(self.module), self.cls)
+        return opener(vllm_source) if self.needs_vllm else opener(kernel=self.kernel, impl=impl)
+
+
+#: Every backend family by name (``vllm`` and ``flashmla`` also named ``NAME-RELEASE``).
+FAMILIES = {
+    "port-fa3": BackendFamily("backends.port", "PortBackend", kernel="fa3"),
+    "port-fa2": BackendFamily("backends.port", "PortBackend", kernel="fa2"),
+    "vllm": BackendFamily("backends.vllm_sm90", "VllmSM90Backend", needs_vllm=True),
+    "flashmla": BackendFamily("backends.flashmla", "FlashMLABackend", needs_vllm=True),
+}
 #: The port's names and the FlashInfer kernel each runs on.
-PORT_KERNELS = {"port-fa3": "fa3", "port-fa2": "fa2"}
+PORT_KERNELS = {name: family.kernel for name, family in FAMILIES.items() if not family.needs_vllm}
 #: The backends that run a vLLM release's files (named with ``--vllm``).
-NEEDS_VLLM = ("vllm", "flashmla")
+NEEDS_VLLM = tuple(name for name, family in FAMILIES.items() if family.needs_vllm)
 #: The names :func:`open_backend` takes (``vllm`` and ``flashmla`` also as ``NAME-RELEASE``).
 BACKEND_NAMES = (*PORT_KERNELS, *NEEDS_VLLM)
 KNOWN = "port-fa3, port-fa2, vllm[-RELEASE], flashmla[-RELEASE] or module:factory"
@@ -115,14 +141,4 @@ def open_backend(spec: str, vllm_source=None, *, impl=None) -> Backend:
     if problem:
         raise BackendError(problem)
     family, _ = family_and_release(spec)
-    if family in PORT_KERNELS:
-        from .port import PortBackend
-
-        return PortBackend(kernel=PORT_KERNELS[family], impl=impl)
-    if family == "vllm":
-        from .vllm_sm90 import VllmSM90Backend
-
-        return VllmSM90Backend(vllm_source)
-    from .flashmla import FlashMLABackend
-
-    return FlashMLABackend(vllm_source)
+    return FAMILIES[family].open(vllm_source, impl)
