@@ -58,3 +58,10 @@ def variant_name(kv_dtype: str, rope: bool) -> str:
 
 #: ``--impl``'s default: the project's production path (``fast/``).
 DEFAULT_IMPL_SPEC = "fast.impl:default_impl"
+
+# --- where the GPU tier runs ---------------------------------------------------------------
+
+#: The environment variable naming the torch device the GPU tier's tests run on: ``cuda`` unless
+#: set (the simulated SM90 machine, and a scale or plan-limit child on it, set ``cpu``).
+GPU_TIER_DEVICE_ENV = "SPARSE_MLA_DEVICE"
+GPU_TIER_DEFAULT_DEVICE = "cuda"

@@ -26,7 +26,7 @@ import torch
 
 from backends.port import PLAN_REFUSAL as PAGE_COUNT_REFUSAL
 from backends.port import AttentionConfig, kernel_parts, plan_refused, state_problems
-from mla_constants import KV_LORA_RANK
+from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV, KV_LORA_RANK
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
 
@@ -34,7 +34,7 @@ from .case_log import note_step
 from .pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
 from .scenario import AttentionInputs, Scenario
 
-DEVICE = os.environ.get("SPARSE_MLA_DEVICE", "cuda")
+DEVICE = os.environ.get(GPU_TIER_DEVICE_ENV, GPU_TIER_DEFAULT_DEVICE)
 
 
 def attention_config(scenario: Scenario, layout: str, max_rows: int | None = None) -> AttentionConfig:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.port import make_attention_state
-from mla_constants import TOPK
+from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV, TOPK
 
 from .cases import LONG_CTX, LONG_CTX_128K, VARIANTS, KernelConfig, regime_contexts
 from .memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory, retries_note
@@ -269,5 +269,5 @@ def child_main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("SPARSE_MLA_DEVICE", "cuda")
+    os.environ.setdefault(GPU_TIER_DEVICE_ENV, GPU_TIER_DEFAULT_DEVICE)
     sys.exit(child_main())

@@ -18,7 +18,7 @@ Two kinds of carried state:
   captured one (FlashInfer's standing finding, reported in the step's ``findings``).
 
 A sequence names its steps as (spec, seed) pairs: the one scenario builder rebuilds them.
-:func:`run_sequence` runs one and returns every step's problems (empty where it is right);
+:func:`run_recorded_sequence` runs one and returns every step's problems (empty where it is right);
 :func:`first_failure` names the first failing step.
 """
 
@@ -305,7 +305,7 @@ def _state_step(impl, features, sequence, state, static, graph, i, scenario, ste
     return StepResult(i, problems, findings), graph
 
 
-def run_sequence(impl, sequence: Sequence, device, features=None) -> list[StepResult]:
+def run_recorded_sequence(impl, sequence: Sequence, device, features=None) -> list[StepResult]:
     """Run ``sequence`` through ``impl``: an attention-state sequence on the GPU where
     ``features`` (the installed FlashInfer's) are given, else its host stages with the buffers
     carried."""

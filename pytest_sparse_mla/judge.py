@@ -25,12 +25,16 @@ import os
 
 import pytest
 
+from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV
+
 from .keys import REPLAY_KEY
 from .vllm import VLLM_SOURCE, VLLM_TWIN_KEY
 
 
-def run_device() -> str:
-    return os.environ.get("SPARSE_MLA_DEVICE", "cuda")
+def gpu_tier_device() -> str:
+    """The device the GPU tier's tests run on (``harness.launch.DEVICE``, read here without
+    importing torch)."""
+    return os.environ.get(GPU_TIER_DEVICE_ENV, GPU_TIER_DEFAULT_DEVICE)
 
 
 def flashinfer_checks_query_shape() -> bool:
@@ -45,7 +49,7 @@ def flashinfer_checks_query_shape() -> bool:
         return bool(getattr(wrapper, "checks_query_shape", False))
     from backends.flashinfer_compat import detect_features
 
-    return bool(detect_features(run_device()).run_checks_query_shape)
+    return bool(detect_features(gpu_tier_device()).run_checks_query_shape)
 
 
 def upgrade_check_active(config) -> bool:

@@ -143,22 +143,22 @@ def write_failing_sequence(directory, name: str, note: dict, implementation, dev
     ``meta``'s ``impl`` is its spec) and write it; None where it does not fail when run again (a
     failure the sequence alone does not carry)."""
     impl = implementation
-    from harness.sequence import first_failure, run_sequence, shrink_sequence
+    from harness.sequence import first_failure, run_recorded_sequence, shrink_sequence
 
     sequence = sequence_of_note(note)
     deadline = time.perf_counter() + SHRINK_SECONDS
-    failing = first_failure(run_sequence(impl, sequence, device, features))
+    failing = first_failure(run_recorded_sequence(impl, sequence, device, features))
     if failing is None:
         return None
 
     def fails(candidate) -> bool:
-        return time.perf_counter() < deadline and first_failure(run_sequence(impl, candidate, device, features)) \
-            is not None
+        return time.perf_counter() < deadline and \
+            first_failure(run_recorded_sequence(impl, candidate, device, features)) is not None
 
     # The steps after the first failing one add nothing: it already shows there.
     cut = dataclasses.replace(sequence, steps=sequence.steps[: failing.index + 1])
     small, runs = shrink_sequence(cut, fails)
-    final = first_failure(run_sequence(impl, small, device, features))
+    final = first_failure(run_recorded_sequence(impl, small, device, features))
     if final is None:  # the shrink ran out of time mid-way: keep the cut sequence
         small, final = cut, failing
     complete = time.perf_counter() < deadline

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from backends.port import make_attention_state
+from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("memcheck", "initcheck")
@@ -200,7 +201,7 @@ def driver(variant: str, device=None) -> dict:
 def driver_env() -> dict:
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("SPARSE_MLA_DEVICE", "cuda")
+    env.setdefault(GPU_TIER_DEVICE_ENV, GPU_TIER_DEFAULT_DEVICE)
     return env
 
 

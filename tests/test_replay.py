@@ -132,7 +132,7 @@ def replay_sequence(path, request, regime_log) -> None:
     state carried as its test carried it: on an SM90 GPU with FlashInfer an attention-state
     sequence through one attention state, elsewhere the host stages with their buffers carried.
     It fails where a step fails, naming the step."""
-    from harness.sequence import first_failure, run_sequence
+    from harness.sequence import first_failure, run_recorded_sequence
     from recording.sequence import load_sequence
 
     try:
@@ -152,7 +152,8 @@ def replay_sequence(path, request, regime_log) -> None:
         how = "one attention state on the installed FlashInfer"
     elif sequence.kind == "attention-state":
         how += f" (the attention state is not re-run here: {rerun_unavailable_reason(request.config)})"
-    results = run_sequence(request.getfixturevalue("impl"), sequence, request.getfixturevalue("device"), features)
+    results = run_recorded_sequence(request.getfixturevalue("impl"), sequence, request.getfixturevalue("device"),
+                                    features)
     for scenario in sequence.scenarios():
         regime_log.record(scenario.row_regime[: scenario.planned_rows])
     failing = first_failure(results)

@@ -21,14 +21,14 @@ import torch
 
 from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
 from backends.vllm_source import resolve
-from mla_constants import DEEPSEEK_V32_SM_SCALE, KV_LORA_RANK
+from mla_constants import DEEPSEEK_V32_SM_SCALE, GPU_TIER_DEFAULT_DEVICE, KV_LORA_RANK
 from reference import sparse_mla_reference
 from reference.budget import compare_attention, compare_to_budget
 from reference.flashmla_layout import TILES, dequantize, pack, tile_scales
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.flashmla]
 
-DEVICE = "cuda"
+DEVICE = GPU_TIER_DEFAULT_DEVICE  # FlashMLA's own kernels: never the simulated machine
 SM_SCALE = DEEPSEEK_V32_SM_SCALE
 S_Q, S_KV, TOPK = 64, 4096, 2048
 PAGE = 64
