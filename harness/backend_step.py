@@ -149,7 +149,7 @@ def parts_in_selection_order(slots: torch.Tensor, mask: torch.Tensor, executed_s
     return torch.where(found, sorted_parts.gather(1, at), parts)
 
 
-def references(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs):
+def intended_references(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs):
     """(truth, lowp) ``(out, lse)`` pairs over (a) for the planned rows; the lowp reads each row
     in the parts the kernel split it into where the backend shows them (``executed_parts``)."""
     n = outcome.planned_rows
@@ -169,7 +169,7 @@ def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: Attenti
                        kernel: str | None = None, rows: list[int] | None = None) -> list[Comparison]:
     """The output of the planned rows (``rows`` of them only, where given) and the LSE where the
     backend returns one, against the float64 oracle over (a), by the budget of ``kernel``."""
-    truth, lowp = references(outcome, scenario, inputs)
+    truth, lowp = intended_references(outcome, scenario, inputs)
     return compared_rows(outcome, scenario, truth, lowp, kernel, rows)
 
 
@@ -206,7 +206,7 @@ def offset_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: Attenti
     """Each raw score offset's rows against the oracle on their own (named ``out[offset X]``,
     ``lse[offset X]``), so that the LSE floor of a row at |lse| ~ 4000 is not that of a row at
     |lse| ~ 10 (docs/edges.md#magnitude)."""
-    truth, lowp = references(outcome, scenario, inputs)
+    truth, lowp = intended_references(outcome, scenario, inputs)
     return [c for offset, rows in offset_groups(scenario, outcome.planned_rows).items()
             for c in compared_rows(outcome, scenario, truth, lowp, kernel, rows, suffix=f"[offset {offset:g}]")]
 

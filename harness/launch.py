@@ -122,7 +122,7 @@ def state_matches_step(state, step: Step) -> list[str]:
     return state_problems(state, step.kv_indptr, step.kv_indices, step.planned_lens)
 
 
-def references(
+def planned_references(
     step: Step, inputs: AttentionInputs, state=None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(truth, lowp) over (b) for the planned rows: each ``(out, lse)``; the lowp with the parts
@@ -146,7 +146,7 @@ def compare_with_references(
     each row (the yardstick rounds the split rows' partial outputs as the kernel does)."""
     note_step(step, inputs, out, lse)
     n = step.num_planned
-    truth, lowp = references(step, inputs, state)
+    truth, lowp = planned_references(step, inputs, state)
     return compare_attention(out[:n], lse[:n], truth, lowp, step.scenario.spec.kv_dtype)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from backends.seam import StepInput, StepOutcome
-from harness.backend_step import references
+from harness.backend_step import intended_references
 from harness.builder import build_scenario
 from harness.device_inputs import build_attention_inputs
 from harness.findings import SlotZeroLoaded
@@ -43,7 +43,7 @@ class LoadsSlotZero:
     def output(self, step: StepInput, rows: int) -> torch.Tensor:
         self.runs += 1
         outcome = StepOutcome(BACKEND.name, rows)
-        _, (out, _) = references(outcome, self.scenario, SimpleNamespace(
+        _, (out, _) = intended_references(outcome, self.scenario, SimpleNamespace(
             q_nope=step.q_nope, q_pe=step.q_pe, ckv=step.kv_cache.reshape(-1, 1, step.kv_cache.shape[-1])[..., :512],
             kpe=step.kv_cache.reshape(-1, 1, step.kv_cache.shape[-1])[..., 512:]))
         out = out.clone()

@@ -40,8 +40,8 @@ from harness.launch import (
     failure_context,
     launch_inputs,
     nan_buffers,
+    planned_references,
     prepared,
-    references,
     sync,
 )
 from pytest_sparse_mla.port_reports import record_errors
@@ -108,7 +108,7 @@ def test_lse_base_returned_and_normalised(impl, features, request, regime_log, c
     eager_step(raw, launch, step, out2, lse2)
     sync()
     n = step.num_planned
-    (t_out, t_lse), (l_out, l_lse) = references(step, inputs)
+    (t_out, t_lse), (l_out, l_lse) = planned_references(step, inputs)
     dtype = scenario.spec.kv_dtype
     natural = compare_to_budget("lse", lse[:n], t_lse, l_lse, dtype, ulps=LSE_ULPS)
     base2 = compare_to_budget("lse", lse2[:n], lse_to_base2(t_lse), lse_to_base2(l_lse), dtype, ulps=LSE_ULPS)
