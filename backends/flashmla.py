@@ -444,6 +444,7 @@ class FlashMLABackend:
 
     kernel = "flashmla"
     returns_lse = True
+    executes_valid_counts = True  # topk_length: each row's valid count (backends.seam.CAPABILITIES)
 
     def __init__(self, source: VllmSource):
         missing = missing_flashmla_files(source)

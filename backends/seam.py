@@ -278,6 +278,25 @@ def split_step_missing(layer) -> list[str]:
     return [name for name in ("plan_step", "launch", "finish") if not callable(getattr(layer, name, None))]
 
 
+#: What a backend may declare of itself, as a class attribute (absent: False), for the judge to
+#: read instead of its name:
+#:
+#: - ``executes_valid_counts``: its kernel executes each row's count of valid entries (handed
+#:   ``topk_length``), not the length rule's count, so holes in a row's top-k are not attended
+#:   (FlashMLA through vLLM's FLASHMLA_SPARSE);
+#: - ``hands_holes_to_the_kernel``: its layout leaves a -1 inside a planned span, which the kernel
+#:   would read as slot -1, so a step whose top-k has holes is planned and judged, never launched
+#:   (the project's port).
+CAPABILITIES = ("executes_valid_counts", "hands_holes_to_the_kernel")
+
+
+def declares(backend, capability: str) -> bool:
+    """Whether ``backend`` declares ``capability`` (one of :data:`CAPABILITIES`)."""
+    if capability not in CAPABILITIES:
+        raise ValueError(f"unknown capability {capability!r}; known: {', '.join(CAPABILITIES)}")
+    return bool(getattr(backend, capability, False))
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str  # "port-fa3", "vllm-0.33.0", "flashmla-0.33.0", ...

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.registry import PORT_KERNELS, family_and_release
-from backends.seam import StepInput, StepOutcome, runs_in_parts
+from backends.seam import StepInput, StepOutcome, declares, runs_in_parts
 from reference import Comparison
 from reference.rules import valid_counts
 
@@ -161,15 +161,16 @@ def expected_findings(backend, spec, query_shape_checked: Callable[[], bool] = n
 
 def executes_the_length_rule(backend) -> bool:
     """A backend that plans and executes each row with the length rule's count (the port and
-    vLLM's SM90 backend), not with the count of the row's valid entries (FlashMLA, handed
-    ``topk_length``): a row with holes in its top-k executes past its valid count."""
-    return getattr(backend, "kernel", None) != "flashmla"
+    vLLM's SM90 backend), not with the count of the row's valid entries (one that declares
+    ``executes_valid_counts``): a row with holes in its top-k executes past its valid count."""
+    return not declares(backend, "executes_valid_counts")
 
 
 def kernel_reads_a_hole(backend) -> bool:
-    """The port's compacted layout leaves a -1 inside a planned span, which FlashInfer's kernel
-    would read as slot -1: a step with holes runs its plan only there."""
-    return backend.name.startswith("port-")
+    """A backend whose layout leaves a -1 inside a planned span (it declares
+    ``hands_holes_to_the_kernel``), which its kernel would read as slot -1: a step with holes runs
+    its plan only there."""
+    return declares(backend, "hands_holes_to_the_kernel")
 
 
 def rows_without_entries(scenario: Scenario, rows: int) -> list[int]:

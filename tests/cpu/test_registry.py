@@ -272,3 +272,20 @@ def test_a_bad_backend_is_one_usage_error_before_any_test(pytester, spec, line):
     result, out, seen = seam_run(pytester, f"--backend={spec}")
     assert_one_usage_error(result, out, line)
     assert seen == []
+
+
+def test_the_judge_reads_what_a_backend_declares_not_its_name():
+    from types import SimpleNamespace
+
+    from backends.seam import declares
+    from harness.judge import executes_the_length_rule, kernel_reads_a_hole
+    from harness.layer_modes import WrappedBackend
+
+    named_like_the_port = SimpleNamespace(name="port-fa3", kernel="fa3")
+    declaring = SimpleNamespace(name="mine", kernel="flashmla", hands_holes_to_the_kernel=True,
+                                executes_valid_counts=False)
+    assert not kernel_reads_a_hole(named_like_the_port) and executes_the_length_rule(named_like_the_port)
+    assert kernel_reads_a_hole(declaring) and executes_the_length_rule(declaring)
+    assert kernel_reads_a_hole(WrappedBackend(declaring, wrap=lambda layer: layer)), "a wrapper hands it on"
+    with pytest.raises(ValueError, match="unknown capability 'reads_holes'"):
+        declares(declaring, "reads_holes")
