@@ -146,6 +146,23 @@ def rows_past_valid(outcome, scenario) -> list[int]:
     return (lengths.to(torch.int64)[:n] > valid).nonzero().flatten().tolist()
 
 
+def rows_off_the_rule(outcome, scenario) -> list[int]:
+    """The planned rows whose executed length (the planned one where nothing was read back) is
+    neither their valid count nor, for a row with holes in its top-k, the length rule's count:
+    lengths the top-k holes finding does not explain (a row cut short, or run past the rule)."""
+    from reference.rules import kv_len_rule, valid_counts
+
+    n = outcome.planned_rows
+    lengths = outcome.executed_lengths if outcome.executed_lengths is not None else outcome.planned_lengths
+    if lengths is None:
+        return []
+    lengths = lengths.to(torch.int64)[:n]
+    valid = valid_counts(scenario.intended_slots()[:n]).to(torch.int64)
+    formula = kv_len_rule(scenario.row_ctx[:n], scenario.spec.topk, scenario.spec.kpool)
+    explained = (lengths == valid) | ((valid < formula) & (lengths == formula))
+    return (~explained).nonzero().flatten().tolist()
+
+
 def topk_holes_finding(outcome, scenario, problems: list[str]) -> str | None:
     """What a step shows of the top-k holes finding: a description when the rows its
     ``problems`` name (each starting ``row N ``) are exactly its rows with holes that execute

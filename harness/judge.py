@@ -71,6 +71,7 @@ from .findings import (
     kpe_scale_ignored,
     padded_graph_step,
     regime_c_finding,
+    rows_off_the_rule,
     rows_past_valid,
     topk_hole_rows,
     topk_holes_finding,
@@ -199,6 +200,12 @@ def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: Attention
     backend that executes valid counts, FlashMLA's convention for an empty row."""
     outcome = verdict.outcome
     n = outcome.planned_rows
+    off = rows_off_the_rule(outcome, scenario)
+    if off:  # neither the valid count nor the rule's: a fault of its own, never the finding
+        verdict.failure = AssertionError(
+            f"{verdict.where}\n" + "\n".join(f"{describe_row(outcome, scenario, r)}: the length it runs is neither "
+                                              "its valid count nor the length rule's count" for r in off[:12]))
+        return
     if outcome.executed_lengths is None:
         verdict.problems += [f"{describe_row(outcome, scenario, r)}: planned past its valid count"
                              for r in rows_past_valid(outcome, scenario)]

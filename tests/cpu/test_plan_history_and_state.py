@@ -29,6 +29,7 @@ from harness.plan_history import (
     histories,
     keeps_plans,
 )
+from pytest_sparse_mla.backend import open_run_backend
 from tests import simulated_sm90
 from tests.support.reference_wrapper import ReferenceWrapper
 
@@ -50,16 +51,19 @@ def simulated_machine(monkeypatch):
 # --- the port ------------------------------------------------------------------------------------
 
 
-def test_port_plan_history(reference_wrapper, device, judge):
-    check_plan_history(judge, open_backend("port-fa3"), device)
+# The port with the run's host stages (``--impl``), so that a host-stage bug shows in its state too.
 
 
-def test_port_poisoned_workspaces(reference_wrapper, device, judge):
-    check_poisoned_workspaces(judge, open_backend("port-fa3"), device)
+def test_port_plan_history(reference_wrapper, device, judge, pytestconfig):
+    check_plan_history(judge, open_run_backend(pytestconfig, "port-fa3"), device)
 
 
-def test_port_graph_against_eager(simulated_machine, device, judge):
-    check_graph_against_eager(judge, open_backend("port-fa3"), device)
+def test_port_poisoned_workspaces(reference_wrapper, device, judge, pytestconfig):
+    check_poisoned_workspaces(judge, open_run_backend(pytestconfig, "port-fa3"), device)
+
+
+def test_port_graph_against_eager(simulated_machine, device, judge, pytestconfig):
+    check_graph_against_eager(judge, open_run_backend(pytestconfig, "port-fa3"), device)
 
 
 # --- vLLM's SM90 backend and FlashMLA ------------------------------------------------------------

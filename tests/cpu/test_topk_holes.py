@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import backends.sm90_state as sm90
-from backends.registry import open_backend
 from backends.seam import StepOutcome
 from harness.backend_step import executed_length_problems, selection_problems
 from harness.builder import build_scenario
@@ -22,6 +21,7 @@ from harness.judge import run_case
 from harness.spec import batch
 from harness.topk_holes import TopkHoles, with_topk_holes
 from mla_constants import INVALID
+from pytest_sparse_mla.backend import open_run_backend
 from reference.indexer import HOLE_KINDS, row_with_holes, selection_order, tie_capacity, topk_with_holes
 from reference.rules import kv_len_rule, valid_counts
 from tests.support.reference_wrapper import ReferenceWrapper
@@ -161,8 +161,9 @@ def reference_wrapper(monkeypatch):
 
 
 @pytest.mark.parametrize("case", hole_params(TOPK_SMALL))
-def test_port_plans_the_length_rule_over_holes(reference_wrapper, case, device, judge):
-    run_case(judge, open_backend("port-fa3"), case.spec, device, seed=SEED, holes=case.holes)
+def test_port_plans_the_length_rule_over_holes(reference_wrapper, case, device, judge, pytestconfig):
+    """The port with the run's host stages (``--impl``)."""
+    run_case(judge, open_run_backend(pytestconfig, "port-fa3"), case.spec, device, seed=SEED, holes=case.holes)
 
 
 @pytest.mark.vllm
