@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from .seam import Backend
 
 
-
 @dataclass(frozen=True)
 class BackendFamily:
     """How a family of backends is opened: ``module.cls``, called with the FlashInfer ``kernel``

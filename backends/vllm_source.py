@@ -427,7 +427,7 @@ def _slice_of_wheel(wheel: Path) -> Path:
             raise VllmSourceError(f"cannot write the slice into the cache {target} ({exc.strerror or exc})") from None
     own = {SLICE_METADATA: found.metadata, SLICE_MANIFEST: _manifest_of(found)}
     for path in _written(found, target):
-        expected = own.get(path.name) or found.files[path.relative_to(target).as_posix()]
+        expected = own[path.name] if path.name in own else found.files[path.relative_to(target).as_posix()]
         if not path.is_file() or path.read_bytes() != expected:
             raise VllmSourceError(f"the cached slice {target} differs from the wheel at {path.relative_to(target)} "
                                   f"(changed since it was written): remove {target}")

@@ -36,17 +36,20 @@ class RegimeCPlannedAsPrefix(AssertionError):
     (raised before launch)."""
 
 
+def only_regime_c_rows(rows: set, regimes) -> bool:
+    """Whether the rows a plan gets wrong (``None`` for a fault of no row) are regime C rows
+    alone, and there is one: what the regime C finding explains."""
+    return bool(rows) and None not in rows and all(r < len(regimes) and regimes[r] == "C" for r in rows)
+
+
 def regime_c_finding(step) -> str | None:
     """What a step shows of the regime C finding: a description when its invariant violations
     and selection mismatches are all on regime C rows (and there is at least one), else None
     (a clean step, or one that fails on other rows too: not this finding)."""
     from .pipeline import describe_rows, selection_mismatches
 
-    regimes = step.scenario.row_regime
-    violating = {v.row for v in step.violations}
-    mismatching = set(selection_mismatches(step))
-    bad = violating | mismatching
-    if not bad or None in bad or any(r >= len(regimes) or regimes[r] != "C" for r in bad):
+    bad = {v.row for v in step.violations} | set(selection_mismatches(step))
+    if not only_regime_c_rows(bad, step.scenario.row_regime):
         return None
     return (
         f"regime C rows planned as a prefix: planned slots != intended slots on {len(bad)} rows; "
@@ -122,44 +125,48 @@ class TopkHolesAttended(AssertionError):
     rule's count), and no other row has a problem."""
 
 
+def valid_and_rule_counts(scenario, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of the first ``rows`` query rows' count of valid entries in its intended selection,
+    and the count the length rule gives its context (int64)."""
+    from reference.rules import kv_len_rule, valid_counts
+
+    valid = valid_counts(scenario.intended_slots()[:rows]).to(torch.int64)
+    return valid, kv_len_rule(scenario.row_ctx[:rows], scenario.spec.topk, scenario.spec.kpool)
+
+
+def run_lengths(outcome) -> torch.Tensor | None:
+    """The length each planned row runs (int64): the executed one where the backend read it back,
+    else the planned one; None where it shows neither."""
+    lengths = outcome.executed_lengths if outcome.executed_lengths is not None else outcome.planned_lengths
+    return None if lengths is None else lengths.to(torch.int64)[: outcome.planned_rows]
+
+
 def topk_hole_rows(scenario, rows: int | None = None) -> list[int]:
     """The first ``rows`` query rows (default: the planned rows) with fewer valid entries than
     the length rule gives their context: rows whose top-k holds -1 inside its valid prefix."""
-    from reference.rules import kv_len_rule, valid_counts
-
-    n = scenario.planned_rows if rows is None else rows
-    valid = valid_counts(scenario.intended_slots()[:n]).to(torch.int64)
-    formula = kv_len_rule(scenario.row_ctx[:n], scenario.spec.topk, scenario.spec.kpool)
-    return (valid < formula).nonzero().flatten().tolist()
+    valid, rule = valid_and_rule_counts(scenario, scenario.planned_rows if rows is None else rows)
+    return (valid < rule).nonzero().flatten().tolist()
 
 
 def rows_past_valid(outcome, scenario) -> list[int]:
     """The planned rows whose executed length (the planned one where nothing was read back)
     exceeds their valid count."""
-    from reference.rules import valid_counts
-
-    n = outcome.planned_rows
-    lengths = outcome.executed_lengths if outcome.executed_lengths is not None else outcome.planned_lengths
+    lengths = run_lengths(outcome)
     if lengths is None:
         return []
-    valid = valid_counts(scenario.intended_slots()[:n]).to(torch.int64)
-    return (lengths.to(torch.int64)[:n] > valid).nonzero().flatten().tolist()
+    valid, _ = valid_and_rule_counts(scenario, outcome.planned_rows)
+    return (lengths > valid).nonzero().flatten().tolist()
 
 
 def rows_off_the_rule(outcome, scenario) -> list[int]:
     """The planned rows whose executed length (the planned one where nothing was read back) is
     neither their valid count nor, for a row with holes in its top-k, the length rule's count:
     lengths the top-k holes finding does not explain (a row cut short, or run past the rule)."""
-    from reference.rules import kv_len_rule, valid_counts
-
-    n = outcome.planned_rows
-    lengths = outcome.executed_lengths if outcome.executed_lengths is not None else outcome.planned_lengths
+    lengths = run_lengths(outcome)
     if lengths is None:
         return []
-    lengths = lengths.to(torch.int64)[:n]
-    valid = valid_counts(scenario.intended_slots()[:n]).to(torch.int64)
-    formula = kv_len_rule(scenario.row_ctx[:n], scenario.spec.topk, scenario.spec.kpool)
-    explained = (lengths == valid) | ((valid < formula) & (lengths == formula))
+    valid, rule = valid_and_rule_counts(scenario, outcome.planned_rows)
+    explained = (lengths == valid) | ((valid < rule) & (lengths == rule))
     return (~explained).nonzero().flatten().tolist()
 
 

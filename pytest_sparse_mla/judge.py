@@ -64,16 +64,14 @@ class StepJudge:
     def __init__(self, request, marks_findings: bool = True):
         self.request = request
         self.marks_findings = marks_findings
-        #: every verdict this judge reported, in order (a test reads the comparisons of the
-        #: step ``harness.judge.run_case`` ran for it from the last)
-        self.verdicts: list = []
+        #: the verdict this judge reported last (a test reads the comparisons of the step
+        #: ``harness.judge.run_case`` ran for it here)
+        self.last_verdict = None
 
     def raising_findings(self) -> StepJudge:
         """The same judge, raising a known finding's exception without making the test an xfail
         (for a test that runs many cases and expects a finding on some of them)."""
-        judge = StepJudge(self.request, marks_findings=False)
-        judge.verdicts = self.verdicts
-        return judge
+        return StepJudge(self.request, marks_findings=False)
 
     def admit(self, backend, config) -> None:
         """Skip, with the backend's reason, a configuration the backend does not serve."""
@@ -100,7 +98,7 @@ class StepJudge:
             pytest.skip(f"unsupported: {exc}")
         self.expect(verdict.expected)
         self.report(verdict, scenario, label, layer)
-        self.verdicts.append(verdict)
+        self.last_verdict = verdict
         return verdict
 
     def step(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",

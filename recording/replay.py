@@ -173,16 +173,14 @@ class ReplayReport:
         (:data:`harness.findings.REGIME_C_FINDING`) where every row the plan gets wrong is a
         regime C row of a packed or strided layout, as the tests that wrote the case expected it;
         else None."""
-        from harness.findings import REGIME_C_FINDING
+        from harness.findings import REGIME_C_FINDING, only_regime_c_rows
 
         layout = self.fixture.meta.get("layout")
         if self.fixture.meta.get("expect_finding") or self.plan_ok or layout not in ("packed", "strided"):
             return None
         wrong = {v.row for v in [*self.violations, *self.rerun_violations]} | set(self.plan_mismatch_rows) \
             | set(self.rerun_plan_mismatch_rows)
-        if not wrong or None in wrong or any(self._regime(r) != "C" for r in wrong):
-            return None
-        return REGIME_C_FINDING.format(layout=layout)
+        return REGIME_C_FINDING.format(layout=layout) if only_regime_c_rows(wrong, self.regimes) else None
 
     def unjudged_reason(self) -> str | None:
         """Why the kernel verdict rests on no row, where it does and neither bad inputs nor a plan

@@ -62,7 +62,7 @@ def test_flashmla_and_fa3_against_the_oracle(flashmla_on_gpu, judge, case, confi
             raise
         raise AssertionError(f"FlashMLA and FA3 both off against the oracle over (a); FA3: "
                              f"{measured(fa3.comparisons)}\n{exc}\n{fa3.failure}") from exc
-    flashmla = judge.verdicts[-1]
+    flashmla = judge.last_verdict
     theirs = fa3.outcome
     n = ours.planned_rows
     assert theirs.planned_rows == n, f"FlashMLA serves {n} rows, FA3 {theirs.planned_rows}; {scenario.describe()}"
