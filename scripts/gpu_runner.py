@@ -443,11 +443,15 @@ def vllm_paths_in(wheels: Path) -> list[str]:
     return [str(p) for p in sorted(folder.iterdir()) if p.suffix == ".whl" or (p / "vllm").is_dir()]
 
 
-def release_version(release: str) -> tuple[int, int, int]:
-    """A release folder's FlashInfer version; the installed one for ``installed``."""
-    from importlib.metadata import version
+def release_version(release: str) -> tuple[int, int, int] | None:
+    """A release folder's FlashInfer version; the installed one for ``installed`` (None where
+    none is installed: the run's GPU tier then says what stands in, or why it cannot run)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    text = version("flashinfer-python") if release == INSTALLED else release
+    try:
+        text = version("flashinfer-python") if release == INSTALLED else release
+    except PackageNotFoundError:
+        return None
     match = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
     if not match:
         raise ValueError(f"cannot read a FlashInfer version from {text!r}")
@@ -606,7 +610,8 @@ def with_incompatibility(session: Session) -> Session:
     _project_on_path()
     from backends.vllm_source import incompatibility
 
-    reason = incompatibility(session.vllm.design, release_version(session.release))
+    version = release_version(session.release)
+    reason = incompatibility(session.vllm.design, version) if version is not None else None
     return dataclasses.replace(session, not_run=reason) if reason else session
 
 

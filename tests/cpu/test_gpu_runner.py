@@ -235,3 +235,20 @@ def test_a_runs_coverage_lines_are_kept_for_the_table():
     run = runner.Run("0.7.4", "warm", 1.0, 0, None, coverage=found)
     section = runner.coverage_section([run]).splitlines()
     assert section[:2] == ["0.7.4 (warm):", "- rows checked per backend: port-fa3 10 rows in 2 tests"]
+
+
+def test_a_vllm_session_on_a_machine_without_flashinfer_runs_and_lets_its_tests_say_why(monkeypatch):
+    """No FlashInfer installed (the simulated SM90 machine, or a broken image): no version to
+    judge the pair's incompatibility by, so the session runs (its GPU tier says what stands in or
+    why it cannot run), not a traceback of the runner; an installed one is still judged."""
+    import importlib.metadata
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    session = runner.Session(runner.INSTALLED, _axis("0.33.0"))
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    assert runner.release_version(runner.INSTALLED) is None
+    assert runner.with_incompatibility(session) == session
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.18.post1")
+    assert "FlashInfer 0.6.18 lacks" in runner.with_incompatibility(session).not_run
