@@ -439,6 +439,7 @@ def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, b
     """Time ``cases`` with one process per GPU and merge the times into the records. Returns
     (why times are missing, whether that fails the check): ("", False) when the pass ran."""
     from recording.baseline import TIMING_DIR, merge_timings
+    from recording.commands import with_the_project_on_path
 
     if config.getoption("--baseline-timing") == "off":
         return "--baseline-timing=off", False
@@ -453,7 +454,8 @@ def run_timing_pass(config, records_dir: Path, cases: list[str]) -> tuple[str, b
     if terminal is not None:
         terminal.write_line(f"upgrade check: timing {len(cases)} cases, one process per GPU on {len(gpus)} GPUs "
                             f"(logs: {out})")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
+    env = with_the_project_on_path({k: v for k, v in os.environ.items()
+                                    if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))})
     procs = []
     for gpu, part in zip(gpus, shard(cases, len(gpus)), strict=False):  # fewer parts than GPUs: some idle
         log = open(out / f"gpu{gpu}.log", "w")

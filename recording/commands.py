@@ -30,6 +30,13 @@ def found_through_pythonpath(specs, pythonpath: str | None = None) -> tuple[str,
     return tuple(dict.fromkeys(found))
 
 
+def with_the_project_on_path(env: dict) -> dict:
+    """``env`` with the project's folder first on ``PYTHONPATH``: a child pytest started from
+    another folder then loads this plugin even where the project is a checkout, not installed."""
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != PROJECT_ROOT]
+    return dict(env, PYTHONPATH=os.pathsep.join([str(PROJECT_ROOT), *rest]))
+
+
 def replay_command(path, impl_spec: str | None = None, vllm: str | None = None, backends=(),
                    search_path=()) -> str:
     """The command that replays ``path`` (a fixture, a recipe, a case or a folder of them) through

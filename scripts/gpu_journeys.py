@@ -83,6 +83,13 @@ def pytest_run(args: list[str], log: Path) -> tuple[int, float]:
     return rc, time.perf_counter() - started
 
 
+def usage_error(log: Path) -> str:
+    """The one line pytest's usage error printed in ``log`` (``ERROR: ...``), the log's path where none."""
+    lines = [line.removeprefix("ERROR: ") for line in log.read_text(errors="replace").splitlines()
+             if line.startswith("ERROR: ")]
+    return lines[0] if lines else f"pytest's usage error (log: {log})"
+
+
 def run_journey(journey: Journey, out: Path, workers: str, vllm: Path | None = None) -> dict:
     dump = out / journey.name / "dumps"
     dump.mkdir(parents=True, exist_ok=True)
@@ -94,8 +101,12 @@ def run_journey(journey: Journey, out: Path, workers: str, vllm: Path | None = N
         with_bug, fixed = [f"--vllm={bugged}"], [f"--vllm={vllm}"]
     else:
         with_bug, fixed = [f"--impl=tests.bugs:{journey.bug}"], []
-    found_rc, found_s = pytest_run([*journey.tests, "-n", workers, *with_bug, f"--dump-failures={dump}", "-q"],
-                                   out / journey.name / "1-found.log")
+    found_log = out / journey.name / "1-found.log"
+    found_rc, found_s = pytest_run([*journey.tests, "-n", workers, *with_bug, f"--dump-failures={dump}", "-q",
+                                    "--require-gpu-tier"], found_log)
+    if found_rc == 4:  # a usage error: the GPU tier cannot run here, or the options are wrong
+        return {"journey": journey.name, "bug": journey.bug, "found": found_rc, "written": 0, "with the bug": "-",
+                "fixed": "-", "seconds": round(found_s), "status": f"NOT RUN: {usage_error(found_log)}"}
     files = sorted(p for pattern in journey.written for p in dump.glob(pattern))
     red_rc, red_s = pytest_run(["tests/test_replay.py", f"--replay={dump}", *with_bug, "-q", "-p", "no:xdist"],
                                out / journey.name / "2-replay-with-the-bug.log")

@@ -6,6 +6,7 @@ cases not run or deselected, and the timing pass's plumbing (GPU count faked).""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -522,6 +523,18 @@ def test_the_timing_pass_times_each_case_in_a_process_per_gpu_and_judges_only_th
     assert result.ret == 1
     result.stdout.fnmatch_lines(["FAIL  time       6 times judged (one process per GPU, 3 medians of 15): 1 slower "
                                  "past the limits, worst kernel time x3.00 (70.0 -> 210.0 us)"])
+
+
+def test_the_timing_pass_finds_the_plugin_from_a_checkout_that_is_not_installed(tmp_path, monkeypatch):
+    """Its processes start in the user's folder; the plugin's own folder leads their PYTHONPATH,
+    so a checkout run without ``pip install -e`` is timed, not 'timed none of N cases'."""
+    from recording.commands import PROJECT_ROOT, with_the_project_on_path
+
+    env = with_the_project_on_path({"PYTHONPATH": f"{tmp_path}{os.pathsep}{PROJECT_ROOT}", "X": "1"})
+    assert env == {"PYTHONPATH": f"{PROJECT_ROOT}{os.pathsep}{tmp_path}", "X": "1"}
+    child = subprocess.run([sys.executable, "-S", "-c", "import recording.commands, mla_constants"], cwd=tmp_path,
+                           env=with_the_project_on_path({}), capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
 
 
 def test_without_a_gpu_the_due_timing_pass_fails_the_check(suite, monkeypatch):

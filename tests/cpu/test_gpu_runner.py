@@ -252,3 +252,18 @@ def test_a_vllm_session_on_a_machine_without_flashinfer_runs_and_lets_its_tests_
     assert runner.with_incompatibility(session) == session
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.6.18.post1")
     assert "FlashInfer 0.6.18 lacks" in runner.with_incompatibility(session).not_run
+
+
+def test_a_journey_that_cannot_reach_the_gpu_tier_says_why_instead_of_finding_nothing(tmp_path, monkeypatch):
+    """gpu_journeys.py where the GPU tier cannot run (here: no GPU; on a runner: FlashInfer not
+    installed): each journey is NOT RUN with pytest's one-line reason, not 'found 0, written 0'."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_journeys.py"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--workers", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("journey=")]
+    assert [r.split()[0] for r in rows] == ["journey=plan", "journey=kernel-input", "journey=stateful"]
+    assert all("status=NOT RUN: --require-gpu-tier: the GPU tier cannot run here:" in r for r in rows), rows
