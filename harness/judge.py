@@ -54,22 +54,11 @@ from .builder import build_scenario, host_split_of, with_host_query_split, with_
 from .case_log import note_backend_case, note_step
 from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer, with_blocks_apart
 from .findings import (
-    FP8_AS_UINT8_FINDING,
-    KPE_SCALE_FINDING,
-    PADDED_GRAPH_ROWS_FINDING,
-    QUERY_SHAPE_REFUSAL,
-    SLOT_ZERO_FINDING,
-    TOPK_HOLES_FINDING,
-    UINT8_REFUSAL,
-    Fp8PlannedAsUint8,
-    KpeScaleIgnored,
-    PaddedGraphRowsUnplanned,
+    TOPK_HOLES,
+    KnownFinding,
     RegimeCPlannedAsPrefix,
-    SlotZeroLoaded,
     TopkHolesAttended,
-    is_vllm_backend,
-    kpe_scale_ignored,
-    padded_graph_step,
+    for_backend,
     regime_c_finding,
     rows_off_the_rule,
     rows_past_valid,
@@ -80,21 +69,6 @@ from .layer_modes import layer_mode_of, mode_problems
 from .pipeline import describe_rows, selection_mismatches
 from .spec import Scenario
 from .topk_holes import TopkHoles, measure_hole_rows, with_topk_holes
-
-
-@dataclass(frozen=True)
-class KnownFinding:
-    """A finding that decides a step's outcome: the test is a strict xfail expecting ``exception``."""
-
-    exception: type[AssertionError]
-    reason: str
-
-
-FP8_AS_UINT8 = KnownFinding(Fp8PlannedAsUint8, FP8_AS_UINT8_FINDING)
-KPE_SCALE = KnownFinding(KpeScaleIgnored, KPE_SCALE_FINDING)
-PADDED_GRAPH_ROWS = KnownFinding(PaddedGraphRowsUnplanned, PADDED_GRAPH_ROWS_FINDING)
-SLOT_ZERO = KnownFinding(SlotZeroLoaded, SLOT_ZERO_FINDING)
-TOPK_HOLES = KnownFinding(TopkHolesAttended, TOPK_HOLES_FINDING)
 
 
 @dataclass
@@ -143,21 +117,10 @@ def never() -> bool:
 
 
 def expected_findings(backend, spec, query_shape_checked: Callable[[], bool] = never) -> list[KnownFinding]:
-    """The known findings a step of ``spec`` through ``backend`` shows before its outputs are seen:
-    on a vLLM release, an fp8 cache on a release that plans it as uint8 (refused at plan), else
-    an fp8 cache with rope and k_scale != 1 (kpe read without k_scale); a padded FULL graph step
-    on a FlashInfer that checks the query shape at run (``query_shape_checked()``, asked only of
-    such a step)."""
-    if not is_vllm_backend(backend):
-        return []
-    found = []
-    if spec.kv_dtype == "float8_e4m3fn" and backend.plans_fp8_as_storage_dtype:
-        found.append(FP8_AS_UINT8)
-    elif kpe_scale_ignored(spec):
-        found.append(KPE_SCALE)
-    if padded_graph_step(spec) and query_shape_checked():
-        found.append(PADDED_GRAPH_ROWS)
-    return found
+    """The known findings a step of ``spec`` through ``backend`` shows before its outputs are seen
+    (its family's, :func:`harness.findings.for_backend`; ``query_shape_checked()``: whether the
+    installed FlashInfer refuses q rows other than the planned ones at run)."""
+    return for_backend(backend).expected(backend, spec, query_shape_checked)
 
 
 def executes_the_length_rule(backend) -> bool:
@@ -226,82 +189,9 @@ def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: Attention
                                              + "\n".join(problems + [c.summary() for c in bad]))
             return
     if finding is not None:
-        filler = backend.minus_one_filler(inputs.q_nope.device) if inputs is not None and is_vllm_backend(backend) \
-            else None
+        filler = for_backend(backend).hole_filler(backend, inputs.q_nope.device) if inputs is not None else None
         rows = measure_hole_rows(outcome, scenario, sorted(attended), inputs, filler)
         verdict.failure = TopkHolesAttended(finding + "\n" + "\n".join(row.describe() for row in rows))
-
-
-def refusal_as_finding(backend, scenario: Scenario, exc: ValueError) -> AssertionError | None:
-    """A backend's refusal of a step that is a known finding, as the finding's exception; None
-    for any other error."""
-    if not is_vllm_backend(backend):
-        return None
-    text = str(exc)
-    if UINT8_REFUSAL in text and scenario.spec.kv_dtype == "float8_e4m3fn":
-        return Fp8PlannedAsUint8(f"vLLM {backend.version}: FlashInfer refused the plan: {exc}; {scenario.describe()}")
-    if QUERY_SHAPE_REFUSAL in text and padded_graph_step(scenario.spec):
-        return PaddedGraphRowsUnplanned(
-            f"vLLM {backend.version}: FlashInfer's run() refused the padded FULL graph step: {exc}; vLLM's build() "
-            f"planned the {scenario.num_rows} query rows (query_start_loc_cpu[-1]) and forward_mqa ran "
-            f"{scenario.meta.num_actual_tokens} rows (num_actual_tokens, padded); {scenario.describe()}")
-    return None
-
-
-def slot_zero_rows(backend, layer, outcome: StepOutcome, inputs: AttentionInputs | None) -> list[int]:
-    """On FlashInfer's own kernel, the rows that load, past their executed length, an entry vLLM
-    packed as slot 0 whose KV row is not finite (``VllmLayer.slots_loaded_past_length``). A release
-    that packs the row's first slot there reads finite data and meets none."""
-    if inputs is None or not is_vllm_backend(backend) or not getattr(layer, "on_flashinfer", False):
-        return []
-    loaded = layer.slots_loaded_past_length(outcome)
-    if not loaded:
-        return []
-    cache = inputs.kv_cache.reshape(-1, inputs.kv_cache.shape[-1])
-    if bool(torch.isfinite(cache[0].float()).all()):
-        return []
-    return sorted(r for r, slots in loaded.items() if 0 in slots)
-
-
-def with_slot_zero_finite(layer, scenario: Scenario, inputs: AttentionInputs,
-                          outcome: StepOutcome) -> StepOutcome | None:
-    """``outcome`` with the output of the same plan run again (the layer's ``forward_again``) on
-    the cache with slot 0 zeroed, restored afterwards; None where the layer cannot run its plan
-    again. Slot 0 is no row's intended slot (physical block 0 is reserved), so the references
-    do not change."""
-    again = getattr(layer, "forward_again", None)
-    if not callable(again):
-        return None
-    slot0 = inputs.kv_cache[0, 0]
-    held = slot0.clone()
-    slot0.view(torch.uint8).zero_()
-    try:
-        out = again(step_input(scenario, inputs), outcome)
-    finally:
-        slot0.copy_(held)
-    return dataclasses.replace(outcome, out=out)
-
-
-def slot_zero_verdict(verdict: Verdict, layer, scenario: Scenario, inputs: AttentionInputs, rows: list[int],
-                      compare, kernel, summary: str) -> AssertionError:
-    """The failure of a step whose non-finite rows are exactly ``rows``, those that load a
-    non-finite slot 0 past their executed length: the finding (expected from here on) where the
-    same plan run again with slot 0 finite puts every planned row within the budget, so that
-    slot 0 alone made them NaN; else a failure of its own, with what the run again measured."""
-    where = verdict.where
-    again = with_slot_zero_finite(layer, scenario, inputs, verdict.outcome)
-    if again is None:
-        return AssertionError(f"{where}\nrows {rows} load slot 0 (not finite) past their executed length and are "
-                              f"not finite; the layer cannot run its plan again with slot 0 finite, so nothing shows "
-                              f"that slot 0 alone made them so\n{summary}")
-    bad = [c for c in compare(again, scenario, inputs, kernel=kernel) if not c.ok]
-    if bad:
-        return AssertionError(f"{where}\nrows {rows} load slot 0 (not finite) past their executed length, and with "
-                              f"slot 0 finite the same plan is still off:\n"
-                              + "\n".join(c.summary(scenario.row_regime) for c in bad))
-    verdict.expected.append(SLOT_ZERO)
-    return SlotZeroLoaded(f"{where}\nrows {rows} load slot 0 (not finite) past their executed length and are not "
-                          f"finite; with slot 0 finite the same plan is within the budget\n{summary}")
 
 
 def nonfinite_rows(out: torch.Tensor) -> list[int]:
@@ -404,7 +294,7 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     try:
         outcome, ended = run_judged(layer, scenario, inputs, before)
     except ValueError as exc:
-        finding = refusal_as_finding(backend, scenario, exc)
+        finding = for_backend(backend).refusal(backend, scenario, exc)
         if finding is None:
             raise
         return Verdict(backend.name, where, expected=expected, failure=finding)
@@ -414,16 +304,16 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     verdict = Verdict(backend.name, where, outcome, expected=expected)
     if outcome.refusal is not None:
         return verdict
-    slot_zero = slot_zero_rows(backend, layer, outcome, inputs)
+    bad_slot_rows = for_backend(backend).rows_loading_a_bad_slot(backend, layer, outcome, inputs)
     verdict.problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
                         + selection_problems(outcome, scenario)
                         + (rerun_problems(layer, step_input(scenario, inputs), outcome) if inputs is not None else [])
                         + mode_problems(layer))
     if scenario.extra.get("topk_holes") is not None:
-        # the rows that load slot 0 are left out of the output check here, not a finding of their own
+        # rows that load a bad slot (their family's finding) are left out of the output check here
         if executes_the_length_rule(backend) and topk_hole_rows(scenario, outcome.planned_rows):
             verdict.expected.append(TOPK_HOLES)
-        judge_holes(verdict, backend, scenario, inputs if compare else None, slot_zero)
+        judge_holes(verdict, backend, scenario, inputs if compare else None, bad_slot_rows)
         return verdict
     if compare and inputs is not None and outcome.planned_rows:
         kernel = getattr(backend, "kernel", None)
@@ -437,10 +327,12 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
         return verdict
     summary = "\n".join(c.summary(scenario.row_regime) for c in bad)
     n = outcome.planned_rows
-    if KPE_SCALE in expected:
-        verdict.failure = KpeScaleIgnored(f"{where}\n{summary}")
-    elif slot_zero and nonfinite_rows(outcome.out[:n]) == slot_zero:
-        verdict.failure = slot_zero_verdict(verdict, layer, scenario, inputs, slot_zero, by_offset, kernel, summary)
+    decided = [f for f in expected if f.decides_output]
+    if decided:
+        verdict.failure = decided[0].exception(f"{where}\n{summary}")
+    elif bad_slot_rows and nonfinite_rows(outcome.out[:n]) == bad_slot_rows:
+        verdict.failure = for_backend(backend).bad_slot_verdict(verdict, layer, scenario, inputs, bad_slot_rows,
+                                                                by_offset, kernel, summary)
     elif twin is not None and torch.equal(outcome.out[:n], twin(scenario, inputs)[:n]):
         verdict.kernel_rounding = True
     else:

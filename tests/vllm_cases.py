@@ -21,7 +21,7 @@ from harness.cases import (
     large_batch_cases,
     situation_cases,
 )
-from harness.findings import kpe_scale_ignored
+from harness.findings.vllm import kpe_scale_ignored
 from mla_constants import TOPK
 
 

@@ -18,6 +18,7 @@ port's attention state are backends/').
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,45 @@ def test_the_test_module_check_sees_one_imported_inside_a_function(tmp_path):
     (tmp_path / "tests" / "cpu" / "test_a.py").write_text("def f():\n    from tests.cpu.test_b import helper\n")
     (tmp_path / "tests" / "support.py").write_text("from tests.cpu import conftest\n")
     assert [p.split(": ")[1] for p in imports_of_test_modules(tmp_path)] == ["imports the test module tests.cpu.test_b"]
+
+
+#: Names that single out a vendor or family of backends; the judge asks each backend's family
+#: (``harness.findings.for_backend``) and its declared capabilities instead.
+VENDOR_WORDS = re.compile(r"vllm|flashmla|flash_mla|design", re.IGNORECASE)
+
+
+def vendor_names_in_code(source: str) -> list[str]:
+    """``line: name`` of each identifier or string literal (not a docstring or comment) naming a
+    vendor in ``source``."""
+    import ast
+
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.alias):
+            text = node.name
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        else:
+            continue
+        if VENDOR_WORDS.search(text):
+            found.append(f"{node.lineno}: {text}")
+    return found
+
+
+def test_the_judge_names_no_vendor():
+    """harness/judge.py judges every backend alike: no identifier or string of its code names vLLM
+    or FlashMLA (their findings live in harness/findings/<family>.py)."""
+    assert vendor_names_in_code((ROOT / "harness" / "judge.py").read_text()) == []
+
+
+def test_the_vendor_name_check_sees_a_branch_on_a_vendor():
+    assert vendor_names_in_code('"""about vLLM"""\nif is_vllm_backend(b):\n    x = b.design\n# vllm\n') == \
+        ["2: is_vllm_backend", "3: design"]

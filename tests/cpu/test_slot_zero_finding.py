@@ -20,8 +20,8 @@ from backends.seam import StepInput, StepOutcome
 from harness.backend_step import intended_references
 from harness.builder import build_scenario
 from harness.device_inputs import build_attention_inputs
-from harness.findings import SlotZeroLoaded
-from harness.judge import SLOT_ZERO, judge_step, run_sequence
+from harness.findings.vllm import SLOT_ZERO, SlotZeroLoaded
+from harness.judge import judge_step, run_sequence
 from harness.spec import batch
 
 #: A vLLM backend as the judge sees one (it has a design); plans bf16, no finding of its own here.

@@ -26,7 +26,8 @@ from harness.backend_step import executed_length_problems, layer_config, run_ste
 from harness.builder import build_scenario
 from harness.cases import KernelConfig, sequence_steps, situation_cases
 from harness.device_inputs import build_attention_inputs
-from harness.findings import Fp8PlannedAsUint8, TopkHolesAttended
+from harness.findings import TopkHolesAttended
+from harness.findings.vllm import Fp8PlannedAsUint8
 from harness.input_space import classify, covering_cases
 from harness.judge import run_case, run_sequence
 from harness.spec import batch, graph_padded

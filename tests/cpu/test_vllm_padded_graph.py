@@ -10,7 +10,7 @@ import pytest
 
 from harness.builder import build_scenario
 from harness.cases import KernelConfig
-from harness.findings import PaddedGraphRowsUnplanned, padded_graph_step
+from harness.findings.vllm import PaddedGraphRowsUnplanned, padded_graph_step
 from harness.judge import run_case
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK

@@ -1,9 +1,16 @@
 """The known production findings the suite keeps visible: the reason strings of its strict
 xfails (short, each linking its section of docs/findings.md, and shown in the run's short
 summary), and the exceptions those xfails expect, so that no other error can pass for a
-finding. A finding that gets fixed turns its xfails into failures that ask for the marker to go."""
+finding. A finding that gets fixed turns its xfails into failures that ask for the marker to go.
+
+This module holds the findings of no one family (the plan's regime C rows, FlashInfer's graph
+replay and work capacity, the top-k holes); each family's own live in a module of this package
+(``vllm``), found through :func:`for_backend` so that the judge names no vendor."""
 
 from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +53,7 @@ def regime_c_finding(step) -> str | None:
     """What a step shows of the regime C finding: a description when its invariant violations
     and selection mismatches are all on regime C rows (and there is at least one), else None
     (a clean step, or one that fails on other rows too: not this finding)."""
-    from .pipeline import describe_rows, selection_mismatches
+    from ..pipeline import describe_rows, selection_mismatches
 
     bad = {v.row for v in step.violations} | set(selection_mismatches(step))
     if not only_regime_c_rows(bad, step.scenario.row_regime):
@@ -55,63 +62,6 @@ def regime_c_finding(step) -> str | None:
         f"regime C rows planned as a prefix: planned slots != intended slots on {len(bad)} rows; "
         f"{step.context()}\n" + describe_rows(step, sorted(bad))
     )
-
-
-#: vLLM's builder plans a FULL graph step's query rows (``query_start_loc_cpu[-1]``) while its
-#: forward_mqa runs the padded token count; a FlashInfer that checks the query shape at run refuses.
-PADDED_GRAPH_ROWS_FINDING = (
-    "vLLM plans a padded FULL graph step's query rows and runs its padded rows: "
-    + FINDINGS_DOC + "#vllm-padded-graph-rows-unplanned"
-)
-#: What FlashInfer 0.7.4's run() raises on q rows other than the planned ones.
-QUERY_SHAPE_REFUSAL = "q_nope rows and heads must match the planned query shape"
-
-
-class PaddedGraphRowsUnplanned(AssertionError):
-    """FlashInfer's run() refused a padded FULL graph step of vLLM's backend: the plan has the
-    step's query rows, q the padded token count."""
-
-
-def padded_graph_step(spec) -> bool:
-    """A FULL CUDA graph step with padded token rows (``harness.spec.graph_padded``)."""
-    return bool(spec.full_graph) and spec.padded_rows > 0
-
-
-def is_vllm_backend(backend) -> bool:
-    """A vLLM release's own SM90 backend (``backends.vllm_sm90``): it has a design."""
-    return getattr(backend, "design", None) is not None
-
-
-#: vLLM dequantises the kpe part of an fp8 cache with 1.0, not the layer's k_scale.
-KPE_SCALE_FINDING = "vLLM's fp8 kpe read without k_scale: " + FINDINGS_DOC + "#vllm-fp8-kpe-scale"
-#: vLLM plans an fp8 cache with its storage dtype (its cache spec's uint8), which FlashInfer refuses.
-FP8_AS_UINT8_FINDING = "vLLM plans an fp8 cache as uint8: " + FINDINGS_DOC + "#vllm-fp8-planned-as-uint8"
-#: What FlashInfer's plan() raises on a kv_data_type of uint8.
-UINT8_REFUSAL = "kv_data_type torch.uint8 is not supported"
-#: vLLM 0.31.0 packs a -1 inside a row's planned length as slot 0, which FlashInfer's fa3 kernel
-#: loads past the row's executed length with weight 0: a non-finite slot 0 makes the row NaN.
-SLOT_ZERO_FINDING = ("vLLM's -1 packed as slot 0, loaded past a row's length: " + FINDINGS_DOC
-                     + "#vllm-slot-0-loaded-past-a-rows-length")
-
-
-class Fp8PlannedAsUint8(AssertionError):
-    """FlashInfer refused vLLM's plan of an fp8 cache with kv_data_type uint8."""
-
-
-class KpeScaleIgnored(AssertionError):
-    """vLLM's output is beyond the budget on an fp8 cache with rope and k_scale != 1, and only
-    there (its forward_mqa passes kpe_scale=1.0)."""
-
-
-class SlotZeroLoaded(AssertionError):
-    """The output rows that are not finite are exactly those whose kernel tiles load a non-finite
-    slot 0 past their executed length."""
-
-
-def kpe_scale_ignored(config) -> bool:
-    """A configuration (a ``KernelConfig`` or a ``BatchSpec``) where vLLM's fp8 kpe finding decides
-    the output: an fp8 cache with rope and k_scale != 1."""
-    return config.kv_dtype == "float8_e4m3fn" and bool(config.rope) and config.k_scale != 1.0
 
 
 #: Rows whose indexer top-k wrote -1 inside their valid prefix (tied, infinite or NaN scores),
@@ -175,7 +125,7 @@ def topk_holes_finding(outcome, scenario, problems: list[str]) -> str | None:
     ``problems`` name (each starting ``row N ``) are exactly its rows with holes that execute
     past their valid count (and there is one), else None (a clean step, a backend that executes
     each row's valid count, or one that fails on other rows too: not this finding)."""
-    from .backend_step import problem_rows
+    from ..backend_step import problem_rows
 
     past = set(rows_past_valid(outcome, scenario)) & set(topk_hole_rows(scenario, outcome.planned_rows))
     named = set(problem_rows(problems, outcome.planned_rows))
@@ -184,3 +134,59 @@ def topk_holes_finding(outcome, scenario, problems: list[str]) -> str | None:
         return None
     return (f"{len(past)} rows with top-k holes execute past their valid count; {outcome.backend}; "
             f"{scenario.describe()}\n" + "\n".join(problems[:12]))
+
+
+@dataclass(frozen=True)
+class KnownFinding:
+    """A finding that decides a step's outcome: the test is a strict xfail expecting ``exception``.
+    ``decides_output``: expected before the outputs are seen, it is the step's failure where they
+    are beyond the budget (what the finding does to them), not a failure of their own."""
+
+    exception: type[AssertionError]
+    reason: str
+    decides_output: bool = False
+
+
+TOPK_HOLES = KnownFinding(TopkHolesAttended, TOPK_HOLES_FINDING)
+
+
+class FamilyFindings:
+    """What the judge asks a backend's family about its known findings; this base knows none (a
+    family with findings overrides what it has). Each method gets the backend it judges."""
+
+    def expected(self, backend, spec, query_shape_checked) -> list[KnownFinding]:
+        """The findings a step of ``spec`` shows before its outputs are seen."""
+        return []
+
+    def refusal(self, backend, scenario, exc: ValueError) -> AssertionError | None:
+        """A refusal of the step (raised while it ran) that is a finding, as its exception."""
+        return None
+
+    def rows_loading_a_bad_slot(self, backend, layer, outcome, inputs) -> list[int]:
+        """Rows whose kernel tiles load, past their executed length, a slot that is not finite."""
+        return []
+
+    def bad_slot_verdict(self, verdict, layer, scenario, inputs, rows: list[int], compare, kernel,
+                         summary: str) -> AssertionError:
+        """The failure of a step whose non-finite rows are exactly ``rows``."""
+        return AssertionError(f"{verdict.where}\n{summary}")
+
+    def hole_filler(self, backend, device) -> str | None:
+        """What the backend packs a -1 inside a row's planned length as (``reference.contract``),
+        None where it hands the kernel no such entry."""
+        return None
+
+
+NO_FINDINGS = FamilyFindings()
+
+#: The module (``FINDINGS``, a :class:`FamilyFindings`) of each backend family that has findings
+#: of its own, by the family's name in ``backends.registry.FAMILIES``.
+FAMILY_MODULES = {"vllm": "harness.findings.vllm"}
+
+
+def for_backend(backend) -> FamilyFindings:
+    """The findings of ``backend``'s family (none for a family without any, or a user's backend)."""
+    from backends.registry import family_and_release
+
+    module = FAMILY_MODULES.get(family_and_release(getattr(backend, "name", ""))[0])
+    return importlib.import_module(module).FINDINGS if module else NO_FINDINGS
