@@ -16,21 +16,23 @@ step is what the engine does each forward:
 executes; ``backends.fa3_schedule``). Two designs ship: ``exact`` (0.30: exact host lengths,
 a plan every step, the strided layout) and ``bounded`` (0.31 to 0.34: host upper bounds plus
 32 tokens of slack, a plan kept while the bounds fit, the device clamp, packed indices). What
-differs between releases is read from the loaded release, not from its version: the design,
-the dtype an fp8 cache is planned with, whether ``forward_mqa`` reads the cache's block stride,
-what a -1 inside a row's planned length is packed as (:meth:`VllmSM90Backend.minus_one_filler`)
-and the FlashInfer release its METADATA pins.
+differs between releases comes from the facts of the release's version (``backends.vllm_facts``:
+the design, the dtype an fp8 cache is planned with, whether ``forward_mqa`` reads the cache's
+block stride, whether the builder reads adaptive verification, what a -1 inside a row's planned
+length is packed as), never from its code, which is checked against them
+(:meth:`VllmSM90Backend.feature_problems`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from mla_constants import KV_LORA_RANK
+from mla_constants import FIRST_SLOT, KV_LORA_RANK, SLOT_ZERO
 
 from . import fa3_schedule
 from .seam import (
@@ -42,8 +44,9 @@ from .seam import (
     slots_of_cache_rows,
     spans_selection,
 )
+from .vllm_facts import CodeFeatures, facts_for, feature_problems
 from .vllm_shims import load_sm90_module, stand_ins_in_use
-from .vllm_source import VllmSource, design_of, flashinfer_pin
+from .vllm_source import MODULE_FILES, VllmSource, design_of, flashinfer_pin
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
 #: kv_indices entries FlashInfer's fa3 MLA kernel loads per KV tile (``CTA_TILE_KV`` of its
@@ -125,36 +128,36 @@ class VllmSM90Backend:
         self.module = load_sm90_module(source)
         self.version = source.version
         self.name = f"vllm-{source.version}"
-        self.design = design_of(source)
-        # Whether the builder plans the cache spec's dtype as it is (uint8 for an fp8 cache),
-        # read from its code: the releases that map it name float8_e4m3fn there.
-        builder_init = inspect.getsource(self.module.FlashInferMLASparseSM90Builder.__init__)
-        self.plans_fp8_as_storage_dtype = "float8_e4m3fn" not in builder_init
-        # Whether forward_mqa hands the convert kernel the cache's block stride (blocks may lie
-        # further apart than block_size rows) or reads the cache as contiguous blocks.
-        forward = inspect.getsource(self.module.FlashInferMLASparseSM90Impl.forward_mqa)
-        self.reads_block_stride = "BLOCK_STRIDE_ROWS" in forward
-        # Whether the builder reads the adaptive verification setting (0.31.0 on): where it does, it
-        # bounds every row by the longest request, the host query split may not being the device's.
-        self.reads_adaptive_verification = "enable_adaptive_verification" in builder_init
-        self.flashinfer_pin = flashinfer_pin(source)  # None where the source has no METADATA
+        # What the release is comes from the facts of its version (backends.vllm_facts), not from
+        # its code; the code is checked against them (code_features, feature_problems).
+        self.judged = facts_for(source.version, design_of(source))
+        facts = self.judged.facts
+        self.design = facts.design
+        self.plans_fp8_as_storage_dtype = facts.plans_fp8_as_storage_dtype
+        self.reads_block_stride = facts.reads_block_stride
+        # where it reads adaptive verification, the builder bounds every row by the longest
+        # request, the host query split not being the device's
+        self.reads_adaptive_verification = facts.reads_adaptive_verification
+        self.minus_one_filler = facts.minus_one_filler
+        self.flashinfer_pin = flashinfer_pin(source)  # what its METADATA requires; None without one
 
     def describe(self) -> str:
         fp8 = "uint8 (its storage dtype)" if self.plans_fp8_as_storage_dtype else "float8_e4m3fn"
         stride = "any block stride" if self.reads_block_stride else "contiguous blocks"
         pin = f"pins flashinfer-python {self.flashinfer_pin}" if self.flashinfer_pin else "pins no flashinfer-python"
         return (f"{self.source.describe()}: SM90 sparse backend, {self.design} design, plans an fp8 cache as {fp8}, "
-                f"reads {stride}, {pin}; "
+                f"reads {stride}, packs a -1 inside a row's length as {self.minus_one_filler}, {pin}; "
+                f"{self.judged.describe()}; "
                 f"stand-ins: {', '.join(n for n in stand_ins_in_use() if n.startswith('vllm'))}")
 
-    def minus_one_filler(self, device) -> str:
-        """What a -1 of a converted row inside its planned length becomes in kv_indices:
-        ``"slot 0"`` or ``"the row's first slot"``. The bounded design packs rows with its own
-        kernel (``_SM90State.pack_indices``), run here on one probe row ``[5, -1, -1, -1]``; the
-        exact design copies its rows into the strided layout clamped at 0 in ``forward_mqa``."""
+    def packed_minus_one(self, device) -> str:
+        """What the release's code packs a -1 of a converted row inside its planned length as, in
+        kv_indices: ``"slot 0"`` or ``"the row's first slot"``. The bounded design packs rows with
+        its own kernel (``_SM90State.pack_indices``), run here on one probe row ``[5, -1, -1, -1]``;
+        the exact design copies its rows into the strided layout clamped at 0 in ``forward_mqa``."""
         pack = getattr(self.module._SM90State, "pack_indices", None)
         if pack is None:
-            return "slot 0"
+            return SLOT_ZERO
         slots = torch.tensor([[5, -1, -1, -1]], dtype=torch.int32, device=device)
         holder = SimpleNamespace(kv_indptr=torch.tensor([0, 4], dtype=torch.int32, device=device),
                                  kv_indices=torch.full((4,), -7, dtype=torch.int32, device=device))
@@ -162,7 +165,27 @@ class VllmSM90Backend:
         packed = holder.kv_indices.tolist()
         if packed[0] != 5 or len(set(packed[1:])) != 1:
             raise AssertionError(f"{self.name}'s pack of [5, -1, -1, -1] gave {packed}")
-        return {0: "slot 0", 5: "the row's first slot"}.get(packed[1], f"slot {packed[1]}")
+        return {0: SLOT_ZERO, 5: FIRST_SLOT}.get(packed[1], f"slot {packed[1]}")
+
+    def code_features(self, device=None) -> CodeFeatures:
+        """What the release's code shows of each of its facts (the filler probed on ``device``
+        where one is given): what :func:`backends.vllm_facts.feature_problems` checks."""
+        builder_init = inspect.getsource(self.module.FlashInferMLASparseSM90Builder.__init__)
+        forward = inspect.getsource(self.module.FlashInferMLASparseSM90Impl.forward_mqa)
+        backend_class = self.module.FlashInferMLASparseSM90Backend
+        return CodeFeatures(
+            design=design_of(self.source),
+            fp8_plan_dtype="float8_e4m3fn" if "float8_e4m3fn" in builder_init else "uint8",
+            hands_block_stride="BLOCK_STRIDE_ROWS" in forward,
+            declares_block_alignment="customize_spec" in vars(backend_class),
+            reads_adaptive_verification="enable_adaptive_verification" in builder_init,
+            minus_one_filler=self.packed_minus_one(device) if device is not None else None,
+            flashinfer_pin=self.flashinfer_pin,
+            module_sha256=hashlib.sha256(self.source.path_of(MODULE_FILES[0]).read_bytes()).hexdigest())
+
+    def feature_problems(self, device=None) -> list[str]:
+        """Each feature the release's facts promise that its code lacks, naming the feature."""
+        return feature_problems(self.version, self.judged.facts, self.code_features(device))
 
     def unsupported(self, config: LayerConfig) -> str | None:
         """A cache whose blocks lie apart on a release that reads contiguous blocks (0.30.0 and

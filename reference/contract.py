@@ -21,12 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+from mla_constants import FIRST_SLOT, SLOT_ZERO
+
 from .oracle import ComputeMode, sparse_mla_reference
 
-#: What a packing layout writes for a -1 inside a row's length (the strings of
-#: ``backends.vllm_sm90.VllmSM90Backend.minus_one_filler``).
-SLOT_ZERO = "slot 0"
-FIRST_SLOT = "the row's first slot"
 FILLERS = (SLOT_ZERO, FIRST_SLOT)
 
 

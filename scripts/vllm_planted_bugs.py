@@ -37,6 +37,27 @@ BUGS = (
                "return num_rows, torch.clamp(ctx - 64, min=1, max=state.max_valid), False"),
 )
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
+
+#: Features vLLM 0.32.0 to 0.34.0 declare (``backends.vllm_facts``), each deleted from a copy of
+#: the module, with the words the check of the code against the facts names it by: the module
+#: then fails that check (``tests/cpu/test_vllm_backend.py``), where reading the fact from the
+#: code made it pass for an older release that lacks the feature.
+FEATURE_DELETIONS = (
+    (PlantedBug("fp8-mapping", "        kv_plan_dtype = (\n            torch.float8_e4m3fn\n"
+                               "            if kv_cache_spec.dtype == torch.uint8\n"
+                               "            else kv_cache_spec.dtype\n        )",
+                "        kv_plan_dtype = kv_cache_spec.dtype"),
+     "declares planning an fp8 cache as float8_e4m3fn; its builder plans it as uint8"),
+    (PlantedBug("block-stride", "            BLOCK_STRIDE_ROWS=block_stride_rows,\n", ""),
+     "reads the cache's block stride; its forward_mqa hands the convert kernel no BLOCK_STRIDE_ROWS"),
+    (PlantedBug("block-alignment", "    @classmethod\n"
+                                   "    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:\n"
+                                   "        return align_blocks_to_rows(spec)\n", ""),
+     "its backend class declares no customize_spec"),
+    (PlantedBug("adaptive-verification", "spec_config is not None and spec_config.enable_adaptive_verification",
+                "False"),
+     "reads adaptive verification; its builder reads no enable_adaptive_verification"),
+)
 #: Under adaptive verification, each row bounded by its request under the host's query split (the
 #: path without adaptive verification) where 0.31.0 to 0.34.0 bound every row by the longest
 #: request. Right wherever the device runs the host's split; caught only by a step whose device

@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+from mla_constants import SLOT_ZERO as SLOT_ZERO_FILLER
+
 from . import FINDINGS_DOC, FamilyFindings, KnownFinding
 
 #: vLLM's builder plans a FULL graph step's query rows (``query_start_loc_cpu[-1]``) while its
@@ -111,7 +113,7 @@ class VllmFindings(FamilyFindings):
 
     def refusal(self, backend, scenario, exc: ValueError) -> AssertionError | None:
         text = str(exc)
-        if UINT8_REFUSAL in text and scenario.spec.kv_dtype == "float8_e4m3fn":
+        if UINT8_REFUSAL in text and scenario.spec.kv_dtype == "float8_e4m3fn" and backend.plans_fp8_as_storage_dtype:
             return Fp8PlannedAsUint8(f"vLLM {backend.version}: FlashInfer refused the plan: {exc}; "
                                      f"{scenario.describe()}")
         if QUERY_SHAPE_REFUSAL in text and padded_graph_step(scenario.spec):
@@ -124,8 +126,9 @@ class VllmFindings(FamilyFindings):
     def rows_loading_a_bad_slot(self, backend, layer, outcome, inputs) -> list[int]:
         """On FlashInfer's own kernel, the rows that load, past their executed length, an entry
         vLLM packed as slot 0 whose KV row is not finite (``VllmLayer.slots_loaded_past_length``).
-        A release that packs the row's first slot there reads finite data and meets none."""
-        if inputs is None or not getattr(layer, "on_flashinfer", False):
+        None on a release whose facts pack the row's first slot there (it reads finite data and
+        meets none): slot 0 loaded there is a failure of its own, not this finding."""
+        if inputs is None or not getattr(layer, "on_flashinfer", False) or backend.minus_one_filler != SLOT_ZERO_FILLER:
             return []
         loaded = layer.slots_loaded_past_length(outcome)
         if not loaded:
@@ -157,7 +160,7 @@ class VllmFindings(FamilyFindings):
                               f"not finite; with slot 0 finite the same plan is within the budget\n{summary}")
 
     def hole_filler(self, backend, device) -> str | None:
-        return backend.minus_one_filler(device)
+        return backend.minus_one_filler
 
 
 FINDINGS = VllmFindings()

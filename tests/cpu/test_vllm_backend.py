@@ -86,7 +86,7 @@ def test_drawn_production_inputs_through_vllm(vllm_backend, device, case, seed, 
             assert case.holes is not None, "the top-k holes finding on a case without holes"
 
 
-def test_release_and_design_are_read_from_its_code(vllm_backend):
+def test_release_design_and_facts_are_named(vllm_backend):
     plan = inspect.signature(vllm_backend.module._SM90State.plan)
     assert (vllm_backend.design == "bounded") == ("cam" in plan.parameters)
     assert f"vLLM {vllm_backend.version}" in vllm_backend.describe()
@@ -101,9 +101,9 @@ def test_release_and_design_are_read_from_its_code(vllm_backend):
     assert in_use and vllm_backend.describe().endswith(f"stand-ins: {', '.join(in_use)}"), vllm_backend.describe()
 
 
-def test_fp8_is_planned_with_the_dtype_its_code_names(vllm_backend, stand_in, device, monkeypatch):
-    """The dtype vLLM's builder hands FlashInfer's plan() for an fp8 cache is the one the backend
-    read from its code: uint8 (the cache spec's storage dtype, which FlashInfer refuses: the
+def test_fp8_is_planned_with_the_dtype_its_facts_name(vllm_backend, stand_in, device, monkeypatch):
+    """The dtype vLLM's builder hands FlashInfer's plan() for an fp8 cache is the one the facts of
+    its release name (``backends.vllm_facts``): uint8 (the cache spec's storage dtype, which FlashInfer refuses: the
     finding docs/findings.md#vllm-fp8-planned-as-uint8) or float8_e4m3fn."""
     planned = []
     plan = stand_in.plan
@@ -126,10 +126,11 @@ def test_fp8_is_planned_with_the_dtype_its_code_names(vllm_backend, stand_in, de
 
 def test_minus_one_inside_a_planned_length_is_packed_as_the_release_packs_it(vllm_backend, stand_in, device):
     """Past each row's executed length, up to where the next row's entries start, kv_indices hold
-    what the release makes of the converted row's -1 tail (``minus_one_filler``: slot 0, or the
-    row's first slot), never another slot: the clamp keeps the kernel from reading them, and a
-    row's own first slot keeps a read there inside the row's selection."""
-    filler = vllm_backend.minus_one_filler(device)
+    what the release's facts say its pack makes of the converted row's -1 tail
+    (``minus_one_filler``: slot 0, or the row's first slot), never another slot: the clamp keeps
+    the kernel from reading them, and a row's own first slot keeps a read there inside the row's
+    selection."""
+    filler = vllm_backend.minus_one_filler
     assert filler in ("slot 0", "the row's first slot"), filler
     case = next(c for c in situation_cases(4) if c.name.startswith("decode-mixed"))
     spec = BF16.apply(case.spec)
