@@ -42,6 +42,8 @@ class BackendFamily:
     cls: str
     kernel: str | None = None
     needs_vllm: bool = False
+    #: the module of the family's release facts (``digest_problem``), where it keeps any
+    facts: str | None = None
 
     def open(self, vllm_source, impl) -> Backend:
         opener = getattr(importlib.import_module(self.module), self.cls)
@@ -52,7 +54,7 @@ class BackendFamily:
 FAMILIES = {
     "port-fa3": BackendFamily("backends.port", "PortBackend", kernel="fa3"),
     "port-fa2": BackendFamily("backends.port", "PortBackend", kernel="fa2"),
-    "vllm": BackendFamily("backends.vllm_sm90", "VllmSM90Backend", needs_vllm=True),
+    "vllm": BackendFamily("backends.vllm_sm90", "VllmSM90Backend", needs_vllm=True, facts="backends.vllm_facts"),
     "flashmla": BackendFamily("backends.flashmla", "FlashMLABackend", needs_vllm=True),
 }
 #: The port's names and the FlashInfer kernel each runs on.
@@ -127,6 +129,16 @@ def backend_from_factory(spec: str) -> Backend:
         raise BackendError(f"--backend {spec!r}: what the factory returned ({type(backend).__name__}) lacks "
                            f"{', '.join(missing)} (see backends.seam.Backend)")
     return backend
+
+
+def release_digest_problem(name: str, release: str | None, digest: str | None) -> str | None:
+    """Where what a case records of the backend ``name`` (its ``release`` and the sha256 of the
+    module it ran) contradicts the facts its family keeps of its releases; None where they agree
+    or the family keeps none."""
+    family = FAMILIES.get(family_and_release(name)[0])
+    if family is None or family.facts is None:
+        return None
+    return importlib.import_module(family.facts).digest_problem(release, digest)
 
 
 def open_backend(spec: str, vllm_source=None, *, impl=None) -> Backend:

@@ -160,3 +160,17 @@ def feature_problems(version: str, facts: ReleaseFacts, code: CodeFeatures) -> l
         problems.append(f"its flashinfer_mla_sparse_sm90.py (sha256 {code.module_sha256[:12]}) is not the one "
                         f"vLLM {facts.release} released ({facts.module_sha256[:12]})")
     return problems
+
+
+def digest_problem(release: str | None, digest: str | None) -> str | None:
+    """Where a written case's release and the sha256 of the SM90 module it ran disagree: the
+    module is one a known release shipped, and not ``release``'s (0.32.0 to 0.34.0 ship one file).
+    None where they agree, or where either is unknown (a module no release shipped, such as a
+    copy with a bug planted, is named when the case is replayed)."""
+    if digest is None or release not in RELEASES or digest == RELEASES[release].module_sha256:
+        return None
+    owners = [f.release for f in RELEASES.values() if f.module_sha256 == digest]
+    if not owners:
+        return None
+    return (f"'backend.release' is {release}, but 'backend.module_digest' ({digest[:12]}) is the SM90 module of "
+            f"vLLM {', '.join(owners)} ({FACTS_MODULE}): one of them was edited")

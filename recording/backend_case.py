@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from backends.registry import release_digest_problem
 from harness.layer_modes import LAYER_MODES, PLAIN
 from reference.indexer import HOLE_KINDS
 
@@ -132,6 +133,10 @@ def case_problem(record: dict) -> str | None:
     problem = fields_problem(record["backend"], BACKEND_FIELDS, OPTIONAL_BACKEND_FIELDS, "case", "backend.")
     if problem:
         return problem
+    backend = record["backend"]
+    problem = release_digest_problem(backend["name"], backend["release"], backend["module_digest"])
+    if problem:
+        return f"case {problem}"
     steps = record["steps"]
     if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_STEPS:
         return f"case field 'steps' is not a list of 1 to {MAX_STEPS} {{spec, seed, scenario_digest}} objects"

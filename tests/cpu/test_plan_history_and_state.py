@@ -31,6 +31,7 @@ from harness.plan_history import (
 )
 from pytest_sparse_mla.backend import open_run_backend
 from tests import simulated_sm90
+from tests.support.backend_cases import port_case
 from tests.support.reference_wrapper import ReferenceWrapper
 
 
@@ -332,18 +333,6 @@ def test_a_failure_only_a_graph_shows_is_a_case_of_its_layer_mode_that_replays_r
     dumped_replayed_red_and_green(
         pytester, monkeypatch, tmp_path, GRAPH_OUTPUT, "test_graph_against_eager", "graphed",
         r"the graph replay's output is not the eager run's bit for bit .*non-finite: [1-9]")
-
-
-def port_case(mode: str | None) -> dict:
-    """The case ``harness.judge.run_sequence`` notes for the fresh history on the port, in ``mode``
-    (None: a case noted before the mode was recorded)."""
-    spec, seed = histories()["fresh"][0]
-    case = {"kind": "sequence", "backend": {"name": "port-fa3", "kernel": "fa3", "release": None,
-                                            "module_digest": None, "layout": "compacted", "reuse_plan": False},
-            "max_tokens": 3, "twin": False, "compare": True, "with_inputs": True, "adaptive_verification": False,
-            "rejected_drafts": 0, "kv_block_stride": None, "steps": [{"spec": spec, "seed": seed, "holes": None}],
-            "flashinfer": "none"}
-    return case if mode is None else {**case, "layer_mode": mode}
 
 
 def test_a_case_keeps_its_layer_mode_and_one_without_it_is_plain(tmp_path):

@@ -90,3 +90,21 @@ def test_a_module_without_a_declared_feature_fails_naming_it(vllm_backend, delet
     assert status == 1 and named in out, out[-3000:]
     failed = 2 if deletion.name == "fp8-mapping" else 1
     assert counts.get("failed") == failed and not counts.get("xfailed"), out[-3000:]
+
+
+def test_a_case_whose_release_was_edited_to_disagree_with_its_module_digest_is_refused(tmp_path):
+    """A vLLM case records the release and the sha256 of the module it ran; a release edited to
+    one whose module is another (0.30.0's, on 0.33.0's module) is one fixture error naming both.
+    The releases that ship one file (0.32.0 to 0.34.0) agree with each other's digest, and a module
+    no release shipped (a planted copy) is left to the replay's report."""
+    from recording.backend_case import load_backend_case, write_backend_case
+    from recording.fixture import FixtureError
+    from tests.support.backend_cases import vllm_case as case
+
+    shipped = RELEASES["0.33.0"].module_sha256
+    assert load_backend_case(write_backend_case(tmp_path, "ok", case("0.32.0", shipped)))["backend"]["release"] == \
+        "0.32.0"
+    assert load_backend_case(write_backend_case(tmp_path, "planted", case("0.33.0", "a" * 64)))
+    with pytest.raises(FixtureError, match=r"'backend.release' is 0.30.0, but 'backend.module_digest' \(480f2060f823\) "
+                                           r"is the SM90 module of vLLM 0.32.0, 0.33.0, 0.34.0"):
+        load_backend_case(write_backend_case(tmp_path, "edited", case("0.30.0", shipped)))
