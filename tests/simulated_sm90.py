@@ -203,6 +203,11 @@ def patches() -> list[tuple[object, str, object]]:
     ]
 
 
+#: What this plugin is, as the upgrade check asks a stand-in machine
+#: (``pytest_sparse_mla.baselines.STAND_IN_MACHINE_ATTRIBUTE``): it records and compares here,
+#: without a timing pass.
+SPARSE_MLA_STAND_IN_MACHINE = "the simulated SM90 machine (tests/simulated_sm90.py)"
+
 #: The process's patches of the vLLM stand-ins (kept until the process's session is unconfigured).
 PROCESS_PATCHES = pytest.MonkeyPatch()
 #: The local version tag of the stand-in FlashInfer's ``__version__``.
