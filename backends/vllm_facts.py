@@ -89,6 +89,14 @@ class JudgedFacts:
     def describe(self) -> str:
         return self.borrowed or f"facts of vLLM {self.facts.release} ({FACTS_MODULE})"
 
+    def summary(self) -> str:
+        """Every fact in one line, then where they come from: what a run's header says it judged."""
+        f = self.facts
+        return (f"{f.design} design, fp8 planned as {f.fp8_plan_dtype}, "
+                f"{'any block stride' if f.reads_block_stride else 'contiguous blocks'}, "
+                f"{'reads' if f.reads_adaptive_verification else 'no'} adaptive verification, -1 inside a row's "
+                f"length packed as {f.minus_one_filler}, pins flashinfer-python {f.flashinfer_pin}; {self.describe()}")
+
 
 def facts_for(version: str, design_in_code: str) -> JudgedFacts:
     """The facts vLLM ``version`` is judged by: its own row; for a release the table does not

@@ -77,9 +77,13 @@ def pytest_report_header(config):
     source = config.stash.get(VLLM_SOURCE, None)
     if not source:
         return [NO_VLLM]
+    from backends.vllm_facts import facts_for
+    from backends.vllm_source import design_of
+
     absent = flashmla_absence(source)
     under_test = "FlashMLA under test: the release's FLASHMLA_SPARSE on its own kernels (a stand-in without CUDA)"
-    return [f"vLLM under test: {source.describe()}", absent or under_test]
+    judged = facts_for(source.version, design_of(source))
+    return [f"vLLM under test: {source.describe()}", f"vLLM judged as: {judged.summary()}", absent or under_test]
 
 
 def pytest_collection_modifyitems(config, items):

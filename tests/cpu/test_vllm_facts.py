@@ -6,13 +6,15 @@ absorbed into an old finding)."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
 from backends.vllm_facts import RELEASES, CodeFeatures, facts_for, feature_problems, version_key
 from mla_constants import FIRST_SLOT, SLOT_ZERO
 from scripts.vllm_planted_bugs import FEATURE_DELETIONS, planted_copy
-from tests.support.child_runs import pytest_run
+from tests.support.child_runs import ROOT, pytest_run
 
 
 def features_of(facts) -> CodeFeatures:
@@ -108,3 +110,30 @@ def test_a_case_whose_release_was_edited_to_disagree_with_its_module_digest_is_r
     with pytest.raises(FixtureError, match=r"'backend.release' is 0.30.0, but 'backend.module_digest' \(480f2060f823\) "
                                            r"is the SM90 module of vLLM 0.32.0, 0.33.0, 0.34.0"):
         load_backend_case(write_backend_case(tmp_path, "edited", case("0.30.0", shipped)))
+
+
+@pytest.mark.vllm
+def test_the_header_says_what_the_release_is_judged_as_and_an_unknown_release_whose_facts(vllm_backend, tmp_path):
+    """A green run's header names every fact the release is judged by and where they come from;
+    a release the table does not know (its METADATA's version edited to 0.99.0) is judged with the
+    newest known release of its design, and the header says so."""
+    import shutil
+
+    from backends.vllm_source import SLICE_METADATA
+
+    unknown = tmp_path / "vllm-0.99.0"
+    shutil.copytree(vllm_backend.source.root, unknown)
+    metadata = unknown / SLICE_METADATA
+    if not metadata.is_file():
+        pytest.skip(f"{vllm_backend.source.root} is not a slice (no {SLICE_METADATA} to edit)")
+    metadata.write_text(metadata.read_text().replace(f"Version: {vllm_backend.version}\n", "Version: 0.99.0\n", 1))
+    for source, judged in ((vllm_backend.source.root, f"facts of vLLM {vllm_backend.version}"),
+                           (unknown, "vLLM 0.99.0 is not a known release (backends/vllm_facts.py): judged with the "
+                                     f"facts of {facts_for('0.99.0', vllm_backend.design).facts.release}")):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+                               f"--vllm={source}", "tests/cpu/test_vllm_facts.py", "-k", "unknown_release_is"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        status, out = done.returncode, done.stdout + done.stderr
+        header = [line for line in out.splitlines() if line.startswith("vLLM judged as: ")]
+        assert status == 0 and len(header) == 1 and judged in header[0], out[-2000:]
+        assert f"{vllm_backend.design} design, fp8 planned as " in header[0], header
