@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from backends.vllm_facts import RELEASES, CodeFeatures, facts_for, feature_problems, version_key
 from mla_constants import FIRST_SLOT, SLOT_ZERO
@@ -137,3 +138,26 @@ def test_the_header_says_what_the_release_is_judged_as_and_an_unknown_release_wh
         header = [line for line in out.splitlines() if line.startswith("vLLM judged as: ")]
         assert status == 0 and len(header) == 1 and judged in header[0], out[-2000:]
         assert f"{vllm_backend.design} design, fp8 planned as " in header[0], header
+
+
+def test_a_finding_met_on_a_release_whose_facts_do_not_declare_it_is_no_finding():
+    """The uint8 refusal is the fp8 finding only on a release whose facts plan fp8 as uint8, and
+    slot 0 loaded past a row's length only on one whose facts pack slot 0 there: elsewhere the
+    refusal propagates as an error and the NaN rows fail as any output beyond the budget."""
+    from types import SimpleNamespace
+
+    from harness.findings import for_backend
+    from harness.findings.vllm import UINT8_REFUSAL, Fp8PlannedAsUint8
+
+    scenario = SimpleNamespace(spec=SimpleNamespace(kv_dtype="float8_e4m3fn"), describe=lambda: "case")
+    refused = ValueError(f"plan(): {UINT8_REFUSAL}")
+    for release in RELEASES.values():
+        backend = SimpleNamespace(name=f"vllm-{release.release}", version=release.release,
+                                  plans_fp8_as_storage_dtype=release.plans_fp8_as_storage_dtype,
+                                  minus_one_filler=release.minus_one_filler)
+        finding = for_backend(backend).refusal(backend, scenario, refused)
+        assert isinstance(finding, Fp8PlannedAsUint8) is release.plans_fp8_as_storage_dtype, release
+        layer = SimpleNamespace(on_flashinfer=True, slots_loaded_past_length=lambda outcome: {0: (0,)})
+        inputs = SimpleNamespace(kv_cache=torch.full((1, 1, 4), float("nan")))
+        rows = for_backend(backend).rows_loading_a_bad_slot(backend, layer, None, inputs)
+        assert rows == ([0] if release.minus_one_filler == SLOT_ZERO else []), release
