@@ -22,9 +22,8 @@ from harness.scenario import BatchSpec, build_scenario
 from mla_constants import INVALID
 from reference.rules import convert_rule, request_ids_per_row, valid_counts
 from tests.cpu.host_stages import host_stages_apart
+from tests.support.index_zoo import BS, INT32_MIN, ZOO, ZOO_TABLE, ZOO_WIDTHS, zoo_rows
 
-INT32_MIN = -(2**31)
-INT32_MAX = 2**31 - 1
 DIRTY = 0x5A5A5A5A
 
 
@@ -101,39 +100,10 @@ def random_case(seed: int, rows: int, width: int, num_reqs: int, table_width: in
 
 # --- the invalid-index zoo ----------------------------------------------------------------
 
-BS = 16
-# request 0 owns blocks [7, 3]; columns 2-3 are stale entries past its allocation.
-# request 1 owns [2, 8, 6]; column 3 is stale and large (slot ids >= 2**23, up to INT32_MAX).
-ZOO_TABLE = torch.tensor([[7, 3, 9, 5], [2, 8, 6, INT32_MAX // BS]], dtype=torch.int32)
-ZOO = [  # (token, slot for request 0, slot for request 1, why)
-    (-1, -1, -1, "-1"),
-    (-2, -1, -1, "other negative"),
-    (INT32_MIN, -1, -1, "INT32_MIN"),
-    (4 * BS, -1, -1, "block column == table width"),
-    (4 * BS + 5, -1, -1, "block column == table width, nonzero offset"),
-    (1000, -1, -1, "block column > table width"),
-    (INT32_MAX, -1, -1, "INT32_MAX"),
-    (0, 7 * BS, 2 * BS, "first token"),
-    (17, 3 * BS + 1, 8 * BS + 1, "second block"),
-    (40, 9 * BS + 8, 6 * BS + 8, "past request 0's allocation, inside the table: maps through the stale entry"),
-    (63, 5 * BS + 15, INT32_MAX, "last column of the table; request 1: the largest int32 slot"),
-    (50, 5 * BS + 2, (INT32_MAX // BS) * BS + 2, "slot id >= 2**23 for request 1"),
-]
+# the zoo (its entries, table and rows): tests/support/index_zoo.py
 
 
-def zoo_rows(width: int = 128):
-    """Row 0 (request 0) and row 1 (request 1) hold the zoo at spread-out columns, the last one at
-    the row's last column; row 2 is padding (request 0)."""
-    cols = np.linspace(0, width - 1, len(ZOO)).astype(int)
-    topk = torch.full((3, width), -1, dtype=torch.int32)
-    expected = torch.full((3, width), -1, dtype=torch.int32)
-    for col, (tok, s0, s1, _) in zip(cols, ZOO, strict=True):
-        topk[:, col] = tok
-        expected[0, col], expected[1, col], expected[2, col] = s0, s1, s0
-    return topk, expected, cols
-
-
-@pytest.mark.parametrize("width", [128, 2176])
+@pytest.mark.parametrize("width", ZOO_WIDTHS)
 def test_invalid_index_zoo_maps_exactly(impl, device, width):
     topk, expected, cols = zoo_rows(width)
     req = impl.request_ids(qsl_tensor([1, 1], device), 3)
