@@ -23,10 +23,13 @@ from harness.device_inputs import build_attention_inputs
 from harness.findings.vllm import SLOT_ZERO, SlotZeroLoaded
 from harness.judge import judge_step, run_sequence
 from harness.spec import batch
+from mla_constants import SLOT_ZERO as SLOT_ZERO_FILLER
 
-#: A vLLM backend as the judge sees one (it has a design); plans bf16, no finding of its own here.
+#: A vLLM backend as the judge sees one (a vLLM family name and 0.31.0's facts: slot 0 packed past a
+#: row's length); plans bf16, no finding of its own here.
 BACKEND = SimpleNamespace(name="vllm-stand-in", design="exact", kernel=None, version="0.31.0",
-                          plans_fp8_as_storage_dtype=False, describe=lambda: "vLLM stand-in on fa3's loads")
+                          plans_fp8_as_storage_dtype=False, minus_one_filler=SLOT_ZERO_FILLER,
+                          describe=lambda: "vLLM stand-in on fa3's loads")
 
 
 class LoadsSlotZero:
