@@ -16,7 +16,7 @@ from .scenarios import Prepared
 def measure_graph(ctx: Context, prep: Prepared, lens: torch.Tensor, layout: str) -> dict:
     """Eager ``state.step`` against a CUDA graph captured once over the same step, one step
     per rotated set (so one replay runs ``count`` steps); times are per step."""
-    from harness.launch import attention_config
+    from harness.port.launch import attention_config
 
     rows = prep.rows
     state = make_attention_state(ctx.impl, attention_config(prep.scenario, layout, rows), ctx.device)

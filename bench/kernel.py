@@ -1,5 +1,5 @@
 """The kernel section: ``SM90AttentionState.attend`` after a plan and a convert + layout
-(``harness.launch`` builds the config and the step inputs, as in the GPU tier), per variant x
+(``harness.port.launch`` builds the config and the step inputs, as in the GPU tier), per variant x
 heads x decode and prefill rows; time, FLOP/s and bytes/s against the measured ceilings. With
 ``--vllm``, FlashMLA's kernels on the same shape, caches and q right after FA3's
 (``bench.flashmla``). The same scenario loop runs the reference and graph sections on the

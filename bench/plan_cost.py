@@ -42,7 +42,7 @@ def profile_table(profile: cProfile.Profile, calls: int, sort: str, limit: int =
 
 
 def plan_state(ctx: Context, scenario, layout: str, rows: int, reuse: bool, max_rows: int | None = None):
-    from harness.launch import attention_config
+    from harness.port.launch import attention_config
 
     config = dataclasses.replace(attention_config(scenario, layout, max_rows or rows), reuse_plan=reuse)
     return make_attention_state(ctx.impl, config, ctx.device)

@@ -140,7 +140,7 @@ class Prepared:
 
 
 def prepare(ctx: Context, scenario, lens: torch.Tensor, caches, generator, layout: str = KERNEL_LAYOUT) -> Prepared:
-    from harness.launch import attention_config, launch_inputs
+    from harness.port.launch import attention_config, launch_inputs
 
     rows = lens.numel()
     sets = make_sets(scenario, caches, rows, ctx.device, generator, ctx.l2_bytes)

@@ -5,7 +5,7 @@ whatever ``--impl``.
 A multi-step test notes its sequence instead (:func:`note_sequence`, then
 :func:`note_sequence_step` for each step it runs): a failure is then the sequence of its steps so
 far. The shared helpers note what they are handed: :func:`harness.pipeline.prepare_step` every step
-it prepares, the compare helpers of :mod:`harness.launch` the step they judge and the kernel's
+it prepares, the compare helpers of :mod:`harness.port.launch` the step they judge and the kernel's
 outputs, :func:`recording.replay.replay` the fixture it judges. The case of a failing test is
 the last one noted. Nothing is kept unless a log is open for the running test
 (:func:`logging_cases`; :mod:`recording.case_log` opens one that can build the fixture), so
@@ -26,7 +26,7 @@ class CaseLog:
     outputs: dict = field(default_factory=dict)  # version -> (out, lse) of the step, rows as planned
     fixture: object | None = None  # a recording.fixture.Fixture judged by replay()
     crash: dict | None = None  # a step whose stages killed a child process: scenario, layout, stage, detail
-    sequence: dict | None = None  # a multi-step test's sequence so far: harness.sequence.Sequence fields, steps
+    sequence: dict | None = None  # a multi-step test's sequence so far: harness.port.sequence.Sequence fields, steps
     # a case run through a backend behind the seam (harness.judge.run_sequence): its backend, layer and steps so far
     backend_case: dict | None = None
 
@@ -88,7 +88,7 @@ def note_fixture(fixture) -> None:
 
 
 def note_sequence(kind: str, layout: str, max_rows: int, **options) -> None:
-    """A multi-step test starts a sequence (``harness.sequence.Sequence``'s kind, layout, row
+    """A multi-step test starts a sequence (``harness.port.sequence.Sequence``'s kind, layout, row
     capacity and options); a failure in it is written as the sequence of its steps so far."""
     if _ACTIVE:
         _ACTIVE[-1].note_sequence(kind, layout, max_rows, **options)

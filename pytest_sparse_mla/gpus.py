@@ -1,5 +1,5 @@
 """The GPUs of a run: FlashInfer's kernel variants built in the background from the start of a
-run on a GPU machine (``python3 -m harness.prebuild --parallel --only-missing``: nothing where
+run on a GPU machine (``python3 -m harness.port.prebuild --parallel --only-missing``: nothing where
 the JIT cache holds them), each xdist worker pinned to one GPU at configure time (before anything
 touches CUDA) and given its share of the CPU cores for intra-op threads, the device each worker
 used, and on the controlling process a summary of the
@@ -50,10 +50,10 @@ def flashinfer_installed() -> bool:
 
 
 def start_background_build(cwd: Path) -> Path:
-    """``python3 -m harness.prebuild --parallel --only-missing`` in a session of its own, writing
+    """``python3 -m harness.port.prebuild --parallel --only-missing`` in a session of its own, writing
     to ``PREBUILD_LOG``; it outlives a run that ends first and leaves the cache built."""
     with open(PREBUILD_LOG, "w") as log:
-        subprocess.Popen([sys.executable, "-m", "harness.prebuild", "--parallel", "--only-missing"], cwd=cwd,
+        subprocess.Popen([sys.executable, "-m", "harness.port.prebuild", "--parallel", "--only-missing"], cwd=cwd,
                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     return PREBUILD_LOG
 

@@ -32,7 +32,7 @@ from .vllm import VLLM_SOURCE, VLLM_TWIN_KEY
 
 
 def gpu_tier_device() -> str:
-    """The device the GPU tier's tests run on (``harness.launch.DEVICE``, read here without
+    """The device the GPU tier's tests run on (``harness.port.launch.DEVICE``, read here without
     importing torch)."""
     return os.environ.get(GPU_TIER_DEVICE_ENV, GPU_TIER_DEFAULT_DEVICE)
 

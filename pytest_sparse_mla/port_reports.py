@@ -1,4 +1,4 @@
-"""What the port's GPU tests of its state API (``harness.launch``) attach to their reports, the
+"""What the port's GPU tests of its state API (``harness.port.launch``) attach to their reports, the
 measured error ratios (summed up at the end of the run), and the times the upgrade check's timing
 pass notes of a step whose layer shows its kernel and plan apart (``judge`` fixture)."""
 
@@ -8,8 +8,8 @@ import functools
 
 import torch
 
-from harness.launch import DEVICE
 from harness.pipeline import Step
+from harness.port.launch import DEVICE
 from pytest_sparse_mla.keys import ERROR_KEY
 from pytest_sparse_mla.regimes import error_entry
 from reference import Comparison

@@ -130,7 +130,7 @@ class FullSummaryLines:
 
 #: Why a failing test leaves nothing to write, where it noted no case.
 NO_CASE_NOTED = ("it noted no differential case (its stages ran outside the shared helpers: "
-                 "harness.pipeline.prepare_step, the compare helpers of harness.launch, recording.replay.replay)")
+                 "harness.pipeline.prepare_step, the compare helpers of harness.port.launch, recording.replay.replay)")
 #: Why a failing Hypothesis test leaves nothing to write, where its failing example noted no case.
 NO_CASE_IN_EXAMPLE = "its failing example noted no differential case"
 

@@ -3,7 +3,7 @@
 A multi-step test notes its sequence (``harness.case_log.note_sequence``, then each step). When
 it fails under ``--dump-failures``, :func:`write_failing_sequence` runs the sequence again
 through the implementation under test with the state carried as the test carried it
-(``harness.sequence``), drops every step whose absence keeps it failing (the step where the
+(``harness.port.sequence``), drops every step whose absence keeps it failing (the step where the
 failure shows always stays), and writes ``NAME.sequence.json``: the kind of carried state, the
 layout, the row capacity, and each step's spec, seed and scenario digest, with the
 implementation and the test. On replay (``pytest --replay=PATH``) the sequence is rebuilt and run
@@ -58,8 +58,8 @@ def is_sequence(path) -> bool:
 
 
 def sequence_of_note(note: dict):
-    """The :class:`harness.sequence.Sequence` a case log noted."""
-    from harness.sequence import Sequence
+    """The :class:`harness.port.sequence.Sequence` a case log noted."""
+    from harness.port.sequence import Sequence
 
     return Sequence(kind=note["kind"], layout=note["layout"], steps=tuple(note["steps"]),
                     max_rows=int(note["max_rows"]), graph=bool(note.get("graph", False)),
@@ -109,10 +109,10 @@ def sequence_problem(recipe: dict) -> str | None:
 
 
 def load_sequence(path):
-    """Read, check and rebuild one sequence file: ``(harness.sequence.Sequence, recipe)``. Any
+    """Read, check and rebuild one sequence file: ``(harness.port.sequence.Sequence, recipe)``. Any
     problem is a FixtureError naming the file and the field."""
+    from harness.port.sequence import Sequence
     from harness.scenario import build_scenario, spec_from_dict
-    from harness.sequence import Sequence
 
     path = Path(path)
     recipe = load_checked(path, "sequence", SEQUENCE_KEY, SEQUENCE_VERSION, sequence_problem)
@@ -143,7 +143,7 @@ def write_failing_sequence(directory, name: str, note: dict, implementation, dev
     ``meta``'s ``impl`` is its spec) and write it; None where it does not fail when run again (a
     failure the sequence alone does not carry)."""
     impl = implementation
-    from harness.sequence import first_failure, run_recorded_sequence, shrink_sequence
+    from harness.port.sequence import first_failure, run_recorded_sequence, shrink_sequence
 
     sequence = sequence_of_note(note)
     deadline = time.perf_counter() + SHRINK_SECONDS

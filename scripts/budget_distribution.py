@@ -81,7 +81,7 @@ def measure(variant: str, cases: int, seed: int, out: Path, start: int = 0) -> i
     from harness import build_attention_inputs, build_scenario
     from harness.backend_step import layer_config
     from harness.judge import judge_step
-    from harness.launch import DEVICE
+    from harness.port.launch import DEVICE
 
     features = detect_features()
     ran = 0

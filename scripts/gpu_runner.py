@@ -563,14 +563,14 @@ def bytecode_env(env: dict, work: Path) -> dict:
 
 def prebuild(releases: dict[str, dict], out: Path, phase: str) -> float:
     """Every kernel variant of every release built (or found built) at once, one
-    ``python3 -m harness.prebuild --parallel --only-missing`` per release, each in its release's
+    ``python3 -m harness.port.prebuild --parallel --only-missing`` per release, each in its release's
     environment; their output to ``out/prebuild-<release>-<phase>.txt``. The wall of all."""
     started = time.monotonic()
     children = []
     for release, env in releases.items():
         sink = open(out / f"prebuild-{file_label(release)}-{phase}.txt", "w")  # closed once the child ends
         children.append((release, sink, subprocess.Popen(
-            [sys.executable, "-m", "harness.prebuild", "--parallel", "--only-missing"], cwd=REPO, env=env,
+            [sys.executable, "-m", "harness.port.prebuild", "--parallel", "--only-missing"], cwd=REPO, env=env,
             stdout=sink, stderr=subprocess.STDOUT)))
     for release, sink, child in children:
         code = child.wait()

@@ -34,7 +34,7 @@ from backends.port import make_attention_state
 from fast.impl import FastImpl
 from harness import batch, build_attention_inputs, build_scenario
 from harness.findings import REGIME_C_FINDING
-from harness.launch import (
+from harness.port.launch import (
     DEVICE,
     assert_launchable,
     attention_config,
@@ -157,7 +157,7 @@ def run_eager(impl, step, scenario):
 
 def run_graph_replay(impl, case, scenario, step):
     """Capture the step at ``graph_from``'s size, replan for ``scenario`` and replay."""
-    from harness.launch import StaticStep
+    from harness.port.launch import StaticStep
 
     big = build_scenario(case.graph_from, case.seed + 1)
     static = StaticStep([big, scenario], impl)

@@ -171,7 +171,7 @@ def driver(variant: str, device=None) -> dict:
     tier's), NaN-filled outputs; the rows whose output is not finite."""
     import torch
 
-    import harness.launch as launch
+    import harness.port.launch as launch
     from fast.impl import default_impl
     from harness.pipeline import prepare_step
     from harness.scenario import build_attention_inputs, build_scenario

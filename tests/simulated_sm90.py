@@ -17,12 +17,12 @@ Two ways in:
   vLLM's SM90 backend is the fa3 stand-in of ``tests/fa3_stand_in.py`` (it keeps fa3's schedule,
   so executed lengths are read back as on FlashInfer), and FlashMLA's kernels are those of
   ``tests/flashmla_stand_in.py`` on a platform that says SM90; the GPU tier's tests run on the
-  machine's device (``harness.launch.DEVICE``). So the vLLM, FlashMLA and port GPU tests run
+  machine's device (``harness.port.launch.DEVICE``). So the vLLM, FlashMLA and port GPU tests run
   there with the GPU runner's flags;
 - in a running process whose convert kernel runs in Triton's interpreter (a nested in-process
   session, ``tests/cpu/test_suite_catches_bugs.py``): :func:`simulate_in_process` makes the
   same patches through pytest's ``monkeypatch``, so they are undone after the test, and points
-  the tests at the CPU (``SPARSE_MLA_DEVICE=cpu``, read where ``harness.launch`` is imported:
+  the tests at the CPU (``SPARSE_MLA_DEVICE=cpu``, read where ``harness.port.launch`` is imported:
   it and the GPU tier's test modules are imported afresh by the nested session).
 """
 
@@ -49,9 +49,9 @@ from tests.support.reference_wrapper import ReferenceWrapper
 FEATURES = SimpleNamespace(version="simulated-sm90", plan_checks_page_counts=False, run_checks_cache_coverage=False,
                            run_checks_query_shape=False, describe=lambda: "simulated SM90 (reference stand-in)")
 
-#: Modules that read the device at import (``harness.launch.DEVICE``, and the GPU tier's tests
+#: Modules that read the device at import (``harness.port.launch.DEVICE``, and the GPU tier's tests
 #: that import it by name): imported afresh by a nested session on the simulated machine.
-DEVICE_BOUND_MODULES = ("harness.launch", "tests.gpu")
+DEVICE_BOUND_MODULES = ("harness.port.launch", "tests.gpu")
 
 
 #: Packed query rows (query row x head) one CTA of FlashInfer's fa3 MLA kernel computes.
@@ -300,7 +300,7 @@ def simulate_in_process(monkeypatch) -> None:
         if any(name == m or name.startswith(m + ".") for m in DEVICE_BOUND_MODULES):
             # The nested session's fresh import sets the package attribute too: put this
             # process's module back there as well as in sys.modules, or a later
-            # `import harness.launch` gets one copy through each.
+            # `import harness.port.launch` gets one copy through each.
             parent, _, child = name.rpartition(".")
             if getattr(sys.modules.get(parent), child, None) is module:
                 monkeypatch.setattr(sys.modules[parent], child, module)

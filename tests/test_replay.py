@@ -67,7 +67,7 @@ def rerun_on_installed(request, fx):
                                request.getfixturevalue("device")), why
     impl = request.getfixturevalue("impl")
 
-    from harness.launch import DEVICE
+    from harness.port.launch import DEVICE
     from pytest_sparse_mla.impl import IMPL_SPEC
     from recording.rerun import rerun_fixture
 
@@ -101,7 +101,7 @@ def load_case(path, request):
     re-runs it here). A recipe whose stages once killed their process runs them apart first
     (harness.pipeline.run_step_in_child); the recipe of a scale case that names no failing rows
     is first checked whole where a kernel runs, as its test did, in a child process
-    (harness.scale); then the rows are replayed."""
+    (harness.port.scale); then the rows are replayed."""
     if not is_recipe(path):
         return load_fixture(path)
     recipe = load_recipe(path)
@@ -117,7 +117,7 @@ def load_case(path, request):
         if result["outcome"] != "ok":
             pytest.fail(f"{path}: {result['detail']}", pytrace=False)
     elif recipe.get("scale_case") and kernel_here and not recipe.get("failing_rows"):
-        from harness.scale import case_by_id, run_case_in_child
+        from harness.port.scale import case_by_id, run_case_in_child
 
         result = run_case_in_child(case_by_id(recipe["scale_case"]), impl_spec, recipe["seed"])
         if result["outcome"] != "right":
@@ -132,7 +132,7 @@ def replay_sequence(path, request, regime_log) -> None:
     state carried as its test carried it: on an SM90 GPU with FlashInfer an attention-state
     sequence through one attention state, elsewhere the host stages with their buffers carried.
     It fails where a step fails, naming the step."""
-    from harness.sequence import first_failure, run_recorded_sequence
+    from harness.port.sequence import first_failure, run_recorded_sequence
     from recording.sequence import load_sequence
 
     try:

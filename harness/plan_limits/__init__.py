@@ -3,8 +3,9 @@ right (docs/edges.md#plan-limits). One module per job:
 
 - :mod:`.scheduler`: the fa3 scheduler's work items and its capacity;
 - :mod:`.search`: the plans searched and the grow-then-bisect search (pure);
-- :mod:`.child`: what runs in a child process (plan attempts, a rows attempt, the environment),
-  so a crash, an abort or a hang stays there and the search goes on;
+- :mod:`harness.port.plan_limits_child`: what runs in a child process (plan attempts, a rows
+  attempt, the environment), so a crash, an abort or a hang stays there and the search goes on;
+  it drives the port's API, so it lives among the port's state studies (``harness/port/``);
 - :mod:`.children`: the parent side (a plan worker, rows attempts, how a child died);
 - :mod:`.study`: the whole study per head count; :mod:`.report`: its tables.
 
@@ -16,7 +17,6 @@ an outcome; a plan that is accepted and then gives a wrong row without an error 
 
 from mla_constants import FA3_WORK_CAPACITY
 
-from .child import HEALTHY_REFUSALS, plan_attempt, rows_attempt
 from .children import (
     PLAN_TIMEOUT_S,
     REPO_ROOT,
@@ -32,9 +32,8 @@ from .search import INT32_ROWS_BOUND, PLAN_WIDTH, Attempt, Search, checked_sizes
 from .study import DEFAULT_HEADS, StudyUnavailable, environment_info, study, study_heads
 
 __all__ = [
-    "BAD_ROWS_OUTCOMES", "DEFAULT_HEADS", "FA3_WORK_CAPACITY", "HEALTHY_REFUSALS", "INT32_ROWS_BOUND", "PLAN_TIMEOUT_S",
-    "PLAN_WIDTH", "REPO_ROOT", "ROWS_TIMEOUT_S", "Attempt", "PlanWorker", "Search", "StudyUnavailable",
-    "WarmRowsChildren", "checked_sizes", "child_env", "entry_finding", "environment_info", "exceeds_work_capacity",
-    "fa3_work_items", "plan_attempt", "report_markdown", "rows_attempt", "run_rows_attempt", "search_largest",
-    "search_near", "study", "study_heads", "write_report",
+    "BAD_ROWS_OUTCOMES", "DEFAULT_HEADS", "FA3_WORK_CAPACITY", "INT32_ROWS_BOUND", "PLAN_TIMEOUT_S", "PLAN_WIDTH",
+    "REPO_ROOT", "ROWS_TIMEOUT_S", "Attempt", "PlanWorker", "Search", "StudyUnavailable", "WarmRowsChildren",
+    "checked_sizes", "child_env", "entry_finding", "environment_info", "exceeds_work_capacity", "fa3_work_items",
+    "report_markdown", "run_rows_attempt", "search_largest", "search_near", "study", "study_heads", "write_report",
 ]

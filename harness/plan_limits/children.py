@@ -1,5 +1,5 @@
 """The parent side of the plan-limit search: the children that make attempts
-(:mod:`harness.plan_limits.child`), how each ended (its result, or how it died, with the last
+(:mod:`harness.port.plan_limits_child`), how each ended (its result, or how it died, with the last
 stage it reached), and time limits. plan() alone launches no kernel, so plan attempts share one
 child (:class:`PlanWorker`), replaced after any attempt that did not end cleanly; each rows
 attempt gets a fresh child (:func:`run_rows_attempt`), or one started ahead that waits for its
@@ -29,7 +29,7 @@ def child_env() -> dict:
 
 
 def child_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "harness.plan_limits.child", *args]
+    return [sys.executable, "-m", "harness.port.plan_limits_child", *args]
 
 
 def _result_attempt(payload: dict) -> Attempt:
@@ -58,8 +58,9 @@ def _with_memory_retries(run) -> Attempt:
 
 class PlanWorker:
     """One child that makes plan attempts in turn; replaced after an attempt that crashed, timed
-    out or raised anything but :data:`HEALTHY_REFUSALS` (host-side checks, which leave the process
-    healthy), so no attempt runs in a process an earlier one may have damaged."""
+    out or raised anything but :data:`harness.port.plan_limits_child.HEALTHY_REFUSALS` (host-side
+    checks, which leave the process healthy), so no attempt runs in a process an earlier one may
+    have damaged."""
 
     def __init__(self, width: int = PLAN_WIDTH, timeout: float = PLAN_TIMEOUT_S, command=None):
         self.width = width

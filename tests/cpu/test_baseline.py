@@ -704,12 +704,12 @@ def replaying(stand_in, device, monkeypatch, pytester, gpu_tier_may_run):
     """The replay tests re-run fixtures on the stand-in as if on an SM90 GPU; ``version(v)``
     sets the FlashInfer version the run reports."""
     import harness.availability
-    import harness.launch
+    import harness.port.launch
     import recording.environment
     import recording.rerun
 
     monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: None)
-    monkeypatch.setattr(harness.launch, "DEVICE", device.type)
+    monkeypatch.setattr(harness.port.launch, "DEVICE", device.type)
 
     def version(v: str):
         monkeypatch.setattr(recording.environment, "flashinfer_version", lambda: v)

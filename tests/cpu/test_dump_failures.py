@@ -501,11 +501,11 @@ def run_scale_case_apart(pytester, monkeypatch, rows: int, select: str, bug: str
     """The scale case(s) of ``rows`` rows selected by ``select`` run in a child process, as the
     cases past the work capacity do, on the simulated SM90 machine, under ``tests.bugs:<bug>``
     with ``--dump-failures=dump``: the nested run's output lines and status."""
-    import harness.scale
+    import harness.port.scale
 
     if not simulated_sm90.can_simulate_in_process():
         pytest.skip("the simulated machine runs in this process only with the convert kernel in Triton's interpreter")
-    monkeypatch.setattr(harness.scale, "exceeds_work_capacity", lambda n: n == rows)
+    monkeypatch.setattr(harness.port.scale, "exceeds_work_capacity", lambda n: n == rows)
     simulated_sm90.simulate_in_process(monkeypatch)
     with simulated_sm90.nested_failures_released():
         result = run_pytest(pytester, str(ROOT / "tests/gpu/test_scale.py"), "-p", "no:xdist", "-k", select,
@@ -520,11 +520,11 @@ def test_a_scale_case_whose_child_crashes_fails_naming_case_and_stage_and_leaves
     """The scale cases past the work capacity run in a child process; one whose child dies in the
     stages of the implementation under test (not at the plan: no work-capacity finding) fails,
     naming the case and the stage, and leaves a recipe. Here the 1-row case runs apart."""
-    import harness.scale
+    import harness.port.scale
 
     dump = tmp_path / "dumps"
     out, ret = run_scale_case_apart(pytester, monkeypatch, 1, "rows1-kpool4", "ConvertKillsItsProcess", dump)
-    case = next(c for c in harness.scale.scale_cases() if c.rows == 1 and c.kpool == 4)
+    case = next(c for c in harness.port.scale.scale_cases() if c.rows == 1 and c.kpool == 4)
     assert ret == 1 and "1 failed" in out, out[-3000:]
     assert f"{case.id}: crashed at stage convert" in out, out[-3000:]
     recipes = list(dump.glob("*.recipe.json"))
@@ -586,7 +586,7 @@ def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_ke
     whole (past the work capacity, a whole run is the work-capacity finding on every release, so
     its replay could never pass)."""
     import harness.pipeline
-    import harness.scale
+    import harness.port.scale
     from pytest_sparse_mla.impl import IMPL_SPEC
     from tests import test_replay
 
@@ -606,7 +606,7 @@ def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_ke
     monkeypatch.setattr(test_replay, "is_recipe", lambda path: True)
     monkeypatch.setattr(test_replay, "load_recipe", lambda path: recipe)
     monkeypatch.setattr(harness.pipeline, "run_step_in_child", stages_apart)
-    monkeypatch.setattr(harness.scale, "run_case_in_child", whole)
+    monkeypatch.setattr(harness.port.scale, "run_case_in_child", whole)
     monkeypatch.setattr("harness.scenario.spec_from_dict", lambda spec: spec)
     path = tmp_path / "case.recipe.json"
 

@@ -30,7 +30,7 @@ from backends.flashinfer_compat import (
     refusal,
     unsupported_reason,
 )
-from harness.full_width_strided import outcome_problem
+from harness.port.full_width_strided import outcome_problem
 
 FLAT_PLAN = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads", "head_dim_ckv", "head_dim_kpe",
              "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type")

@@ -145,11 +145,11 @@ def test_an_unexpected_nvml_exception_is_reported(monkeypatch, no_nvidia_smi, fa
 
 
 def test_prebuild_without_a_gpu_refuses_in_one_line(monkeypatch, capsys):
-    """``python3 -m harness.prebuild`` (``sys.exit(main())``) where torch sees no CUDA GPU: one line
+    """``python3 -m harness.port.prebuild`` (``sys.exit(main())``) where torch sees no CUDA GPU: one line
     naming why, non-zero exit. Its ``main`` in this process, torch's CUDA hidden for the call."""
     import torch
 
-    from harness import prebuild
+    from harness.port import prebuild
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with warnings.catch_warnings():
@@ -157,7 +157,7 @@ def test_prebuild_without_a_gpu_refuses_in_one_line(monkeypatch, capsys):
         status = prebuild.main([])
     captured = capsys.readouterr()
     lines = (captured.out + captured.err).splitlines()
-    expected = ["harness.prebuild: nothing to build here: no CUDA GPU visible to torch"]
+    expected = ["harness.port.prebuild: nothing to build here: no CUDA GPU visible to torch"]
     assert status != 0 and lines == expected, f"exit {status}:\n" + "\n".join(lines)
 
 
@@ -186,7 +186,7 @@ def test_the_prebuild_finds_each_variant_missing_from_the_cache(tmp_path):
     """Module names as FlashInfer 0.7.4 writes them; a folder without its library is a build
     that did not finish; the fa3 module's name ends in ``_sm90``, the fa2 module's does not, and
     each stands only for its own kernel."""
-    from harness.prebuild import VARIANTS, missing_variants
+    from harness.port.prebuild import VARIANTS, missing_variants
     from mla_constants import FA2_KERNEL_VARIANTS
 
     def module(kv: str, kpe: int, suffix: str = "_planabi2_sm90", built: bool = True) -> None:

@@ -8,9 +8,10 @@ No module imports a test module (``tests/**/test_*.py``): what test modules shar
 
 harness/ and recording/ reach a vendor only through the backend seam: they import no vendor
 package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and from backends/ only
-the seam and the registry (:data:`SEAM_MODULES`). The studies of the port's own state
-(:data:`PORT_STUDIES`: its graphs, kept plans, scale and plan limits, reruns of its fixtures) may
-also import the port's API, ``backends.port``; no other module of harness/ or recording/ may.
+the seam and the registry (:data:`SEAM_MODULES`). The studies of the port's own state (its graphs,
+kept plans, scale and plan limits) live in harness/port/ (:data:`PORT_WING`); they, and
+:data:`PORT_STUDIES_ELSEWHERE` (the reruns of the port's fixtures), may also import the port's API,
+``backends.port``; no other module of harness/ or recording/ may.
 fast/ holds the port's host stages: it imports no vendor package (FlashInfer's wrapper and the
 port's attention state are backends/').
 """
@@ -43,16 +44,14 @@ LAYERS = {
 SEAM_MODULES = ("backends.seam", "backends.registry")
 #: The port's API, for the studies of the port's own state alone.
 PORT_API = "backends.port"
-#: The modules of harness/ and recording/ that study the port's own state and drive it through its API.
-PORT_STUDIES = (
-    "harness.full_width_strided",
-    "harness.launch",
-    "harness.plan_limits.child",
-    "harness.prebuild",
-    "harness.scale",
-    "harness.sequence",
-    "recording.rerun",
-)
+#: The folder of the studies of the port's own state: every module under it drives the port
+#: through its API, and no module of harness/ outside it may import that API.
+PORT_WING = Path("harness", "port")
+#: Studies of the port's state outside :data:`PORT_WING`, named one by one. ``recording.rerun``
+#: re-runs a recorded fixture on the port, and it reads that fixture through recording/ (its
+#: format, environment and replay verdict): recording/ is above harness/, so under harness/port/
+#: it could not import them.
+PORT_STUDIES_ELSEWHERE = ("recording.rerun",)
 #: Vendor packages and the project's modules that wrap them.
 VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "backends.flashinfer_compat", "backends.sm90_state")
 BEHIND_THE_SEAM = ("harness", "recording")
@@ -194,16 +193,27 @@ def imports_breaking(rule, root: Path = ROOT) -> list[str]:
             for problem in [rule(path, module)] if problem]
 
 
+def in_port_wing(path: Path, root: Path = ROOT) -> bool:
+    """Whether the module lives under :data:`PORT_WING` (a folder of it too)."""
+    return path.relative_to(root).parts[: len(PORT_WING.parts)] == PORT_WING.parts
+
+
+def is_port_study(path: Path, root: Path = ROOT) -> bool:
+    """Whether the module studies the port's own state: it lives under :data:`PORT_WING`, or it
+    is one of :data:`PORT_STUDIES_ELSEWHERE`."""
+    return in_port_wing(path, root) or module_name(path, root) in PORT_STUDIES_ELSEWHERE
+
+
 def vendor_imports(root: Path = ROOT) -> list[str]:
     """One line per import in harness/ or recording/ of a vendor module, or of a backends module
-    other than the seam and the registry (the port's API allowed in :data:`PORT_STUDIES`); and per
-    import in fast/ of a vendor module."""
+    other than the seam and the registry (the port's API allowed in the port's state studies,
+    :func:`is_port_study`); and per import in fast/ of a vendor module."""
 
     def past_the_seam(path: Path, module: str) -> str | None:
         top = top_level_of(path, root)
         if top not in BEHIND_THE_SEAM + HOST_STAGES:
             return None
-        allowed = SEAM_MODULES + ((PORT_API,) if module_name(path, root) in PORT_STUDIES else ())
+        allowed = SEAM_MODULES + ((PORT_API,) if is_port_study(path, root) else ())
         vendor = any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
         past_seam = top in BEHIND_THE_SEAM and module.startswith("backends") and module not in allowed
         return f"imports {module} (reach it through backends.seam)" if vendor or past_seam else None
@@ -265,21 +275,33 @@ def test_the_check_sees_hidden_relative_and_dynamic_imports(tmp_path, rel, sourc
 
 
 def test_the_seam_check_lets_only_the_port_studies_import_the_port(tmp_path):
-    (tmp_path / "harness").mkdir()
-    (tmp_path / "harness" / "launch.py").write_text("from backends.port import make_attention_state\n")
+    """Under harness/port/ (a sub-package too) and in recording/rerun.py the port's API is allowed;
+    anywhere else in harness/ or recording/ it is not, a module named as a study but outside the
+    folder (harness/launch.py) or in a folder whose name only starts alike (harness/portable/)
+    included."""
+    port_import = "from backends.port import make_attention_state\n"
+    for rel in ("harness/port/launch.py", "harness/port/sub/study.py", "recording/rerun.py", "harness/launch.py",
+                "harness/portable/x.py", "recording/replay.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(port_import)
     (tmp_path / "harness" / "judge.py").write_text("from backends.port import PortBackend\n"
                                                   "from backends.registry import open_backend\n")
     found = vendor_imports(tmp_path)
-    assert found == ["harness/judge.py:1: imports backends.port (reach it through backends.seam)"]
+    outside = ("harness/judge.py", "harness/launch.py", "harness/portable/x.py", "recording/replay.py")
+    assert found == [f"{rel}:1: imports backends.port (reach it through backends.seam)" for rel in outside]
 
 
 def test_every_port_study_named_exists_and_uses_the_port():
-    """A module that stopped studying the port leaves the list, so the list never grows stale."""
+    """Every module under harness/port/ (its ``__init__`` aside) and every one of
+    :data:`PORT_STUDIES_ELSEWHERE` exists and imports the port's API: a module that stopped
+    studying the port leaves the folder or the list, so neither grows stale."""
     paths = {module_name(p): p for p in project_modules()}
-    stale = [name for name in PORT_STUDIES
+    wing = [name for name, path in paths.items() if in_port_wing(path) and path.name != "__init__.py"]
+    assert wing, f"no port studies found under {PORT_WING}"
+    stale = [name for name in [*wing, *PORT_STUDIES_ELSEWHERE]
              if name not in paths
              or PORT_API not in {module for _, module in imported_modules(paths[name].read_text(), paths[name])}]
-    assert stale == [], f"PORT_STUDIES names modules that do not import {PORT_API}: {stale}"
+    assert stale == [], f"port studies that do not import {PORT_API}: {stale}"
 
 
 def imports_of_test_modules(root: Path = ROOT) -> list[str]:

@@ -21,16 +21,14 @@ from harness.plan_limits import (
     entry_finding,
     exceeds_work_capacity,
     fa3_work_items,
-    plan_attempt,
     report_markdown,
-    rows_attempt,
     run_rows_attempt,
     search_largest,
     search_near,
     study_heads,
     write_report,
 )
-from harness.plan_limits.child import rows_from_line, warm_up
+from harness.port.plan_limits_child import plan_attempt, rows_attempt, rows_from_line, warm_up
 from mla_constants import FA3_WORK_CAPACITY
 from tests.support.reference_wrapper import ReferenceWrapper
 

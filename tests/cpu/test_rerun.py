@@ -210,7 +210,7 @@ def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(
     --impl dumps its failing cases; --replay re-runs them through the same --impl and fails on
     the rows the tests named, and through the fixed implementation passes."""
     import harness.availability
-    import harness.launch
+    import harness.port.launch
 
     dump = tmp_path / "dumps"
     run = lambda *args: pytester.runpytest_inprocess("-p", "no:cacheprovider", "--rootdir", str(ROOT), *args)  # noqa: E731
@@ -226,7 +226,7 @@ def test_replaying_dumped_failures_reruns_them_and_fails_on_the_same_rows(
     assert len(files) == 2
     c_rows = {f.name: regime_rows(load_fixture(f), "C") for f in files}
     monkeypatch.setattr(harness.availability, "sm90_flashinfer_unavailable_reason", lambda: None)
-    monkeypatch.setattr(harness.launch, "DEVICE", device.type)
+    monkeypatch.setattr(harness.port.launch, "DEVICE", device.type)
     result = run(
         str(ROOT / "tests/test_replay.py"), f"--replay={dump}", "--impl=tests.bugs:CompactionPlansPrefix", "-rA"
     )

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-import harness.launch
+import harness.port.launch
 import scripts.sanitize as sanitize
 
 #: A kernel frame and an API error as compute-sanitizer writes them, each one line of the log.
@@ -112,7 +112,7 @@ def test_every_variant_has_a_driver_config():
 
 @pytest.mark.parametrize("variant", ["bf16-rope64", "fp8-rope64", "bf16-nope"])
 def test_driver_runs_its_case_through_the_stand_in(stand_in, device, monkeypatch, variant):
-    monkeypatch.setattr(harness.launch, "DEVICE", device.type)
+    monkeypatch.setattr(harness.port.launch, "DEVICE", device.type)
     result = sanitize.driver(variant, device.type)
     assert result["regimes"] == ["G", "C", "D"] and result["rows"] == 3 and result["nonfinite_rows"] == []
 

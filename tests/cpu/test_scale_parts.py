@@ -20,8 +20,16 @@ from fast.layouts import LAYOUTS
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import KPOOLS, VARIANTS
 from harness.pipeline import as_planned, prepare_step, selection_mismatches
+from harness.port.scale import (
+    LARGE_ROWS,
+    SCALE_HEADS,
+    SCALE_ROWS,
+    case_by_id,
+    run_case_in_child,
+    scale_cases,
+    scale_spec,
+)
 from harness.row_check import judge_rows, planned_selection_on, row_errors, same_multisets_on, selection_mismatches_on
-from harness.scale import LARGE_ROWS, SCALE_HEADS, SCALE_ROWS, case_by_id, run_case_in_child, scale_cases, scale_spec
 from harness.scenario import (
     build_attention_inputs_on,
     component_seed,
@@ -380,16 +388,16 @@ def test_a_scale_child_that_ran_out_of_gpu_memory_is_made_again(monkeypatch):
     """Another worker's test held the memory: the case runs again in a fresh child, and the
     result says so; a child that runs out every time is reported as it ended."""
     import harness.memory_retry
-    import harness.scale
+    import harness.port.scale
 
     monkeypatch.setattr(harness.memory_retry, "OOM_PAUSE_S", 0.0)
     out_of_memory = {"outcome": "crashed", "stage": "judge", "detail": "child exited with 1 at stage judge: "
                      "torch.OutOfMemoryError: CUDA out of memory", "out_of_gpu_memory": True}
     results = [dict(out_of_memory), {"outcome": "right", "detail": "every row within budget"}]
-    monkeypatch.setattr(harness.scale, "_case_in_one_child", lambda *args: results.pop(0))
+    monkeypatch.setattr(harness.port.scale, "_case_in_one_child", lambda *args: results.pop(0))
     result = run_case_in_child(case_by_id("rows1-kpool4-bf16-rope64-h16"), "fast.impl:default_impl")
     assert result["outcome"] == "right" and result["memory_retries"] == 1 and "made 2 times" in result["detail"]
-    monkeypatch.setattr(harness.scale, "_case_in_one_child", lambda *args: dict(out_of_memory))
+    monkeypatch.setattr(harness.port.scale, "_case_in_one_child", lambda *args: dict(out_of_memory))
     result = run_case_in_child(case_by_id("rows1-kpool4-bf16-rope64-h16"), "fast.impl:default_impl")
     assert result["outcome"] == "crashed" and result["memory_retries"] == harness.memory_retry.OOM_RETRIES
     assert "CUDA out of memory" in result["detail"] and "made 3 times" in result["detail"]

@@ -1,5 +1,5 @@
 """A failure that needs several steps, handed on: a multi-step test under ``--dump-failures``
-writes the sequence of its steps (``harness.sequence``, ``recording.sequence``), shrunk over
+writes the sequence of its steps (``harness.port.sequence``, ``recording.sequence``), shrunk over
 steps; ``--replay`` runs the sequence again with the state carried and fails where the bug is,
 passes without it. The sequence file is checked field by field when it is loaded."""
 
@@ -14,7 +14,7 @@ import pytest
 from fast.impl import FastImpl
 from harness import batch
 from harness.case_log import note_sequence, note_sequence_step
-from harness.sequence import (
+from harness.port.sequence import (
     ReusedBuffers,
     Sequence,
     first_failure,
@@ -306,7 +306,7 @@ def test_a_graph_replay_may_differ_from_the_eager_run_only_where_the_cluster_siz
     or different where the plan's cluster size is not the captured one (a finding, not a
     failure); a difference at the captured cluster size is a problem."""
     from harness.findings import STALE_CLUSTER_FINDING
-    from harness.sequence import replay_against_eager
+    from harness.port.sequence import replay_against_eager
 
     assert replay_against_eager([], 3, 25, 128, 25) == ([], [])
     problems, findings = replay_against_eager([2], 3, 25, 128, 25)  # cluster size 1, captured 2

@@ -126,7 +126,7 @@ SCALE = "tests/gpu/test_scale.py"
 INVARIANCE = "tests/gpu/test_invariance.py"
 SEAM = "tests/gpu/test_backends.py"
 #: The scale case past the 512-row grid of StepKernelsOnTheCapturedGrid that the simulated
-#: machine runs in seconds: 1024 rows at H 16 and a top-k of 64 (``harness.scale.narrow_scale_cases``).
+#: machine runs in seconds: 1024 rows at H 16 and a top-k of 64 (``harness.port.scale.narrow_scale_cases``).
 SCALE_PAST_THE_GRID = "rows1024-kpool1-topk64"
 #: The invariance case the simulated machine runs in seconds: its 256-row batches at H 16, no
 #: rope, a top-k of 128 (``tests/gpu/test_invariance.py``, ``NARROW_TOPK``).

@@ -17,7 +17,7 @@ def features():
     """Features of the installed FlashInfer (backends.flashinfer_compat.Features), its checks
     before launch probed on this process's GPU."""
     from backends.flashinfer_compat import detect_features
-    from harness.launch import DEVICE
+    from harness.port.launch import DEVICE
 
     return detect_features(DEVICE)
 

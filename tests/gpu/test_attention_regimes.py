@@ -26,8 +26,8 @@ from harness import build_scenario
 from harness.backend_step import laid_out_step
 from harness.cases import case_layout_index, covering_config, large_batch_cases, situation_cases
 from harness.judge import run_case
-from harness.launch import DEVICE
 from harness.pipeline import describe_rows
+from harness.port.launch import DEVICE
 from reference import check_plan_invariants
 from reference.rules import valid_counts, valid_first
 from tests.regime_c import REGIME_CASES, regime_c_marks

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from harness.judge import run_case
-from harness.launch import DEVICE
+from harness.port.launch import DEVICE
 from tests.vllm_cases import step_params
 
 pytestmark = pytest.mark.gpu

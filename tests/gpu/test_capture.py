@@ -9,7 +9,7 @@ import torch
 
 from backends.port import make_attention_state
 from harness import AttentionInputs, batch, build_attention_inputs, build_scenario
-from harness.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
+from harness.port.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
 from recording.capture import capture_mla
 from recording.fixture import bitwise_equal, load_fixture
 from recording.replay import replay

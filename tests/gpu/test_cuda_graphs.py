@@ -21,7 +21,7 @@ from harness import build_attention_inputs, build_scenario
 from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import covering_config, graph_replay_sequence
 from harness.findings import STALE_CLUSTER_FINDING
-from harness.launch import (
+from harness.port.launch import (
     DEVICE,
     StaticStep,
     assert_launchable,

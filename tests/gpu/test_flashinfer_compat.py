@@ -30,8 +30,8 @@ from backends.flashinfer_compat import (
 from backends.port import make_attention_state
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import covering_config
-from harness.full_width_strided import outcome_problem
-from harness.launch import (
+from harness.port.full_width_strided import outcome_problem
+from harness.port.launch import (
     DEVICE,
     assert_launchable,
     attention_config,
@@ -162,10 +162,10 @@ def test_fp8_cache_in_uint8_storage_is_planned_as_e4m3(impl, features, request, 
 
 
 def run_full_width_strided() -> tuple[dict, str]:
-    """The last stage ``harness.full_width_strided`` reached (with ``returncode`` and
+    """The last stage ``harness.port.full_width_strided`` reached (with ``returncode`` and
     ``died`` when the process did not exit cleanly), and its stderr tail."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "harness.full_width_strided", "41"], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "harness.port.full_width_strided", "41"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     outcome = json.loads(lines[-1]) if lines else {"stage": None}

@@ -26,7 +26,7 @@ from harness.cases import KernelConfig, large_batch_cases, sequence_steps
 from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify
 from harness.judge import measured, run_case, run_sequence
-from harness.launch import DEVICE
+from harness.port.launch import DEVICE
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.flashmla_table import max_difference, table_row, write_table_row
 from tests import flashmla_cases

@@ -17,7 +17,8 @@ from harness.case_log import note_sequence_step
 from harness.cases import case_scenario, input_space_cases
 from harness.findings import topk_hole_rows
 from harness.input_space import classify
-from harness.launch import (
+from harness.pipeline import selection_mismatches
+from harness.port.launch import (
     DEVICE,
     assert_launchable,
     assert_within_budget,
@@ -30,7 +31,6 @@ from harness.launch import (
     state_matches_step,
     sync,
 )
-from harness.pipeline import selection_mismatches
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.port_reports import record_errors
 from tests.support.evolving_batch import MAX_ROWS, EvolvingBatch

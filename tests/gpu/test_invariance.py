@@ -26,7 +26,7 @@ from harness.invariance import (
     placement_rows,
     pool_cache,
 )
-from harness.launch import DEVICE, nan_buffers, sync
+from harness.port.launch import DEVICE, nan_buffers, sync
 from harness.row_check import judge_rows
 from mla_constants import INVALID, KV_LORA_RANK, TOPK
 

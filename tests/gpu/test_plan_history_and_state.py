@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.launch import DEVICE
 from harness.plan_history import check_graph_against_eager, check_plan_history, check_poisoned_workspaces
+from harness.port.launch import DEVICE
 from pytest_sparse_mla.backend import open_run_backend
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ import torch
 from backends.port import make_attention_state
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import covering_config
-from harness.launch import (
+from harness.port.launch import (
     DEVICE,
     StaticStep,
     assert_launchable,

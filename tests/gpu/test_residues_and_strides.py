@@ -28,7 +28,7 @@ from harness.backend_step import layer_config, valid_lengths
 from harness.builder import build_scenario
 from harness.device_inputs import build_attention_inputs
 from harness.judge import port_twin, run_case, scenario_of_step
-from harness.launch import DEVICE
+from harness.port.launch import DEVICE
 from tests.residues_and_strides import (
     FLASHMLA_TAKES_WHOLE_ROWS,
     blocks_apart_params,

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from harness.findings import WORK_CAPACITY_FINDING, WorkCapacityExceeded
-from harness.launch import DEVICE
 from harness.pipeline import prepare_step
-from harness.scale import (
+from harness.port.launch import DEVICE
+from harness.port.scale import (
     SCALE_LAYOUT,
     SCALE_SEED,
     check_scale_case,

@@ -19,7 +19,7 @@ import pytest
 
 from backends.registry import open_backend
 from harness.judge import run_case
-from harness.launch import DEVICE
+from harness.port.launch import DEVICE
 from mla_constants import TOPK
 from tests.topk_hole_cases import ROPE_CONFIGS, hole_params
 

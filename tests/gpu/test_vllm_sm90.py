@@ -22,7 +22,7 @@ import pytest
 
 from harness.cases import KernelConfig, device_split_cases, sequence_steps
 from harness.judge import port_twin, run_case, run_sequence
-from harness.launch import DEVICE
+from harness.port.launch import DEVICE
 from tests.vllm_cases import input_space_params, large_params, magnitude_params, step_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]

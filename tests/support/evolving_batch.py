@@ -12,7 +12,7 @@ from harness.case_log import note_sequence, note_sequence_step
 from harness.input_space import (
     classify,
 )
-from harness.sequence import ReusedBuffers, host_step_problems
+from harness.port.sequence import ReusedBuffers, host_step_problems
 from harness.spec import graph_padded, uniform_query_len
 from harness.transitions import step_transitions
 from pytest_sparse_mla.coverage import record_input, record_transitions
@@ -29,7 +29,7 @@ class EvolvingBatch(RuleBasedStateMachine):
     planned into buffers sized once for MAX_ROWS rows and reused; the transitions between
     consecutive steps are recorded (harness.transitions)."""
 
-    SEQUENCE_KIND = "reused-buffers"  # the state it carries (harness.sequence), as a failure is dumped
+    SEQUENCE_KIND = "reused-buffers"  # the state it carries (harness.port.sequence), as a failure is dumped
 
     def __init__(self):
         super().__init__()

@@ -1,7 +1,7 @@
 """Build (or load) every FlashInfer kernel variant the GPU tier uses and print how long each
 took: a cold JIT cache shows the build time, a warm or restored one the load time.
 
-    python3 -m harness.prebuild [--parallel] [--only-missing]
+    python3 -m harness.port.prebuild [--parallel] [--only-missing]
 
 The variants are every one the GPU tier launches: ``mla_constants.KERNEL_VARIANTS`` on the fa3
 kernel and ``mla_constants.FA2_KERNEL_VARIANTS`` on fa2 (the port on fa2). One after the other by
@@ -27,10 +27,10 @@ from backends.port import make_attention_state
 from fast.impl import default_impl
 from mla_constants import FA2_KERNEL_VARIANTS, KERNEL_VARIANTS, ROPE_DIM, TOPK
 
-from .availability import sm90_flashinfer_unavailable_reason
-from .cases import KernelConfig
+from ..availability import sm90_flashinfer_unavailable_reason
+from ..cases import KernelConfig
+from ..scenario import batch, build_scenario
 from .launch import attention_config
-from .scenario import batch, build_scenario
 
 #: (kernel, kv dtype, rope, k_scale) of every variant built.
 VARIANTS = tuple(("fa3", *v) for v in KERNEL_VARIANTS) + tuple(("fa2", *v) for v in FA2_KERNEL_VARIANTS)
@@ -79,14 +79,14 @@ def variant_by_name(name: str) -> tuple[str, str, bool, float]:
     for variant in VARIANTS:
         if variant_label(*variant[:3]) == name:
             return variant
-    raise SystemExit(f"harness.prebuild: no kernel variant {name!r}")
+    raise SystemExit(f"harness.port.prebuild: no kernel variant {name!r}")
 
 
 def build_in_parallel(variants) -> int:
     """Each of ``variants`` built in a process of its own, all at once; the slowest sets the time."""
     names = [variant_label(*v[:3]) for v in variants]
     started = time.perf_counter()
-    children = [subprocess.Popen([sys.executable, "-m", "harness.prebuild", "--variant", name]) for name in names]
+    children = [subprocess.Popen([sys.executable, "-m", "harness.port.prebuild", "--variant", name]) for name in names]
     codes = [child.wait() for child in children]
     print(f"jit all variants at once {time.perf_counter() - started:7.1f} s", flush=True)
     return max(codes, key=abs)  # a child killed by a signal has a negative code
@@ -95,7 +95,7 @@ def build_in_parallel(variants) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Build every variant; where the SM90 FlashInfer path cannot run, one line saying why
     and exit status 2, nothing built."""
-    parser = argparse.ArgumentParser(prog="python3 -m harness.prebuild", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m harness.port.prebuild", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parallel", action="store_true", help="each variant in a process of its own, at once")
     parser.add_argument("--only-missing", action="store_true",
                         help="nothing where the JIT cache holds every variant built")
@@ -103,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     reason = sm90_flashinfer_unavailable_reason()
     if reason:
-        print(f"harness.prebuild: nothing to build here: {reason}", file=sys.stderr)
+        print(f"harness.port.prebuild: nothing to build here: {reason}", file=sys.stderr)
         return 2
     chosen = [variant_by_name(args.variant)] if args.variant else list(VARIANTS)
     if args.only_missing:
         missing = missing_variants(flashinfer_jit_dir())
         chosen = [v for v in chosen if v in missing]
         if not chosen:
-            print("harness.prebuild: the JIT cache holds every variant built; nothing to build", flush=True)
+            print("harness.port.prebuild: the JIT cache holds every variant built; nothing to build", flush=True)
             return 0
     if args.parallel:
         return build_in_parallel(chosen)

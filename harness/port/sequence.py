@@ -34,8 +34,8 @@ from fast.layouts import indices_capacity
 from reference import intended_selection, kv_len_rule, planned_selection
 from reference.invariants import same_multisets
 
-from .scenario import build_scenario
-from .spec import BatchSpec, Scenario
+from ..scenario import build_scenario
+from ..spec import BatchSpec, Scenario
 
 KINDS = ("reused-buffers", "attention-state")
 #: What the carried buffers hold before the first step (production never clears them).
@@ -183,11 +183,11 @@ class _Refusals:
 
 
 def run_state_sequence(impl, features, sequence: Sequence) -> list[StepResult]:
-    """Every step through one attention state on the GPU (``harness.launch.DEVICE``), its
+    """Every step through one attention state on the GPU (``harness.port.launch.DEVICE``), its
     buffers and state sized for the sequence's row capacity (``sequence.max_rows``: what its
     test sized them for, which sets FlashInfer's batch size under CUDA graphs)."""
+    from ..device_inputs import build_attention_inputs
     from . import launch
-    from .device_inputs import build_attention_inputs
 
     scenarios = sequence.scenarios()
     static = launch.StaticStep(scenarios, impl, max_rows=sequence.max_rows)
@@ -239,8 +239,8 @@ def replay_against_eager(rows: list[int], num_rows: int, captured_rows: int, num
     same plan, judged as ``tests/gpu/test_cuda_graphs.py`` judges it: a replay may differ only
     where the plan's cluster size differs from the captured one, FlashInfer's standing finding
     (docs/findings.md#graph-replay-with-stale-plan-state); any other difference is a problem."""
-    from .findings import STALE_CLUSTER_FINDING
-    from .plan_limits.scheduler import cluster_size
+    from ..findings import STALE_CLUSTER_FINDING
+    from ..plan_limits.scheduler import cluster_size
 
     if not rows:
         return [], []

@@ -11,7 +11,7 @@ and 128), so each head count meets every variant and both kpools.
 and layout (compacted), the invariants and (b) == (a) on the device, plan, run, and every row
 against the float64 truth and the yardstick (:mod:`harness.row_check`). It returns a
 JSON-able result, so a case that may crash the process (a plan beyond the scheduler's work
-capacity, :mod:`harness.plan_limits`) can run in a child: ``python3 -m harness.scale --case ID``
+capacity, :mod:`harness.plan_limits`) can run in a child: ``python3 -m harness.port.scale --case ID``
 prints a ``STAGE`` line per stage reached and the ``RESULT`` last.
 """
 
@@ -32,10 +32,10 @@ import torch
 from backends.port import make_attention_state
 from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV, TOPK
 
-from .cases import LONG_CTX, LONG_CTX_128K, VARIANTS, KernelConfig, regime_contexts
-from .memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory, retries_note
-from .plan_limits import REPO_ROOT, child_env, exceeds_work_capacity
-from .scenario import BatchSpec, Scenario, batch, build_scenario
+from ..cases import LONG_CTX, LONG_CTX_128K, VARIANTS, KernelConfig, regime_contexts
+from ..memory_retry import out_of_gpu_memory, retried_when_out_of_gpu_memory, retries_note
+from ..plan_limits import REPO_ROOT, child_env, exceeds_work_capacity
+from ..scenario import BatchSpec, Scenario, batch, build_scenario
 
 SCALE_ROWS = (1, 2, 3, 1024, 8192, 16384, 32768)
 SCALE_HEADS = (16, 128)
@@ -141,10 +141,10 @@ def check_scale_case(impl, case: ScaleCase, device, seed: int = SCALE_SEED, emit
     error), invalid (an invariant or the selection broke, nothing launched), refused (plan()
     raised) or run-error, the failing rows described, and the regimes of the planned rows.
     ``emit(stage, info)`` is called as each stage is reached."""
+    from ..pipeline import describe_rows, prepare_step
+    from ..row_check import judge_rows, planned_selection_on, selection_mismatches_on
+    from ..scenario import build_attention_inputs_on
     from .launch import attention_config, launch_inputs, nan_buffers
-    from .pipeline import describe_rows, prepare_step
-    from .row_check import judge_rows, planned_selection_on, selection_mismatches_on
-    from .scenario import build_attention_inputs_on
 
     start = time.perf_counter()
     times: dict[str, float] = {}
@@ -228,7 +228,7 @@ def run_case_in_child(
 
 
 def _case_in_one_child(case: ScaleCase, impl_spec: str, seed: int, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "harness.scale", "--case", case.id, "--impl", impl_spec, "--seed", str(seed)]
+    cmd = [sys.executable, "-m", "harness.port.scale", "--case", case.id, "--impl", impl_spec, "--seed", str(seed)]
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=child_env())
@@ -251,7 +251,7 @@ def _case_in_one_child(case: ScaleCase, impl_spec: str, seed: int, timeout: floa
 
 
 def child_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="one scale case in its own process (see harness.scale)")
+    parser = argparse.ArgumentParser(description="one scale case in its own process (see harness.port.scale)")
     parser.add_argument("--case", required=True)
     parser.add_argument("--impl", default="fast.impl:default_impl")
     parser.add_argument("--seed", type=int, default=SCALE_SEED)

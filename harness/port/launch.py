@@ -30,9 +30,9 @@ from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV, KV_LORA_
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
 
-from .case_log import note_step
-from .pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
-from .scenario import AttentionInputs, Scenario
+from ..case_log import note_step
+from ..pipeline import Step, as_planned, describe_rows, prepare_step, selection_mismatches
+from ..scenario import AttentionInputs, Scenario
 
 DEVICE = os.environ.get(GPU_TIER_DEVICE_ENV, GPU_TIER_DEFAULT_DEVICE)
 

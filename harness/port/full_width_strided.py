@@ -40,7 +40,7 @@ def outcome_problem(outcome: dict, *, run_checks_cache_coverage: bool) -> str:
 
 def main(seed: int) -> dict:
     from fast.impl import default_impl
-    from harness.launch import attention_config, launch_inputs, nan_buffers
+    from harness.port.launch import attention_config, launch_inputs, nan_buffers
     from harness.scenario import batch, build_attention_inputs, build_scenario
 
     impl = default_impl()

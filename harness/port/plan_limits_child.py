@@ -1,4 +1,4 @@
-"""One child of the plan-limit search (``python3 -m harness.plan_limits.child``): plan attempts
+"""One child of the plan-limit search (``python3 -m harness.port.plan_limits_child``): plan attempts
 served one per input line, or one rows attempt (plan, run, every row judged), its size given on
 the command line or, after the child has started, on stdin. A crash, an abort or a hang stays
 in the child; a refusal is a result (the exception's type and message)."""
@@ -12,7 +12,7 @@ import time
 
 from mla_constants import DEEPSEEK_V32_SM_SCALE
 
-from .search import PLAN_WIDTH
+from ..plan_limits.search import PLAN_WIDTH
 
 
 def _exception_text(exc: BaseException, limit: int = 600) -> str:
@@ -92,7 +92,7 @@ def rows_attempt(n: int, heads: int, width: int = PLAN_WIDTH, device: str = "cud
     that died was."""
     import torch
 
-    from harness.launch import nan_buffers
+    from harness.port.launch import nan_buffers
     from harness.row_check import judge_rows
     from harness.scenario import component_seed, query_rows, slot_values_on
 
@@ -165,7 +165,8 @@ def warm_up(device: str = "cuda") -> None:
     import torch
 
     from backends.port import signature_features
-    from harness import launch, row_check  # noqa: F401
+    from harness import row_check  # noqa: F401
+    from harness.port import launch  # noqa: F401
 
     try:
         signature_features()
