@@ -368,3 +368,20 @@ def test_the_judge_names_no_vendor():
 def test_the_vendor_name_check_sees_a_branch_on_a_vendor():
     assert vendor_names_in_code('"""about vLLM"""\nif is_vllm_backend(b):\n    x = b.design\n# vllm\n') == \
         ["2: is_vllm_backend", "3: design"]
+
+
+def listed_packages(pyproject: str) -> list[str]:
+    """The packages ``[tool.setuptools] packages`` lists in the text of ``pyproject.toml``."""
+    match = re.search(r"^packages\s*=\s*\[([^\]]*)\]", pyproject, re.MULTILINE)
+    return re.findall(r'"([^"]+)"', match.group(1)) if match else []
+
+
+def test_every_package_of_the_project_is_listed_for_the_wheel():
+    """A package missing from pyproject.toml's list works from a checkout or an editable install
+    and is left out of a built wheel: every folder with an __init__.py is listed, but those run from
+    a checkout (the tests, the benchmark and the scripts)."""
+    from_checkout = {"tests", "bench", "scripts"}
+    folders = [p.parent.relative_to(ROOT).parts for p in ROOT.glob("*/**/__init__.py")]
+    found = sorted(".".join(parts) for parts in folders
+                   if parts[0] in LAYERS and parts[0] not in from_checkout and not SKIPPED_DIRS & set(parts))
+    assert sorted(listed_packages((ROOT / "pyproject.toml").read_text())) == found
