@@ -197,6 +197,39 @@ def with_rejected_drafts(scenario: Scenario, slack: int) -> Scenario:
     return dataclasses.replace(scenario, meta=dataclasses.replace(meta, seq_lens_cpu_upper_bound=upper))
 
 
+#: The draft steps whose top-k rows MTP with shared indices reuses (draft step 0 computes them).
+MTP_DRAFT_STEPS = (1, 2, 3)
+
+
+def with_shared_mtp_indices(scenario: Scenario, draft_step: int) -> Scenario:
+    """The scenario as draft step ``draft_step`` of MTP with shared top-k indices runs it (vLLM
+    0.34.0's speculator with ``index_share_for_mtp_iteration``): draft step 0 computed each
+    request's top-k at its last token, context ``L``, and ``compact_topk_indices`` kept that row;
+    draft step ``k`` skips the indexer and hands the backend the kept row while its one query
+    token is at context ``L + k``. So each single-token decode's row here is the indexer's row at
+    context ``ctx - k`` (identity fill where step 0's longest context was within topk), drawn from
+    a generator keyed by the scenario's seed; its metadata (seq_lens, positions) stays at ``ctx``
+    (docs/input-space.md#mtp-with-shared-top-k-indices)."""
+    if draft_step not in MTP_DRAFT_STEPS:
+        raise ValueError(f"draft_step must be one of {MTP_DRAFT_STEPS}, got {draft_step}")
+    spec = scenario.spec
+    decodes = single_token_decodes(spec)
+    if not decodes:
+        raise ValueError("MTP's draft steps decode one token per request: the step has no single-token decode")
+    starts = scenario.meta.query_start_loc_cpu.tolist()
+    rows = [starts[i] for i in decodes]
+    step0 = [int(scenario.row_ctx[r]) - draft_step for r in rows]
+    if min(step0) < 1:
+        raise ValueError(f"draft step {draft_step} needs every decode's context past {draft_step}, got "
+                         f"{[int(scenario.row_ctx[r]) for r in rows]}")
+    identity = decode_rows_use_identity(max(step0), spec.topk)
+    kept = indexer_rows_fast(torch.tensor(step0), torch.full((len(rows),), identity), spec.topk, spec.kpool,
+                             spec.resolved_width, component_seed(scenario.seed, f"mtp-step0-{draft_step}"))
+    topk = scenario.topk_indices.clone()
+    topk[rows] = kept
+    return dataclasses.replace(scenario, topk_indices=topk, extra={**scenario.extra, "mtp_draft_step": draft_step})
+
+
 def even_host_split(spec: BatchSpec, verifying: int) -> list[int]:
     """The host's placeholder query split under adaptive verification for a step whose device split
     is ``spec``'s own: the first ``verifying`` requests (the verification requests, which vLLM's

@@ -50,20 +50,30 @@ from .backend_step import (
     selection_problems,
     step_input,
 )
-from .builder import build_scenario, host_split_of, with_host_query_split, with_rejected_drafts
+from .builder import (
+    build_scenario,
+    host_split_of,
+    with_host_query_split,
+    with_rejected_drafts,
+    with_shared_mtp_indices,
+)
 from .case_log import note_backend_case, note_step
 from .device_inputs import AttentionInputs, build_attention_inputs, nan_kv_buffer, with_blocks_apart
 from .findings import (
+    SHARED_MTP,
     TOPK_HOLES,
     KnownFinding,
     RegimeCPlannedAsPrefix,
+    SharedMtpRowsByContext,
     TopkHolesAttended,
     for_backend,
     regime_c_finding,
+    rows_by_rule_and_off,
     rows_off_the_rule,
     rows_past_valid,
     topk_hole_rows,
     topk_holes_finding,
+    valid_and_rule_counts,
 )
 from .layer_modes import layer_mode_of, mode_problems
 from .pipeline import describe_rows, selection_mismatches
@@ -194,6 +204,43 @@ def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: Attention
         verdict.failure = TopkHolesAttended(finding + "\n" + "\n".join(row.describe() for row in rows))
 
 
+def judge_shared_mtp(verdict: Verdict, backend, scenario: Scenario, inputs: AttentionInputs | None,
+                     spared: list[int]) -> None:
+    """The verdict of a draft step of MTP with shared top-k indices: where exactly the rows whose
+    kept top-k row holds another count of valid entries than the rule gives the draft's context
+    run the rule's count, the finding (each row with its contexts and lengths); every other row
+    judged as always, a row that runs neither count a failure of its own."""
+    outcome = verdict.outcome
+    n = outcome.planned_rows
+    by_rule, off = rows_by_rule_and_off(outcome, scenario)
+    if off:
+        verdict.failure = AssertionError(
+            f"{verdict.where}\n" + "\n".join(f"{describe_row(outcome, scenario, r)}: the length it runs is neither "
+                                              "its valid count nor the length rule's count" for r in off[:12]))
+        return
+    explained = set(by_rule)
+    others = [p for p in verdict.problems if not any(p.startswith(f"row {r} ") for r in explained)]
+    if others:
+        verdict.failure = AssertionError(f"{verdict.where}\n" + "\n".join(others[:12]))
+        return
+    rows = [r for r in range(n) if r not in explained and r not in spared]
+    if inputs is not None and rows:
+        verdict.comparisons = output_comparisons(outcome, scenario, inputs, getattr(backend, "kernel", None), rows=rows)
+        bad = [c for c in verdict.comparisons if not c.ok]
+        if bad:
+            verdict.failure = AssertionError(f"rows that run their valid count are off; {verdict.where}\n"
+                                             + "\n".join(c.summary() for c in bad))
+            return
+    if by_rule:
+        step = scenario.extra["mtp_draft_step"]
+        lines = [f"{describe_row(outcome, scenario, r)}: kept from draft step 0 at context "
+                 f"{int(scenario.row_ctx[r]) - step}, runs the rule's count at the draft's context"
+                 for r in by_rule[:12]]
+        verdict.failure = SharedMtpRowsByContext(
+            f"{len(by_rule)} rows of draft step {step} run the length rule's count at the draft's context, not "
+            f"their kept row's valid count; {verdict.where}\n" + "\n".join(lines))
+
+
 def nonfinite_rows(out: torch.Tensor) -> list[int]:
     return (~torch.isfinite(out.float())).flatten(1).any(1).nonzero().flatten().tolist()
 
@@ -281,7 +328,8 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     expected = expected_findings(backend, scenario.spec, query_shape_checked)
     lead = f"{context_of_step}: " if context_of_step else ""
     where = f"{lead}{scenario.describe()}; {backend.describe()}"
-    holes = scenario.extra.get("topk_holes") is not None
+    # a step with holes in its top-k, or a draft step of MTP's shared rows, is judged after the run
+    holes = scenario.extra.get("topk_holes") is not None or scenario.extra.get("mtp_draft_step") is not None
 
     def before(outcome: StepOutcome) -> Verdict | None:
         if outcome.laid_out is None or holes:  # a step with holes is judged by judge_holes
@@ -309,6 +357,12 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
                         + selection_problems(outcome, scenario)
                         + (rerun_problems(layer, step_input(scenario, inputs), outcome) if inputs is not None else [])
                         + mode_problems(layer))
+    if scenario.extra.get("mtp_draft_step") is not None:
+        valid, rule = valid_and_rule_counts(scenario, outcome.planned_rows)
+        if executes_the_length_rule(backend) and bool((valid != rule).any()):
+            verdict.expected.append(SHARED_MTP)
+        judge_shared_mtp(verdict, backend, scenario, inputs if compare else None, bad_slot_rows)
+        return verdict
     if scenario.extra.get("topk_holes") is not None:
         # rows that load a bad slot (their family's finding) are left out of the output check here
         if executes_the_length_rule(backend) and topk_hole_rows(scenario, outcome.planned_rows):
@@ -411,15 +465,19 @@ def in_one_cache(inputs: AttentionInputs, cache: torch.Tensor) -> AttentionInput
 
 
 def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None, host_q_lens: list[int] | None = None, *,
-                     rejected_drafts: int = 0) -> Scenario:
+                     rejected_drafts: int = 0, mtp_draft_step: int = 0) -> Scenario:
     """The scenario of one step: ``spec`` built with ``seed``, its single-token decodes' host
     bounds counting ``rejected_drafts`` rejected drafts (``harness.builder.with_rejected_drafts``),
+    their top-k rows those MTP's draft step 0 kept for draft step ``mtp_draft_step`` where it is
+    not 0 (``harness.builder.with_shared_mtp_indices``),
     the host holding the query split ``host_q_lens`` where given, the spec's own split the device's
     (``harness.builder.with_host_query_split``), its top-k rows written from the scores of
     ``holes`` where given (``harness.topk_holes``)."""
     scenario = build_scenario(spec, seed)
     if rejected_drafts:
         scenario = with_rejected_drafts(scenario, rejected_drafts)
+    if mtp_draft_step:
+        scenario = with_shared_mtp_indices(scenario, mtp_draft_step)
     if host_q_lens is not None:
         scenario = with_host_query_split(scenario, host_q_lens)
     return scenario if holes is None else with_topk_holes(scenario, holes)
@@ -428,16 +486,18 @@ def scenario_of_step(spec, seed: int, holes: TopkHoles | None = None, host_q_len
 def run_case(judge, backend, spec, device, *, seed: int = 0, twin: Twin | None = None, compare: bool = True,
              adaptive_verification: bool = False, holes: TopkHoles | None = None,
              host_q_lens: list[int] | None = None, rejected_drafts: int = 0, kv_block_stride: int | None = None,
-             scenario: Scenario | None = None, label: str = "", what: str = "") -> StepOutcome:
+             mtp_draft_step: int = 0, scenario: Scenario | None = None, label: str = "",
+             what: str = "") -> StepOutcome:
     """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given, the
     host holding the query split ``host_q_lens`` where given; or ``scenario`` as given, built from
     them and changed by the test) through a fresh layer of ``backend``, judged
-    (``rejected_drafts`` and ``kv_block_stride``: as :func:`run_sequence` takes them; ``label``:
+    (``rejected_drafts``, ``kv_block_stride`` and ``mtp_draft_step``: as :func:`run_sequence` takes them; ``label``:
     what the step's reports are named with; ``what``: leads its failure message)."""
     step = (spec, seed, holes, host_q_lens) if scenario is None else scenario
     return run_sequence(judge, backend, [step], device, twin=twin, compare=compare, kind="step",
                         adaptive_verification=adaptive_verification, rejected_drafts=rejected_drafts,
-                        kv_block_stride=kv_block_stride, label=label, what=what)[1][0]
+                        kv_block_stride=kv_block_stride, mtp_draft_step=mtp_draft_step, label=label,
+                        what=what)[1][0]
 
 
 def case_rebuilds(steps, after_step: Callable | None) -> bool:
@@ -449,31 +509,33 @@ def case_rebuilds(steps, after_step: Callable | None) -> bool:
     return after_step is None and not any(isinstance(step, Scenario) for step in steps)
 
 
-def scenario_of(step, rejected_drafts: int) -> Scenario:
+def scenario_of(step, rejected_drafts: int, mtp_draft_step: int = 0) -> Scenario:
     """A step of :func:`run_sequence`: ``(spec, seed[, holes[, host_q_lens]])`` built, or a
     scenario as given."""
     if isinstance(step, Scenario):
         return step
-    return scenario_of_step(*(tuple(step) + (None,) * (4 - len(step))), rejected_drafts=rejected_drafts)
+    return scenario_of_step(*(tuple(step) + (None,) * (4 - len(step))), rejected_drafts=rejected_drafts,
+                            mtp_draft_step=mtp_draft_step)
 
 
 def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twin: Twin | None = None,
                  compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False,
-                 rejected_drafts: int = 0, kv_block_stride: int | None = None, label: str = "",
-                 after_step: Callable | None = None, what: str = ""):
+                 rejected_drafts: int = 0, kv_block_stride: int | None = None, mtp_draft_step: int = 0,
+                 label: str = "", after_step: Callable | None = None, what: str = ""):
     """``steps`` (``(spec, seed)``, ``(spec, seed, holes)`` or ``(spec, seed, holes, host_q_lens)``:
     :func:`scenario_of_step`'s arguments, in order; or a scenario a test changed, which a written
     case cannot rebuild) through one layer and, with ``with_inputs``, one KV cache they share; each
-    step judged. A step with holes in its top-k
-    runs its plan only on a backend whose kernel would read a hole (:func:`kernel_reads_a_hole`).
+    step judged. A step with holes in its top-k, or a draft step of MTP's shared rows, runs its plan
+    only on a backend whose kernel would read a hole (:func:`kernel_reads_a_hole`).
     ``rejected_drafts``: every step's single-token decodes had that many drafts rejected, which
     the host bound still counts (``harness.builder.with_rejected_drafts``); ``kv_block_stride``:
     the layer's cache has its blocks that many rows apart, NaN between them
-    (``harness.device_inputs.with_blocks_apart``). A step whose plan the release refused as it is
-    expected to (``StepOutcome.refusal``) ends the sequence. ``after_step(index, layer, scenario,
-    inputs, outcome)``: called after each judged step that ran; ``what``: leads every failure
-    message (the test's family). Returns ``(layer, outcomes)``."""
-    scenarios = [scenario_of(step, rejected_drafts) for step in steps]
+    (``harness.device_inputs.with_blocks_apart``); ``mtp_draft_step``: every step is that draft step
+    of MTP with shared top-k indices (``harness.builder.with_shared_mtp_indices``). A step whose
+    plan the release refused as it is expected to (``StepOutcome.refusal``) ends the sequence.
+    ``after_step(index, layer, scenario, inputs, outcome)``: called after each judged step that ran;
+    ``what``: leads every failure message (the test's family). Returns ``(layer, outcomes)``."""
+    scenarios = [scenario_of(step, rejected_drafts, mtp_draft_step) for step in steps]
     rebuilds = case_rebuilds(steps, after_step)
     specs = [s.spec for s in scenarios]
     max_tokens = max(max(s.topk_indices.shape[0] for s in scenarios), 1)
@@ -487,7 +549,8 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
         cache = nan_kv_buffer((blocks, specs[0].block_size, specs[0].head_dim), specs[0].kv_dtype, device)
     case = {"kind": kind, "backend": backend_identity(backend), "max_tokens": max_tokens, "twin": twin is not None,
             "compare": compare, "with_inputs": with_inputs, "adaptive_verification": adaptive_verification,
-            "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "steps": [],
+            "rejected_drafts": rejected_drafts, "kv_block_stride": kv_block_stride, "mtp_draft_step": mtp_draft_step,
+            "steps": [],
             "flashinfer": flashinfer_in_use(), "layer_mode": layer_mode_of(backend)}
     outcomes, found = [], None
     if not rebuilds:
@@ -499,7 +562,8 @@ def run_sequence(judge, backend, steps, device, *, with_inputs: bool = True, twi
         if rebuilds:
             note_backend_case(case)
         inputs = None
-        if with_inputs and not (holes is not None and kernel_reads_a_hole(backend)):
+        past_selection = holes is not None or scenario.extra.get("mtp_draft_step") is not None
+        if with_inputs and not (past_selection and kernel_reads_a_hole(backend)):
             inputs = build_attention_inputs(scenario, device)
             inputs = in_one_cache(inputs, cache) if cache is not None else inputs
             inputs = with_blocks_apart(inputs, kv_block_stride) if kv_block_stride is not None else inputs

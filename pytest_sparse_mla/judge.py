@@ -230,5 +230,6 @@ def replay_backend_case(path, request, record: dict) -> None:
     run_sequence(StepJudge(request), backend, steps_of(record), device, with_inputs=record["with_inputs"],
                  twin=twin, compare=record["compare"], kind=record["kind"],
                  adaptive_verification=record.get("adaptive_verification", False),
-                 rejected_drafts=record.get("rejected_drafts", 0), kv_block_stride=record.get("kv_block_stride"))
+                 rejected_drafts=record.get("rejected_drafts", 0), kv_block_stride=record.get("kv_block_stride"),
+                 mtp_draft_step=record.get("mtp_draft_step", 0))
 

@@ -29,6 +29,7 @@ import dataclasses
 from pathlib import Path
 
 from backends.registry import release_digest_problem
+from harness.builder import MTP_DRAFT_STEPS
 from harness.layer_modes import LAYER_MODES, PLAIN
 from reference.indexer import HOLE_KINDS
 
@@ -71,6 +72,7 @@ REQUIRED_FIELDS = {
 }
 OPTIONAL_FIELDS = {"vllm": text, "impl": text, "nodeid": text, "flashinfer": text, "why": text, "drawn": text,
                    "adaptive_verification": a_bool, "rejected_drafts": int_in(0, MAX_TOPK),
+                   "mtp_draft_step": int_in(0, max(MTP_DRAFT_STEPS)),
                    "kv_block_stride": nullable(int_in(1, 64 * MAX_BLOCK_SIZE)), "layer_mode": one_of(*LAYER_MODES)}
 STEP_FIELDS = {"spec": lambda v: None, "seed": int_in(0, MAX_SEED), "scenario_digest": sha256_hex}
 #: The score pattern of a step's top-k where it has holes (``harness.topk_holes.TopkHoles``), and
@@ -85,13 +87,14 @@ def is_backend_case(path) -> bool:
     return str(path).endswith(CASE_SUFFIX)
 
 
-def step_record(spec, seed: int, holes, rejected_drafts: int = 0, host_q_lens=None) -> dict:
+def step_record(spec, seed: int, holes, rejected_drafts: int = 0, host_q_lens=None, mtp_draft_step: int = 0) -> dict:
     """One step of a case file: its spec, seed, the score pattern of its top-k where it has holes
     (``harness.topk_holes.TopkHoles``), the host's query split where the device's differs, and the
     digest of the scenario they build."""
     from harness.judge import scenario_of_step
 
-    scenario = scenario_of_step(spec, seed, holes, host_q_lens, rejected_drafts=rejected_drafts)
+    scenario = scenario_of_step(spec, seed, holes, host_q_lens, rejected_drafts=rejected_drafts,
+                                mtp_draft_step=mtp_draft_step)
     record = {"spec": dataclasses.asdict(spec), "seed": int(seed), "scenario_digest": scenario_digest(scenario)}
     if holes is not None:
         record["holes"] = {"kind": holes.kind, "count": int(holes.count)}
@@ -111,11 +114,12 @@ def holes_of(step: dict):
 def case_record(case: dict, **meta) -> dict:
     """The JSON of a noted backend case (``meta``: name, nodeid, vllm, why, ...)."""
     steps = [step_record(step["spec"], step["seed"], step.get("holes"), case["rejected_drafts"],
-                         step.get("host_q_lens")) for step in case["steps"]]
+                         step.get("host_q_lens"), case.get("mtp_draft_step", 0)) for step in case["steps"]]
     return {CASE_KEY: CASE_VERSION, "kind": case["kind"], "backend": dict(case["backend"]),
             "max_tokens": int(case["max_tokens"]), "twin": bool(case["twin"]), "compare": bool(case["compare"]),
             "with_inputs": bool(case["with_inputs"]), "adaptive_verification": bool(case["adaptive_verification"]),
             "rejected_drafts": int(case["rejected_drafts"]), "kv_block_stride": case["kv_block_stride"],
+            "mtp_draft_step": int(case.get("mtp_draft_step", 0)),
             "steps": steps, "flashinfer": case["flashinfer"], "layer_mode": case.get("layer_mode", PLAIN),
             **{k: v for k, v in meta.items() if v is not None}}
 
@@ -182,7 +186,8 @@ def load_backend_case(path) -> dict:
     record = load_checked(path, "case", CASE_KEY, CASE_VERSION, case_problem)
     for i, step in enumerate(record["steps"]):
         scenario = scenario_of_step(spec_from_dict(step["spec"]), step["seed"], holes_of(step),
-                                    step.get("host_q_lens"), rejected_drafts=record.get("rejected_drafts", 0))
+                                    step.get("host_q_lens"), rejected_drafts=record.get("rejected_drafts", 0),
+                                    mtp_draft_step=record.get("mtp_draft_step", 0))
         if scenario_digest(scenario) != step["scenario_digest"]:
             raise FixtureError(f"{path}: case field 'steps[{i}].scenario_digest' is not the digest of the scenario "
                                f"step {i}'s spec and seed build: the step's spec or seed was changed, or the scenario "

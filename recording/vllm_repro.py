@@ -141,7 +141,8 @@ def standalone_data(record: dict) -> dict:
     """The script's data for a loaded case: the layer, the cache layout and every step's tensors,
     built as ``harness.judge.run_sequence`` builds them."""
     rejected = record.get("rejected_drafts", 0)
-    scenarios = [scenario_of_step(*step, rejected_drafts=rejected) for step in steps_of(record)]
+    scenarios = [scenario_of_step(*step, rejected_drafts=rejected, mtp_draft_step=record.get("mtp_draft_step", 0))
+                 for step in steps_of(record)]
     spec0, stride = scenarios[0].spec, record.get("kv_block_stride")
     config = dataclasses.replace(layer_config(spec0, record["max_tokens"],
                                               adaptive_verification=record.get("adaptive_verification", False)),

@@ -4,7 +4,7 @@ summary), and the exceptions those xfails expect, so that no other error can pas
 finding. A finding that gets fixed turns its xfails into failures that ask for the marker to go.
 
 This module holds the findings of no one family (the plan's regime C rows, FlashInfer's graph
-replay and work capacity, the top-k holes); each family's own live in a module of this package
+replay and work capacity, the top-k holes, MTP's shared top-k rows); each family's own live in a module of this package
 (``vllm``), found through :func:`for_backend` so that the judge names no vendor."""
 
 from __future__ import annotations
@@ -136,6 +136,30 @@ def topk_holes_finding(outcome, scenario, problems: list[str]) -> str | None:
             f"{scenario.describe()}\n" + "\n".join(problems[:12]))
 
 
+#: MTP with shared top-k indices (``harness.builder.with_shared_mtp_indices``): draft step k hands
+#: the backend rows selected at draft step 0's context L; each row's length comes from L + k.
+SHARED_MTP_FINDING = ("MTP's shared top-k rows executed with the length rule of the draft's context: "
+                      + FINDINGS_DOC + "#mtp-shared-top-k-rows-executed-by-the-drafts-context")
+
+
+class SharedMtpRowsByContext(AssertionError):
+    """Exactly the rows whose kept top-k row (selected at draft step 0) holds another count of
+    valid entries than the length rule gives the draft's context execute the rule's count, and no
+    other row has a problem."""
+
+
+def rows_by_rule_and_off(outcome, scenario) -> tuple[list[int], list[int]]:
+    """The planned rows that run the length rule's count where their valid count differs, and
+    those that run neither their valid count nor the rule's (what no finding explains)."""
+    lengths = run_lengths(outcome)
+    if lengths is None:
+        return [], []
+    valid, rule = valid_and_rule_counts(scenario, outcome.planned_rows)
+    by_rule = (lengths == rule) & (valid != rule)
+    off = (lengths != valid) & ~by_rule
+    return by_rule.nonzero().flatten().tolist(), off.nonzero().flatten().tolist()
+
+
 @dataclass(frozen=True)
 class KnownFinding:
     """A finding that decides a step's outcome: the test is a strict xfail expecting ``exception``.
@@ -148,6 +172,7 @@ class KnownFinding:
 
 
 TOPK_HOLES = KnownFinding(TopkHolesAttended, TOPK_HOLES_FINDING)
+SHARED_MTP = KnownFinding(SharedMtpRowsByContext, SHARED_MTP_FINDING)
 
 
 class FamilyFindings:
