@@ -480,6 +480,7 @@ PAST_TOPK = batch((40, 1), (300, 1), (1001, 1), topk=TOPK, kpool=4)
 REGIME_C = batch((41, 1), (300, 1), topk=TOPK, kpool=4)
 
 
+@pytest.mark.interpreter  # the port's convert takes CPU tensors
 def test_before_launch_catches_an_invariant_violation_and_launches_nothing():
     assert verdict_of(LaysOut, PAST_TOPK).failure is None
     verdict = verdict_of(laying_out(KpoolFromWrongSpec()), PAST_TOPK)
@@ -489,6 +490,7 @@ def test_before_launch_catches_an_invariant_violation_and_launches_nothing():
     assert verdict.outcome.out is None and verdict.before_launch_rows == [2]
 
 
+@pytest.mark.interpreter  # the port's convert takes CPU tensors
 def test_before_launch_catches_a_planned_selection_other_than_the_intended_one():
     verdict = verdict_of(laying_out(LayoutSwapsTwoRowsFirstSlots()), PAST_TOPK)
     text = failure_text(verdict)
@@ -496,6 +498,7 @@ def test_before_launch_catches_a_planned_selection_other_than_the_intended_one()
     assert verdict.outcome.out is None and verdict.before_launch_rows == [0, 1]
 
 
+@pytest.mark.interpreter  # the port's convert takes CPU tensors
 def test_before_launch_names_regime_c_rows_planned_as_a_prefix_as_the_finding():
     assert verdict_of(LaysOut, REGIME_C).failure is None
     verdict = verdict_of(laying_out(CompactionPlansPrefix()), REGIME_C)
@@ -504,6 +507,7 @@ def test_before_launch_names_regime_c_rows_planned_as_a_prefix_as_the_finding():
         verdict.failure)
 
 
+@pytest.mark.interpreter  # the port's convert takes CPU tensors
 def test_before_launch_catches_a_plan_accepted_where_a_refusal_was_expected():
     verdict = verdict_of(AcceptsAPlanItsReleaseRefuses)
     assert f"{REFUSAL_EXPECTED} (kernel not launched)" in failure_text(verdict)

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from pytest_sparse_mla.interpreter import child_environment
 from scripts.vllm_planted_bugs import BUGS_BY_NAME, planted_copy
 from tests.support.child_runs import ROOT
 
@@ -21,7 +22,10 @@ SELECTION = "test_step_on_flashinfer and (ctx2049-kpool4-bf16-nope-h32 or ctx2-k
 
 
 def simulated_run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SPARSE_MLA_DEVICE": "cpu", "TRITON_INTERPRET": "1"}
+    """A child run on the simulated machine: Triton's interpreter on, every GPU hidden (as the
+    ``interpreter`` marker's children run, ``pytest_sparse_mla.interpreter``), the tests' device
+    the CPU."""
+    env = child_environment(os.environ)
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
                            "-p", "tests.simulated_sm90", "-m", "vllm", "tests/gpu/test_vllm_sm90.py", "-k", SELECTION,
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
