@@ -32,6 +32,7 @@ def simulated_run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.vllm
+@pytest.mark.interpreter  # the simulated machine runs vLLM's kernels in Triton's interpreter
 def test_the_upgrade_check_records_and_compares_vllm_on_the_simulated_machine(vllm_backend, tmp_path):
     bugged = planted_copy(vllm_backend.source.root, tmp_path / "vllm-planted", BUGS_BY_NAME["clamp"])
     if bugged is None:
