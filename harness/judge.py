@@ -126,13 +126,6 @@ def never() -> bool:
     return False
 
 
-def expected_findings(backend, spec, query_shape_checked: Callable[[], bool] = never) -> list[KnownFinding]:
-    """The known findings a step of ``spec`` through ``backend`` shows before its outputs are seen
-    (its family's, :func:`harness.findings.for_backend`; ``query_shape_checked()``: whether the
-    installed FlashInfer refuses q rows other than the planned ones at run)."""
-    return for_backend(backend).expected(backend, spec, query_shape_checked)
-
-
 def executes_the_length_rule(backend) -> bool:
     """A backend that plans and executes each row with the length rule's count (the port and
     vLLM's SM90 backend), not with the count of the row's valid entries (one that declares
@@ -165,6 +158,14 @@ def empty_row_problems(outcome: StepOutcome, rows: list[int]) -> list[str]:
     return [f"rows {rows} have no valid entry and are not out 0 / LSE +inf: out max |{float(out.abs().max()):.3g}|"]
 
 
+def runs_neither_count(verdict: Verdict, scenario: Scenario, rows: list[int]) -> AssertionError:
+    """The failure of a step whose ``rows`` run neither their valid count nor the length rule's:
+    a fault of their own, which no finding explains."""
+    return AssertionError(f"{verdict.where}\n" + "\n".join(
+        f"{describe_row(verdict.outcome, scenario, r)}: the length it runs is neither its valid count nor the "
+        "length rule's count" for r in rows[:12]))
+
+
 def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: AttentionInputs | None,
                 spared: list[int]) -> None:
     """The verdict of a step whose top-k has holes: where exactly its rows with holes execute past
@@ -175,9 +176,7 @@ def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: Attention
     n = outcome.planned_rows
     off = rows_off_the_rule(outcome, scenario)
     if off:  # neither the valid count nor the rule's: a fault of its own, never the finding
-        verdict.failure = AssertionError(
-            f"{verdict.where}\n" + "\n".join(f"{describe_row(outcome, scenario, r)}: the length it runs is neither "
-                                              "its valid count nor the length rule's count" for r in off[:12]))
+        verdict.failure = runs_neither_count(verdict, scenario, off)
         return
     if outcome.executed_lengths is None:
         verdict.problems += [f"{describe_row(outcome, scenario, r)}: planned past its valid count"
@@ -214,9 +213,7 @@ def judge_shared_mtp(verdict: Verdict, backend, scenario: Scenario, inputs: Atte
     n = outcome.planned_rows
     by_rule, off = rows_by_rule_and_off(outcome, scenario)
     if off:
-        verdict.failure = AssertionError(
-            f"{verdict.where}\n" + "\n".join(f"{describe_row(outcome, scenario, r)}: the length it runs is neither "
-                                              "its valid count nor the length rule's count" for r in off[:12]))
+        verdict.failure = runs_neither_count(verdict, scenario, off)
         return
     explained = set(by_rule)
     others = [p for p in verdict.problems if not any(p.startswith(f"row {r} ") for r in explained)]
@@ -325,7 +322,10 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     ``context_of_step`` (a sequence's ``step i of n``) leads every failure message. A layer in a
     mode of ``harness.layer_modes`` (poisoned workspaces, graphed, against a fresh layer) adds
     what its comparison of the step with its other run found to the step's problems."""
-    expected = expected_findings(backend, scenario.spec, query_shape_checked)
+    # the backend family's findings (harness.findings.for_backend); query_shape_checked(): whether
+    # the installed FlashInfer refuses q rows other than the planned ones at run
+    family = for_backend(backend)
+    expected = family.expected(backend, scenario.spec, query_shape_checked)
     lead = f"{context_of_step}: " if context_of_step else ""
     where = f"{lead}{scenario.describe()}; {backend.describe()}"
     # a step with holes in its top-k, or a draft step of MTP's shared rows, is judged after the run
@@ -342,7 +342,7 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     try:
         outcome, ended = run_judged(layer, scenario, inputs, before)
     except ValueError as exc:
-        finding = for_backend(backend).refusal(backend, scenario, exc)
+        finding = family.refusal(backend, scenario, exc)
         if finding is None:
             raise
         return Verdict(backend.name, where, expected=expected, failure=finding)
@@ -352,7 +352,7 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     verdict = Verdict(backend.name, where, outcome, expected=expected)
     if outcome.refusal is not None:
         return verdict
-    bad_slot_rows = for_backend(backend).rows_loading_a_bad_slot(backend, layer, outcome, inputs)
+    bad_slot_rows = family.rows_loading_a_bad_slot(backend, layer, outcome, inputs)
     verdict.problems = (routing_problems(outcome, scenario) + executed_length_problems(outcome, scenario)
                         + selection_problems(outcome, scenario)
                         + (rerun_problems(layer, step_input(scenario, inputs), outcome) if inputs is not None else [])
@@ -385,8 +385,8 @@ def judge_step(backend, layer, scenario: Scenario, inputs: AttentionInputs | Non
     if decided:
         verdict.failure = decided[0].exception(f"{where}\n{summary}")
     elif bad_slot_rows and nonfinite_rows(outcome.out[:n]) == bad_slot_rows:
-        verdict.failure = for_backend(backend).bad_slot_verdict(verdict, layer, scenario, inputs, bad_slot_rows,
-                                                                by_offset, kernel, summary)
+        verdict.failure = family.bad_slot_verdict(verdict, layer, scenario, inputs, bad_slot_rows, by_offset, kernel,
+                                                  summary)
     elif twin is not None and torch.equal(outcome.out[:n], twin(scenario, inputs)[:n]):
         verdict.kernel_rounding = True
     else:
