@@ -76,6 +76,12 @@ def test_the_release_code_keeps_every_feature_its_facts_declare(vllm_backend, de
     assert vllm_backend.judged.describe() in vllm_backend.describe()
 
 
+#: Whether a release's facts declare the feature each of FEATURE_DELETIONS deletes.
+DECLARES = {"fp8-mapping": lambda f: f.fp8_plan_dtype == "float8_e4m3fn",
+            "block-stride": lambda f: f.reads_block_stride, "block-alignment": lambda f: f.reads_block_stride,
+            "adaptive-verification": lambda f: f.reads_adaptive_verification}
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize(("deletion", "named"), FEATURE_DELETIONS, ids=[d.name for d, _ in FEATURE_DELETIONS])
 def test_a_module_without_a_declared_feature_fails_naming_it(vllm_backend, deletion, named, tmp_path):
@@ -85,6 +91,9 @@ def test_a_module_without_a_declared_feature_fails_naming_it(vllm_backend, delet
     uint8 finding)."""
     copy = planted_copy(vllm_backend.source.root, tmp_path / "vllm-without", deletion)
     if copy is None:
+        declared = DECLARES[deletion.name](vllm_backend.judged.facts)
+        assert not declared, (f"vLLM {vllm_backend.version}'s facts declare {deletion.name}, but its module does not "
+                              f"hold the line 0.32.0 to 0.34.0 ship: FEATURE_DELETIONS needs this release's line")
         pytest.skip(f"vLLM {vllm_backend.version}'s module does not hold {deletion.name} as 0.32.0 to 0.34.0 "
                     f"ship it (its facts declare no such feature)")
     tests = "keeps_every_feature or fp8_is_planned_with_the_dtype"
@@ -161,3 +170,9 @@ def test_a_finding_met_on_a_release_whose_facts_do_not_declare_it_is_no_finding(
         inputs = SimpleNamespace(kv_cache=torch.full((1, 1, 4), float("nan")))
         rows = for_backend(backend).rows_loading_a_bad_slot(backend, layer, None, inputs)
         assert rows == ([0] if release.minus_one_filler == SLOT_ZERO else []), release
+
+
+def test_every_feature_deletion_names_the_fact_it_deletes():
+    assert set(DECLARES) == {deletion.name for deletion, _ in FEATURE_DELETIONS}
+    newest = RELEASES["0.34.0"]
+    assert all(DECLARES[name](newest) for name in DECLARES)
