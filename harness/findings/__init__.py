@@ -112,12 +112,7 @@ def rows_off_the_rule(outcome, scenario) -> list[int]:
     """The planned rows whose executed length (the planned one where nothing was read back) is
     neither their valid count nor, for a row with holes in its top-k, the length rule's count:
     lengths the top-k holes finding does not explain (a row cut short, or run past the rule)."""
-    lengths = run_lengths(outcome)
-    if lengths is None:
-        return []
-    valid, rule = valid_and_rule_counts(scenario, outcome.planned_rows)
-    explained = (lengths == valid) | ((valid < rule) & (lengths == rule))
-    return (~explained).nonzero().flatten().tolist()
+    return rows_by_rule_and_off(outcome, scenario, short_too=False)[1]
 
 
 def topk_holes_finding(outcome, scenario, problems: list[str]) -> str | None:
@@ -148,14 +143,15 @@ class SharedMtpRowsByContext(AssertionError):
     other row has a problem."""
 
 
-def rows_by_rule_and_off(outcome, scenario) -> tuple[list[int], list[int]]:
-    """The planned rows that run the length rule's count where their valid count differs, and
-    those that run neither their valid count nor the rule's (what no finding explains)."""
+def rows_by_rule_and_off(outcome, scenario, *, short_too: bool = True) -> tuple[list[int], list[int]]:
+    """The planned rows that run the length rule's count where their valid count differs (with
+    ``short_too`` False only where it is the larger: a row with holes), and those that run
+    neither their valid count nor such a rule's count (what no finding explains)."""
     lengths = run_lengths(outcome)
     if lengths is None:
         return [], []
     valid, rule = valid_and_rule_counts(scenario, outcome.planned_rows)
-    by_rule = (lengths == rule) & (valid != rule)
+    by_rule = (lengths == rule) & ((valid != rule) if short_too else (valid < rule))
     off = (lengths != valid) & ~by_rule
     return by_rule.nonzero().flatten().tolist(), off.nonzero().flatten().tolist()
 
