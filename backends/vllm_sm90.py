@@ -25,7 +25,6 @@ length is packed as), never from its code, which is checked against them
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -46,7 +45,7 @@ from .seam import (
 )
 from .vllm_facts import CodeFeatures, facts_for, feature_problems
 from .vllm_shims import load_sm90_module, stand_ins_in_use
-from .vllm_source import MODULE_FILES, VllmSource, design_of, flashinfer_pin
+from .vllm_source import VllmSource, design_of, flashinfer_pin, sm90_module_sha256
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
 #: kv_indices entries FlashInfer's fa3 MLA kernel loads per KV tile (``CTA_TILE_KV`` of its
@@ -181,7 +180,7 @@ class VllmSM90Backend:
             reads_adaptive_verification="enable_adaptive_verification" in builder_init,
             minus_one_filler=self.packed_minus_one(device) if device is not None else None,
             flashinfer_pin=self.flashinfer_pin,
-            module_sha256=hashlib.sha256(self.source.path_of(MODULE_FILES[0]).read_bytes()).hexdigest())
+            module_sha256=sm90_module_sha256(self.source))
 
     def feature_problems(self, device=None) -> list[str]:
         """Each feature the release's facts promise that its code lacks, naming the feature."""

@@ -107,6 +107,11 @@ class VllmSource:
         return f"vLLM {self.version} ({self.origin}){changed}"
 
 
+def sm90_module_sha256(source: VllmSource) -> str:
+    """The sha256 of the SM90 module ``source`` holds (what a release's facts name it by)."""
+    return hashlib.sha256(source.path_of(MODULE_FILES[0]).read_bytes()).hexdigest()
+
+
 def design_of(source: VllmSource) -> str:
     """``bounded`` (host upper bounds, a kept plan, the device clamp of the schedule: vLLM 0.31
     to 0.34) or ``exact`` (exact host lengths, a plan every step: 0.30), read from the

@@ -357,7 +357,7 @@ def stop_reason(session, exitstatus, collect_errors: int) -> str:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     lines = config.stash.get(SUMMARY, None)
     if lines:
-        terminalreporter.section("FlashInfer upgrade check" if config.getoption("--compare-baseline") else "baseline")
+        terminalreporter.section("upgrade check" if config.getoption("--compare-baseline") else "baseline")
         for line in lines:
             terminalreporter.write_line(line)
 
@@ -544,7 +544,8 @@ class BaselineRun:
         from recording.environment import flashinfer_version
 
         directory = baseline_directory(config)
-        write_outcomes(directory, self.tests, flashinfer_version())
+        write_outcomes(directory, self.tests, flashinfer_version(), vllm=vllm_judged(config),
+                       machine=machine_of_run(config))
         records = read_records(directory)
         timing, timing_failed = run_timing_pass(config, directory, timed_cases(records)) if records else ("", False)
         records = read_records(directory)  # with the timing pass's times
@@ -574,19 +575,40 @@ class BaselineRun:
                                    *not_rerun]
 
     def compare(self, config, current: Path, run) -> tuple[bool, list[str]]:
-        from recording.baseline import compare_directories, regression_lines, summary_lines, write_report
+        from recording.baseline import (
+            compare_directories,
+            compared_labels,
+            read_run_code,
+            regression_lines,
+            summary_lines,
+            write_report,
+        )
 
         base = Path(config.getoption("--compare-baseline"))
-        before_v, after_v = run_versions(base), run_versions(current)
+        before_v, after_v = compared_labels(read_run_code(base), read_run_code(current))
         comparisons = compare_directories(base, current, run)
         ok = write_report(comparisons, current.parent, before_v, after_v, run)
         return ok, (summary_lines(comparisons, run, before_v, after_v) + regression_lines(comparisons)
                     + [f"report: {current.parent / 'report.md'}"])
 
 
-def run_versions(directory: Path) -> str:
-    """The FlashInfer versions a records folder names (its records' and its outcomes file's), or "?"."""
-    from recording.baseline import read_outcomes, read_records
+def vllm_judged(config) -> str | None:
+    """The vLLM release ``--vllm`` put under test, the sha256 of its SM90 module and the files
+    that differ from the release's (None without ``--vllm``): two runs on the same release whose
+    code differs are told apart in the report."""
+    from backends.vllm_source import sm90_module_sha256
+    from pytest_sparse_mla.vllm import VLLM_SOURCE
 
-    versions = {r.flashinfer for r in read_records(directory).values()} | {read_outcomes(directory)[0]}
-    return ",".join(sorted(versions - {None})) or "?"
+    source = config.stash.get(VLLM_SOURCE, None)
+    if source is None:
+        return None
+    modified = f", modified: {', '.join(source.modified)}" if source.modified else ""
+    return f"{source.version} (SM90 module sha256 {sm90_module_sha256(source)[:12]}{modified})"
+
+
+def machine_of_run(config) -> str | None:
+    """What stood in for the SM90 machine (:func:`stand_in_machine`), or the GPUs the driver
+    names (CUDA left uninitialised)."""
+    from harness import gpu_env
+
+    return stand_in_machine(config) or ", ".join(name for name, _ in gpu_env.gpus_without_cuda()) or None

@@ -32,11 +32,13 @@ from .records import (
     BaselineError,
     CaseRecord,
     Outcome,
+    RunCode,
     check_baseline,
     merge_timings,
     read_outcomes,
     read_outputs,
     read_records,
+    read_run_code,
     safe_name,
     timed_cases,
     write_outcomes,
@@ -44,13 +46,14 @@ from .records import (
     write_timing,
 )
 from .report import write_report
-from .summary import SummaryLine, passed, regression_lines, summary, summary_lines
+from .summary import SummaryLine, compared_labels, passed, regression_lines, summary, summary_lines
 from .timing import TIME_REPS, judge_time, repeated_medians, spread
 
 __all__ = [
-    "OUTCOMES_FILE", "RECORDED_ONLY", "SCHEMA", "TIME_REPS", "TIMING_DIR", "BaselineError", "CaseComparison",
-    "CaseRecord", "Outcome", "RunFacts", "SummaryLine", "check_baseline", "compare_case", "compare_directories",
-    "drift", "integer_difference", "judge_time", "merge_timings", "missing_case_status", "passed", "read_outcomes",
-    "read_outputs", "read_records", "regression_lines", "repeated_medians", "safe_name", "spread", "summary",
-    "summary_lines", "timed_cases", "write_outcomes", "write_record", "write_report", "write_timing",
+    "BaselineError", "CaseComparison", "CaseRecord", "OUTCOMES_FILE", "Outcome", "RECORDED_ONLY", "RunCode",
+    "RunFacts", "SCHEMA", "SummaryLine", "TIME_REPS", "TIMING_DIR", "check_baseline", "compare_case",
+    "compare_directories", "compared_labels", "drift", "integer_difference", "judge_time", "merge_timings",
+    "missing_case_status", "passed", "read_outcomes", "read_outputs", "read_records", "read_run_code",
+    "regression_lines", "repeated_medians", "safe_name", "spread", "summary", "summary_lines", "timed_cases",
+    "write_outcomes", "write_record", "write_report", "write_timing",
 ]

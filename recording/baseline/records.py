@@ -158,11 +158,28 @@ def read_records(directory: Path) -> dict[str, CaseRecord]:
     return {r.case: r for r in map(read_record, paths)}
 
 
-def write_outcomes(directory: Path, outcomes: dict[str, Outcome], flashinfer: str | None) -> None:
-    """Every test's outcome in ``directory/outcomes.json``, with the FlashInfer version of the run."""
+@dataclass(frozen=True)
+class RunCode:
+    """What a recorded run judged besides the suite, each None where the run had none: the
+    FlashInfer version, the vLLM under test (its release, the sha256 of its SM90 module, the
+    files that differ from the release's) and what stood in for the SM90 machine or the GPU it
+    ran on."""
+
+    flashinfer: str | None = None
+    vllm: str | None = None
+    machine: str | None = None
+
+    def named(self) -> list[tuple[str, str | None]]:
+        return [("FlashInfer", self.flashinfer), ("vLLM", self.vllm), ("machine", self.machine)]
+
+
+def write_outcomes(directory: Path, outcomes: dict[str, Outcome], flashinfer: str | None, *, vllm: str | None = None,
+                   machine: str | None = None) -> None:
+    """Every test's outcome in ``directory/outcomes.json``, with the FlashInfer version of the
+    run, the vLLM it judged and its machine (:class:`RunCode`)."""
     directory.mkdir(parents=True, exist_ok=True)
     tests = {case: {"outcome": o.outcome, "line": o.line} for case, o in sorted(outcomes.items())}
-    payload = {"schema": SCHEMA, "flashinfer": flashinfer, "tests": tests}
+    payload = {"schema": SCHEMA, "flashinfer": flashinfer, "vllm": vllm, "machine": machine, "tests": tests}
     (directory / OUTCOMES_FILE).write_text(json.dumps(payload, indent=1, sort_keys=True))
 
 
@@ -170,6 +187,8 @@ def write_outcomes(directory: Path, outcomes: dict[str, Outcome], flashinfer: st
 OUTCOMES_FIELDS = {"schema": checks.one_of(SCHEMA), "flashinfer": _optional_text,
                    "tests": lambda v: None if isinstance(v, dict) and len(v) <= MAX_TESTS else
                    f"expected an object of at most {MAX_TESTS} test ids"}
+#: Fields an outcomes file may leave out (written by a run that judged no vLLM, or before they were).
+OPTIONAL_OUTCOMES_FIELDS = {"vllm": _optional_text, "machine": _optional_text}
 TEST_OUTCOME_FIELDS = {"outcome": RECORD_FIELDS["outcome"], "line": checks.text}
 
 
@@ -179,7 +198,7 @@ def outcomes_file_problem(data) -> str | None:
         return f"not an outcomes file (a JSON {type(data).__name__})"
     if data.get("schema") != SCHEMA and "schema" in data:
         return f"schema {data['schema']!r}, this tool reads schema {SCHEMA}"
-    problem = checks.fields_problem(data, OUTCOMES_FIELDS, {}, "outcomes")
+    problem = checks.fields_problem(data, OUTCOMES_FIELDS, OPTIONAL_OUTCOMES_FIELDS, "outcomes")
     if problem:
         return problem
     for case, entry in data["tests"].items():
@@ -205,6 +224,17 @@ def read_outcomes(directory: Path) -> tuple[str | None, dict[str, Outcome]]:
     if problem:
         raise BaselineError(f"{path}: {problem}; {RERECORD}")
     return data["flashinfer"], {case: Outcome(**entry) for case, entry in data["tests"].items()}
+
+
+def read_run_code(directory: Path) -> RunCode:
+    """What the run that wrote a records folder judged (:class:`RunCode`): the FlashInfer
+    versions of its records and of its outcomes file (joined where they differ), the vLLM and
+    the machine its outcomes file names."""
+    path = Path(directory) / OUTCOMES_FILE
+    flashinfer, _ = read_outcomes(directory)
+    versions = {r.flashinfer for r in read_records(directory).values()} | {flashinfer}
+    data = json.loads(path.read_text()) if path.exists() else {}
+    return RunCode(",".join(sorted(versions - {None})) or None, data.get("vllm"), data.get("machine"))
 
 
 def outputs_problem(path: Path) -> str:

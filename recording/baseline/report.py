@@ -23,7 +23,7 @@ from .timing import (
 
 def render_markdown(comparisons: list[CaseComparison], run: RunFacts, head: list[SummaryLine], before_version: str,
                     after_version: str) -> str:
-    lines = [f"# FlashInfer upgrade check: {before_version} -> {after_version}", "", "```"]
+    lines = [f"# Upgrade check: {before_version} -> {after_version}", "", "```"]
     lines += [line.render() for line in head]
     lines += ["```", "",
               f"FAIL fails the check, note is a change that does not. Rules, over every test the runs ran (those "

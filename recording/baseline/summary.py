@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .comparison import CaseComparison, RunFacts, ok_outcome, outcome_regressed
+from .records import RunCode
 from .timing import TIME_REPEATS, TIME_REPS
 
 FAIL, PASS, NOTE, OK = "FAIL", "PASS", "note", "ok"
@@ -237,6 +238,19 @@ def nothing_ran_summary(measured: list[CaseComparison], run: RunFacts, before_ve
     return lines + [SummaryLine(FAIL, "not run", f"all {plural(len(measured), 'case')} of the baseline")]
 
 
+def compared_labels(before: RunCode, after: RunCode) -> tuple[str, str]:
+    """The two runs of a check named by what differs between them (FlashInfer, vLLM, machine:
+    :class:`RunCode`), what both ran alike after the new one's, in parentheses; both named by
+    FlashInfer where nothing differs."""
+    pairs = list(zip(before.named(), after.named(), strict=True))
+    shown = [(b, a) for b, a in pairs if b != a] or pairs[:1]
+    alike = [f"{name} {value}" for (name, value), a in pairs if (name, value) == a and value is not None
+             and ((name, value), a) not in shown]
+    before_label = ", ".join(f"{name} {value or 'none'}" for (name, value), _ in shown)
+    after_label = ", ".join(f"{name} {value or 'none'}" for _, (name, value) in shown)
+    return before_label, after_label + (f" (both: {'; '.join(alike)})" if alike else "")
+
+
 def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: str,
             after_version: str) -> list[SummaryLine]:
     """One line per class of change, the verdict first: FAIL where any line below is FAIL, and
@@ -254,7 +268,7 @@ def summary(comparisons: list[CaseComparison], run: RunFacts, before_version: st
              warnings_line(compared + fixtures_compared), fixtures_line(fixtures, run, before_version),
              not_run_line(comparisons)]
     regressed = sum(1 for c in comparisons if c.regressions)
-    head = (f"FlashInfer {before_version} -> {after_version}: {plural(len(tests), 'test')} compared, "
+    head = (f"{before_version} -> {after_version}: {plural(len(tests), 'test')} compared, "
             f"{plural(len(compared), 'case')}" + (f" and {plural(len(fixtures_compared), 'fixture')}"
                                                    if fixtures_compared else "") + " of them on their records")
     head += f", {plural(regressed, 'regression')}" if regressed else ", no regression"

@@ -52,6 +52,10 @@ def test_the_upgrade_check_records_and_compares_vllm_on_the_simulated_machine(vl
     assert "note  time       not judged: the GPU tier ran on the simulated SM90 machine" in out, out[-3000:]
     report = (tmp_path / "bugged" / "report.md").read_text()
     assert "test_step_on_flashinfer[ctx2049-kpool4-bf16-nope-h32]`: was passed, now failed" in report
+    title = report.splitlines()[0]  # the check names the vLLM code that changed, not FlashInfer
+    assert title.startswith(f"# Upgrade check: vLLM {vllm_backend.version} (SM90 module sha256 ") and \
+        "flashinfer_mla_sparse_sm90.py" not in title.split("->")[0] and \
+        "(both: FlashInfer " in title and "machine the simulated SM90 machine" in title, title
 
     same = simulated_run(f"--vllm={vllm_backend.source.root}", f"--compare-baseline={base}",
                          f"--baseline-out={tmp_path / 'same'}")

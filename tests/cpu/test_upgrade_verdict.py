@@ -16,12 +16,15 @@ from recording.baseline import (
     BaselineError,
     CaseRecord,
     Outcome,
+    RunCode,
     RunFacts,
     check_baseline,
     compare_case,
     compare_directories,
+    compared_labels,
     integer_difference,
     read_outcomes,
+    read_run_code,
     summary_lines,
     write_outcomes,
     write_record,
@@ -148,7 +151,7 @@ def releases(pytester, gpu_tier_may_run, monkeypatch):
 def verdict_lines(result) -> list[str]:
     """The upgrade check's section of a run's terminal output."""
     out = result.stdout.lines
-    start = next(i for i, line in enumerate(out) if "FlashInfer upgrade check" in line)
+    start = next(i for i, line in enumerate(out) if "upgrade check" in line and "=" in line)
     end = next(i for i, line in enumerate(out) if line.startswith("report: "))
     return out[start + 1:end]
 
@@ -168,7 +171,7 @@ def test_release_b_against_a_with_nothing_broken_passes(releases):
     result = releases("nothing")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines([
-        f"PASS  verdict    FlashInfer {RELEASE_A} -> {RELEASE_B}: 10 tests compared, 2 cases of them on their records, "
+        f"PASS  verdict    FlashInfer {RELEASE_A} -> FlashInfer {RELEASE_B}: 10 tests compared, 2 cases of them on their records, "
         "no regression",
         "ok    outcomes   none of 10 tests that passed (or xfailed) before fails, errors, xpasses or xfails now",
         "ok    integers   all 2 cases with integer results equal",
@@ -310,6 +313,31 @@ def test_an_integer_result_missing_from_a_passing_run_is_a_regression_and_floats
     lines = {line.split()[1]: line for line in summary_lines([c], RunFacts(), RELEASE_A, RELEASE_B)}
     assert lines["integers"].startswith("FAIL") and "executed_len recorded before, not now" in lines["integers"]
     assert lines["numerics"].startswith("note")
+
+
+MODULE_A, MODULE_B = "0.33.0 (SM90 module sha256 5f0c2a9e1b7d)", "0.33.0 (SM90 module sha256 0be41c7d2f3a, modified: x.py)"
+
+
+@pytest.mark.parametrize(("before", "after", "labels"), [
+    (RunCode(RELEASE_A, MODULE_A, "H200"), RunCode(RELEASE_B, MODULE_A, "H200"),
+     (f"FlashInfer {RELEASE_A}", f"FlashInfer {RELEASE_B} (both: vLLM {MODULE_A}; machine H200)")),
+    (RunCode(RELEASE_B, MODULE_A, "sim"), RunCode(RELEASE_B, MODULE_B, "sim"),
+     (f"vLLM {MODULE_A}", f"vLLM {MODULE_B} (both: FlashInfer {RELEASE_B}; machine sim)")),
+    (RunCode(RELEASE_A, None, "H100"), RunCode(RELEASE_B, MODULE_A, "H200"),
+     (f"FlashInfer {RELEASE_A}, vLLM none, machine H100", f"FlashInfer {RELEASE_B}, vLLM {MODULE_A}, machine H200")),
+    (RunCode(RELEASE_B), RunCode(RELEASE_B), (f"FlashInfer {RELEASE_B}", f"FlashInfer {RELEASE_B}")),
+], ids=["flashinfer", "vllm-code", "everything", "nothing"])
+def test_the_check_names_the_runs_by_what_differs_between_them(before, after, labels):
+    """A check of two vLLM modules on one FlashInfer is not called a FlashInfer upgrade: the
+    report names what changed (FlashInfer, the vLLM module, the machine) and what both ran."""
+    assert compared_labels(before, after) == labels
+
+
+def test_the_outcomes_file_keeps_the_vllm_and_the_machine_of_its_run(tmp_path):
+    write_outcomes(tmp_path, {"t::x": Outcome("passed")}, RELEASE_A, vllm=MODULE_A, machine="H200")
+    assert read_run_code(tmp_path) == RunCode(RELEASE_A, MODULE_A, "H200")
+    write_outcomes(tmp_path, {"t::x": Outcome("passed")}, RELEASE_B)
+    assert read_run_code(tmp_path) == RunCode(RELEASE_B)
 
 
 def damaged_outcomes(damage: str):
