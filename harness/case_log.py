@@ -27,7 +27,8 @@ class CaseLog:
     fixture: object | None = None  # a recording.fixture.Fixture judged by replay()
     crash: dict | None = None  # a step whose stages killed a child process: scenario, layout, stage, detail
     sequence: dict | None = None  # a multi-step test's sequence so far: harness.port.sequence.Sequence fields, steps
-    # a case run through a backend behind the seam (harness.judge.run_sequence): its backend, layer and steps so far
+    # a case run through a backend behind the seam (harness.case_runner.run_sequence): its backend, layer and
+    # steps so far
     backend_case: dict | None = None
 
     def note_step(self, step, inputs=None, outputs: dict | None = None) -> None:
@@ -107,7 +108,7 @@ def note_crash(scenario, layout: str, stage: str | None, detail: str) -> None:
 
 
 def note_backend_case(case: dict | None) -> None:
-    """Note the case a backend is running (``harness.judge.run_sequence``'s record: the backend,
+    """Note the case a backend is running (``harness.case_runner.run_sequence``'s record: the backend,
     the layer, the steps so far as specs and seeds); None: the running case is none a written case
     rebuilds, so none is kept."""
     if _ACTIVE:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from .bits import bitwise_equal
+from .case_runner import run_sequence
 from .cases import KernelConfig
-from .judge import run_sequence
 from .layer_modes import PLAN_HISTORY_ULPS, in_layer_mode
 from .spec import batch
 
@@ -102,7 +102,7 @@ def check_plan_history(judge, backend, device) -> dict:
       step that plans again where a plan could have been kept is right, so every step's verdict,
       and every case's replay, is green. They fail the check as having tested less than it claims.
 
-    ``--dump-failures`` writes for such a failure the case ``harness.judge.run_sequence`` noted
+    ``--dump-failures`` writes for such a failure the case ``harness.case_runner.run_sequence`` noted
     last (the replan history's plain run), whose steps passed when judged in the test."""
     runs, problems = {}, []
     for name, steps in histories().items():

@@ -1,7 +1,8 @@
-"""The ``judge`` fixture: the one place a test's step through a backend is judged and reported.
+"""The ``judge`` fixture: the reporter of a test's steps through a backend.
 
-A test runs its case with ``harness.judge.run_case`` / ``run_sequence`` and this fixture. Each
-step goes to ``harness.judge.judge_step``; the verdict is then read here and only here:
+A test runs its case with ``harness.case_runner.run_case`` / ``run_sequence`` and this fixture.
+The runner judges each step (``harness.judge.judge_step``) and hands the verdict here, once
+(``StepJudge.report``); it is read here and only here:
 
 - the known findings it expects become the test's strict xfails, each expecting its own
   exception (``harness.findings``);
@@ -11,11 +12,11 @@ step goes to ``harness.judge.judge_step``; the verdict is then read here and onl
   (``VLLM_TWIN_KEY``);
 - under the upgrade check the step's outputs, integer results (executed, planned and host
   lengths) and error ratios are noted for the record (``baseline.note``);
-- for ``--dump-failures`` the case is already noted by ``harness.judge`` (the backend, its
-  release and module digest, a port's layout and plan-keeping, the layer mode, the steps as specs
-  and seeds with their host query split where the device's differs).
+- for ``--dump-failures`` the case is already noted by the runner (the backend, its release and
+  module digest, a port's layout and plan-keeping, the layer mode, the steps as specs and seeds
+  with their host query split where the device's differs).
 
-The verdict's failure is then raised. :func:`replay_backend_case` re-runs a written case
+The runner then raises the verdict's failure. :func:`replay_backend_case` re-runs a written case
 through the backend the run names (``--impl``, ``--vllm``, ``--backend``) with the same fixture.
 """
 
@@ -59,13 +60,16 @@ def upgrade_check_active(config) -> bool:
 
 
 class StepJudge:
-    """``admit`` and ``step`` of ``harness.judge``'s judge, for one test."""
+    """What the case runner reports each step of one test to (a
+    :class:`harness.case_runner.Reporter`): a configuration the backend does not serve skips the
+    test; each verdict's expected findings become the test's strict xfails, its rows the regime
+    table's, its outputs the upgrade check's notes."""
 
     def __init__(self, request, marks_findings: bool = True):
         self.request = request
         self.marks_findings = marks_findings
         #: the verdict this judge reported last (a test reads the comparisons of the step
-        #: ``harness.judge.run_case`` ran for it here)
+        #: ``harness.case_runner.run_case`` ran for it here)
         self.last_verdict = None
 
     def raising_findings(self) -> StepJudge:
@@ -79,38 +83,17 @@ class StepJudge:
         if reason:
             pytest.skip(f"{backend.name}: {reason}")
 
-    def expect(self, findings) -> None:
-        for finding in findings if self.marks_findings else ():
-            self.request.applymarker(pytest.mark.xfail(raises=finding.exception, strict=True, reason=finding.reason))
+    def query_shape_checked(self) -> bool:
+        return flashinfer_checks_query_shape()
 
-    def verdict(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
-                context_of_step: str = ""):
-        """Judge one step (``harness.judge.judge_step``) and report the verdict; return it. A layer
-        whose mode cannot run here (``harness.layer_modes.CaptureUnsupported``: a forward no CUDA
-        graph captures here) skips the test with the reason."""
-        from harness.judge import judge_step
-        from harness.layer_modes import CaptureUnsupported
-
-        try:
-            verdict = judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin,
-                                 query_shape_checked=flashinfer_checks_query_shape, context_of_step=context_of_step)
-        except CaptureUnsupported as exc:
-            pytest.skip(f"unsupported: {exc}")
-        self.expect(verdict.expected)
-        self.report(verdict, scenario, label, layer)
-        self.last_verdict = verdict
-        return verdict
-
-    def step(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
-             context_of_step: str = ""):
-        """Judge one step and report the verdict, raise its failure; return the outcome."""
-        verdict = self.verdict(backend, layer, scenario, inputs, twin=twin, compare=compare, label=label,
-                               context_of_step=context_of_step)
-        if verdict.failure is not None:
-            raise verdict.failure
-        return verdict.outcome
+    def cannot_run(self, reason: str) -> None:
+        """A layer mode that cannot run here (a forward no CUDA graph captures) skips the test."""
+        pytest.skip(reason)
 
     def report(self, verdict, scenario, label: str, layer=None) -> None:
+        for finding in verdict.expected if self.marks_findings else ():
+            self.request.applymarker(pytest.mark.xfail(raises=finding.exception, strict=True, reason=finding.reason))
+        self.last_verdict = verdict
         outcome = verdict.outcome
         if outcome is None:
             return
@@ -125,6 +108,22 @@ class StepJudge:
             self.request.node.user_properties.append((VLLM_TWIN_KEY, (first.max_ratio, first.mean_ratio)))
         if upgrade_check_active(self.request.config):
             self.request.getfixturevalue("baseline").note(**baseline_note(verdict, label, layer, self.request.config))
+
+    def verdict(self, backend, layer, scenario, inputs, *, twin=None, compare: bool = True, label: str = "",
+                context_of_step: str = ""):
+        """One step judged and reported (``harness.case_runner.judged_step``); the verdict
+        returned, its failure not raised."""
+        from harness.case_runner import judged_step
+
+        return judged_step(self, backend, layer, scenario, inputs, twin=twin, compare=compare, label=label,
+                           context_of_step=context_of_step)
+
+    def step(self, backend, layer, scenario, inputs, **kwargs):
+        """One step judged and reported, its failure raised; the outcome returned."""
+        verdict = self.verdict(backend, layer, scenario, inputs, **kwargs)
+        if verdict.failure is not None:
+            raise verdict.failure
+        return verdict.outcome
 
 
 def baseline_note(verdict, label: str, layer, config) -> dict:
@@ -161,7 +160,7 @@ def baseline_fields(verdict, label: str) -> dict:
 
 @pytest.fixture
 def judge(request) -> StepJudge:
-    """The judge ``harness.judge.run_case`` / ``run_sequence`` hand each step to."""
+    """The reporter ``harness.case_runner.run_case`` / ``run_sequence`` hand each step's verdict to."""
     return StepJudge(request)
 
 
@@ -210,7 +209,7 @@ def replay_backend_case(path, request, record: dict) -> None:
     """The written case ``path`` (its loaded ``record``) run again, step by step and with the state carried as its test
     carried it, through the backend this run names, each step judged as its test judged it. A
     release or module other than the recorded one is one line in the replay's report."""
-    from harness.judge import port_twin, run_sequence
+    from harness.case_runner import port_twin, run_sequence
     from recording.backend_case import identity_lines, steps_of
     from recording.commands import replay_command
 

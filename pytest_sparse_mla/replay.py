@@ -367,7 +367,7 @@ class FailureDump:
 
 
     def _dump_backend_case(self, case: dict) -> str:
-        """The case a backend ran (``harness.judge.run_sequence``): its steps so far, as specs and
+        """The case a backend ran (``harness.case_runner.run_sequence``): its steps so far, as specs and
         seeds, with the backend's release and module digest (recording.backend_case)."""
         from recording.backend_case import OPTIONAL_FIELDS, write_backend_case
 

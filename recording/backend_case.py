@@ -1,7 +1,7 @@
 """A failing case of a backend behind the seam (a vLLM release's SM90 backend, FlashMLA, the
 port), kept as the steps that rebuild it: ``NAME.case.json``.
 
-``harness.judge.run_sequence`` notes what it runs (``harness.case_log.note_backend_case``):
+``harness.case_runner.run_sequence`` notes what it runs (``harness.case_log.note_backend_case``):
 the backend (its name, kernel, release and the sha256 of the module text it loaded), the
 layer's row capacity, whether a twin judged the output, and each step so far as its spec and
 seed (and the score pattern of its top-k where it has holes). A failing test's case is written
@@ -63,7 +63,7 @@ KINDS = ("step", "sequence")
 
 BACKEND_FIELDS = {"name": text, "kernel": nullable(text), "release": nullable(text),
                   "module_digest": nullable(sha256_hex)}
-#: A port's layer (``harness.judge.port_layer``); absent: the default layout, compacted, planned every step.
+#: A port's layer (``harness.case_runner.port_layer``); absent: the default layout, compacted, planned every step.
 OPTIONAL_BACKEND_FIELDS = {"layout": one_of(*LAYOUTS), "reuse_plan": a_bool}
 REQUIRED_FIELDS = {
     CASE_KEY: int_in(CASE_VERSION, CASE_VERSION), "kind": one_of(*KINDS), "backend": a_dict,
@@ -91,7 +91,7 @@ def step_record(spec, seed: int, holes, rejected_drafts: int = 0, host_q_lens=No
     """One step of a case file: its spec, seed, the score pattern of its top-k where it has holes
     (``harness.topk_holes.TopkHoles``), the host's query split where the device's differs, and the
     digest of the scenario they build."""
-    from harness.judge import scenario_of_step
+    from harness.case_runner import scenario_of_step
 
     scenario = scenario_of_step(spec, seed, holes, host_q_lens, rejected_drafts=rejected_drafts,
                                 mtp_draft_step=mtp_draft_step)
@@ -179,7 +179,7 @@ def host_split_field_problem(spec: dict, host_q_lens: list[int], name: str) -> s
 def load_backend_case(path) -> dict:
     """Read and check one case file, and check that each step's spec and seed still build the
     recorded scenario; any problem is a FixtureError naming the file and the field."""
-    from harness.judge import scenario_of_step
+    from harness.case_runner import scenario_of_step
     from harness.spec import spec_from_dict
 
     path = Path(path)
@@ -196,7 +196,7 @@ def load_backend_case(path) -> dict:
 
 
 def steps_of(record: dict) -> list[tuple]:
-    """``(spec, seed, holes, host_q_lens)`` of each step of a loaded case (``harness.judge.scenario_of_step``'s
+    """``(spec, seed, holes, host_q_lens)`` of each step of a loaded case (``harness.case_runner.scenario_of_step``'s
     arguments)."""
     from harness.spec import spec_from_dict
 
@@ -207,7 +207,7 @@ def steps_of(record: dict) -> list[tuple]:
 def identity_lines(record: dict, backend) -> list[str]:
     """What differs between the backend a case was written on and the one replaying it: the
     release, the module text (its sha256), the FlashInfer; one line each, none where they agree."""
-    from harness.judge import backend_identity, flashinfer_in_use
+    from harness.case_runner import backend_identity, flashinfer_in_use
 
     recorded, now = record["backend"], backend_identity(backend)
     lines = []

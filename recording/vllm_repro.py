@@ -37,8 +37,8 @@ from backends.seam import BETWEEN_BLOCKS_BYTE
 from fast.convert import request_ids
 from fast.kvlen import prefills_use_dense_mha
 from harness.backend_step import layer_config, step_input
+from harness.case_runner import in_one_cache, scenario_of_step
 from harness.device_inputs import build_attention_inputs, nan_kv_buffer, with_blocks_apart
-from harness.judge import in_one_cache, scenario_of_step
 from mla_constants import KV_LORA_RANK
 from reference.budget import ABS_FLOOR, FACTORS
 
@@ -139,7 +139,7 @@ def layer_dict(config) -> dict:
 
 def standalone_data(record: dict) -> dict:
     """The script's data for a loaded case: the layer, the cache layout and every step's tensors,
-    built as ``harness.judge.run_sequence`` builds them."""
+    built as ``harness.case_runner.run_sequence`` builds them."""
     rejected = record.get("rejected_drafts", 0)
     scenarios = [scenario_of_step(*step, rejected_drafts=rejected, mtp_draft_step=record.get("mtp_draft_step", 0))
                  for step in steps_of(record)]

@@ -1,7 +1,7 @@
 """What both tiers' tests of every residue and every stride share (docs/input-space.md#every-residue-every-stride):
 the cases as pytest parameters and the kernel's ckv and kpe handed as contiguous copies. A step
 whose cache has its blocks apart, or whose single-token decodes had drafts rejected the step
-before, runs through ``harness.judge.run_case`` (``kv_block_stride``, ``rejected_drafts``), which
+before, runs through ``harness.case_runner.run_case`` (``kv_block_stride``, ``rejected_drafts``), which
 records both in a written case.
 """
 

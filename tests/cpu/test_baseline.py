@@ -738,10 +738,10 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
     replaying("0.7.4")
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=same")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> FlashInfer 0.7.4: 2 tests compared, 0 cases and 2 "
-                                 "fixtures of them on their records, no regression",
-                                 "ok    fixtures   2 re-run: 2 of 2 with outputs bitwise equal to FlashInfer 0.7.2.post1; "
-                                 "refusals 0 new, 0 gone"])
+    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> FlashInfer 0.7.4: 2 tests compared, "
+                                 "0 cases and 2 fixtures of them on their records, no regression",
+                                 "ok    fixtures   2 re-run: 2 of 2 with outputs bitwise equal to FlashInfer "
+                                 "0.7.2.post1; refusals 0 new, 0 gone"])
 
     original = stand_in.run
 
@@ -752,15 +752,17 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
     monkeypatch.setattr(stand_in, "run", one_ulp_off)
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=moved")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: 0 of 2 with outputs bitwise equal to FlashInfer 0.7.2.post1; worst "
-                                 "`*` out max abs *, 1/* rows differ, worst rows 1 (*); refusals 0 new, 0 gone"])
+    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: 0 of 2 with outputs bitwise equal to FlashInfer "
+                                 "0.7.2.post1; worst `*` out max abs *, 1/* rows differ, worst rows 1 (*); "
+                                 "refusals 0 new, 0 gone"])
 
     stand_in.refuse = "CSR metadata page counts in kv_indptr must equal ceil(kv_len_arr / page_size)."
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=refused")
     assert result.ret == 1
     result.stdout.fnmatch_lines(["FAIL  verdict    *2 regressions",
-                                 "FAIL  fixtures   2 re-run: 0 of 0 with outputs bitwise equal to FlashInfer 0.7.2.post1; "
-                                 "refusals 2 new, 0 gone (now raising: ValueError: CSR metadata page counts*"])
+                                 "FAIL  fixtures   2 re-run: 0 of 0 with outputs bitwise equal to FlashInfer "
+                                 "0.7.2.post1; refusals 2 new, 0 gone (now raising: ValueError: CSR metadata "
+                                 "page counts*"])
 
 
 def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_files(replaying, pytester):
@@ -769,8 +771,8 @@ def test_an_old_baseline_without_fixture_records_is_compared_with_the_fixture_fi
     replaying("0.8.0")
     result = replay_run(pytester, "--compare-baseline=base")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: * of 2 with outputs bitwise equal to FlashInfer 0.7.4 (2 compared "
-                                 "with the fixture file's record); worst *",
+    result.stdout.fnmatch_lines(["note  fixtures   2 re-run: * of 2 with outputs bitwise equal to FlashInfer 0.7.4 "
+                                 "(2 compared with the fixture file's record); worst *",
                                  "note  not run    0 tests of the baseline did not run; 1 left out by this run's "
                                  "selection (outside the paths given), not judged"])
     md = (pytester.path / "baseline-compare" / "report.md").read_text()

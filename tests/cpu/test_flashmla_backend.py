@@ -43,10 +43,10 @@ from harness.backend_step import (
     run_step,
     selection_problems,
 )
+from harness.case_runner import run_case, run_sequence
 from harness.cases import LONG_CTX, Case, KernelConfig, context_case, sequence_steps, situation_cases
 from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify, covering_cases
-from harness.judge import run_case, run_sequence
 from harness.scenario import build_scenario
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK

@@ -23,6 +23,7 @@ from backends.seam import StepOutcome, planned_then_run, query_rows
 from fast.impl import FastImpl
 from harness.backend_step import layer_config
 from harness.builder import build_scenario
+from harness.case_runner import Reporter, run_sequence
 from harness.device_inputs import AttentionInputs, build_attention_inputs
 from harness.findings import TOPK_HOLES, RegimeCPlannedAsPrefix, TopkHolesAttended
 from harness.findings.vllm import (
@@ -37,7 +38,7 @@ from harness.findings.vllm import (
     PaddedGraphRowsUnplanned,
     SlotZeroLoaded,
 )
-from harness.judge import judge_step, run_sequence
+from harness.judge import judge_step
 from harness.layer_modes import PLAN_HISTORY_ULPS, in_layer_mode
 from harness.spec import batch, device_query_start_loc, graph_padded, with_empty_rows
 from harness.topk_holes import TopkHoles, with_topk_holes
@@ -624,16 +625,6 @@ def test_holes_catch_an_empty_row_that_is_not_out_0_and_lse_inf():
            "+inf: out max |nan|" in text, text
 
 
-class Judge:
-    """``harness.judge.judge_step``'s verdicts for :func:`harness.judge.run_sequence`, nothing reported."""
-
-    def admit(self, backend, config) -> None:
-        pass
-
-    def verdict(self, backend, layer, scenario, inputs, **kwargs):
-        return judge_step(backend, layer, scenario, inputs, context_of_step=kwargs.get("context_of_step", ""))
-
-
 class AttendsHolesThenReadsAnotherRowsSlot(AttendsHoles):
     """:class:`AttendsHoles`; from its second step on, row ROW reads a slot of another row."""
 
@@ -649,7 +640,7 @@ def test_a_finding_of_an_early_step_does_not_hide_a_later_failure(layer_class, r
     """Step 0 shows the top-k holes finding; the sequence goes on, so step 1's own fault is the failure."""
     steps = [(DECODES, SEED, TIES), (DECODES, SEED + 1)]
     with pytest.raises(AssertionError) as caught:
-        run_sequence(Judge(), StandInBackend(layer_class), steps, DEVICE)
+        run_sequence(Reporter(), StandInBackend(layer_class), steps, DEVICE)
     assert type(caught.value) is raised, caught.value
     if raised is AssertionError:
         assert "step 1 of the sequence's 2" in str(caught.value) and "executes slots other than its selection" in \

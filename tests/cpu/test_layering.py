@@ -365,6 +365,21 @@ def test_the_judge_names_no_vendor():
     assert vendor_names_in_code((ROOT / "harness" / "judge.py").read_text()) == []
 
 
+def test_the_judge_runs_no_case_and_the_runner_judges_through_it_alone():
+    """The judge (harness/judge.py) judges one step and knows nothing of running cases: it imports
+    neither the case runner nor the case log's noting of a case; the runner
+    (harness/case_runner.py) reaches the judge's verdict only through ``judge_step``, and the
+    plugin's reporter runs no judge of its own."""
+    judge = ROOT / "harness" / "judge.py"
+    assert not [m for _, m in imported_modules(judge.read_text(), judge) if m.startswith("harness.case_runner")]
+    assert "note_backend_case" not in judge.read_text()
+    runner = ast.parse((ROOT / "harness" / "case_runner.py").read_text())
+    called = {n.func.id for n in ast.walk(runner) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "judge_step" in called
+    plugin = (ROOT / "pytest_sparse_mla" / "judge.py").read_text()
+    assert "judge_step(" not in plugin and "judged_step(" in plugin
+
+
 def test_the_vendor_name_check_sees_a_branch_on_a_vendor():
     assert vendor_names_in_code('"""about vLLM"""\nif is_vllm_backend(b):\n    x = b.design\n# vllm\n') == \
         ["2: is_vllm_backend", "3: design"]

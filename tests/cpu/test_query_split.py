@@ -8,7 +8,7 @@ device clamp cuts each row to its valid count under the device split.
 The truth is the device's: every row belongs to its request under the device split, with that
 request's context, indexer row and block table. The steps are ``harness.cases.device_split_cases``
 built with ``harness.builder.with_host_query_split``, run through the release as it ships on the fa3
-stand-in (``harness.judge.run_case`` with the host split: a failing one is written as a case that
+stand-in (``harness.case_runner.run_case`` with the host split: a failing one is written as a case that
 keeps it), and with ``scripts.vllm_planted_bugs.HOST_SPLIT_BOUND`` planted (each row bounded by its
 request under the host split), which the new steps catch, naming the rows, and the steps the suite
 drew before (one split) miss.
@@ -24,9 +24,10 @@ import torch
 from backends.vllm_sm90 import common_metadata
 from harness.backend_step import layer_config, valid_lengths
 from harness.builder import build_scenario, even_host_split, host_split_problem, with_host_query_split
+from harness.case_runner import run_case, scenario_of_step
 from harness.cases import Case, device_split_cases, longest_request_cases, situation_cases
 from harness.device_inputs import build_attention_inputs
-from harness.judge import judge_step, run_case, scenario_of_step
+from harness.judge import judge_step
 from harness.spec import batch, device_query_start_loc
 from recording.backend_case import load_backend_case, steps_of, write_backend_case
 from recording.fixture import FixtureError
@@ -111,7 +112,7 @@ VLLM_IDENTITY = {"name": "vllm-0.33.0", "kernel": "fa3", "release": "0.33.0", "m
 
 
 def noted_case(case, host) -> dict:
-    """The case ``harness.judge.run_case`` notes for one step of ``case`` with the host split ``host``."""
+    """The case ``harness.case_runner.run_case`` notes for one step of ``case`` with the host split ``host``."""
     return {"kind": "step", "backend": VLLM_IDENTITY, "max_tokens": 32, "twin": False, "compare": True,
             "with_inputs": True, "adaptive_verification": True, "rejected_drafts": 0, "kv_block_stride": None,
             "steps": [{"spec": case.spec, "seed": SEED, "holes": None, "host_q_lens": host}], "flashinfer": "none"}
@@ -156,7 +157,7 @@ def test_a_host_split_that_is_none_is_one_fixture_error_naming_the_field(tmp_pat
 
 def run_split_case(judge, backend, case, host, device, seed: int = SEED):
     """One step of ``case`` with the host split ``host`` through a fresh layer of ``backend`` under
-    adaptive verification, judged by ``judge`` (``harness.judge.run_case``: a failure under
+    adaptive verification, judged by ``judge`` (``harness.case_runner.run_case``: a failure under
     ``--dump-failures`` is written as a case that keeps the host split); the outcome."""
     return run_case(judge, backend, case.spec, device, seed=seed, adaptive_verification=True, host_q_lens=host)
 

@@ -24,6 +24,7 @@ from backends.seam import BETWEEN_BLOCKS_BYTE, ROW_BETWEEN_BLOCKS, block_stride_
 from fast.impl import FastImpl
 from harness.backend_step import layer_config, valid_lengths
 from harness.builder import build_scenario, plan_rows, single_token_decodes, with_rejected_drafts
+from harness.case_runner import run_case, scenario_of_step
 from harness.cases import (
     OFFSET_BOUNDARIES,
     ROW_576,
@@ -36,7 +37,6 @@ from harness.cases import (
     straddling_slot,
 )
 from harness.device_inputs import build_attention_inputs, with_blocks_apart
-from harness.judge import run_case, scenario_of_step
 from harness.pipeline import prepare_step, selection_mismatches
 from harness.spec import batch
 from reference import kv_len_rule, valid_counts

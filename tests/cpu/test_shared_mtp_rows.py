@@ -13,10 +13,10 @@ import torch
 import backends.sm90_state as sm90
 from backends.seam import StepOutcome
 from harness.builder import build_scenario, with_shared_mtp_indices
+from harness.case_runner import run_case, scenario_of_step
 from harness.findings import rows_by_rule_and_off, valid_and_rule_counts
 from harness.hashed_values import component_seed
 from harness.indexer_fill import indexer_rows_fast
-from harness.judge import run_case, scenario_of_step
 from harness.spec import batch
 from pytest_sparse_mla.backend import open_run_backend
 from tests.shared_mtp_cases import shared_mtp_params

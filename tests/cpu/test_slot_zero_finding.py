@@ -19,9 +19,10 @@ import torch
 from backends.seam import StepInput, StepOutcome
 from harness.backend_step import intended_references
 from harness.builder import build_scenario
+from harness.case_runner import Reporter, run_sequence
 from harness.device_inputs import build_attention_inputs
 from harness.findings.vllm import SLOT_ZERO, SlotZeroLoaded
-from harness.judge import judge_step, run_sequence
+from harness.judge import judge_step
 from harness.spec import batch
 from mla_constants import SLOT_ZERO as SLOT_ZERO_FILLER
 
@@ -150,17 +151,6 @@ class StepsOfASequence(LoadsSlotZero):
         return super().step(step)
 
 
-class Judge:
-    """``harness.judge.judge_step``'s verdicts, nothing reported."""
-
-    def admit(self, backend, config) -> None:
-        pass
-
-    def verdict(self, backend, layer, scenario, inputs, **kwargs):
-        return judge_step(backend, layer, scenario, inputs, compare=kwargs.get("compare", True),
-                          context_of_step=kwargs.get("context_of_step", ""))
-
-
 def sequence_backend(loads, off):
     specs = [batch((5, 1), (3000, 1), (3001, 2), topk=2048, kpool=4, num_heads=16),
              batch((6, 1), (3001, 1), (3003, 2), topk=2048, kpool=4, num_heads=16)]
@@ -177,7 +167,7 @@ def sequence_backend(loads, off):
 def test_a_finding_of_an_early_step_does_not_hide_a_later_failure(loads, off, raised):
     backend, specs = sequence_backend(loads, off)
     with pytest.raises(AssertionError) as caught:
-        run_sequence(Judge(), backend, [(spec, 0) for spec in specs], "cpu")
+        run_sequence(Reporter(), backend, [(spec, 0) for spec in specs], "cpu")
     assert type(caught.value) is raised, caught.value
     if raised is AssertionError:
         assert "step 1 of the sequence's 2" in str(caught.value)

@@ -15,9 +15,9 @@ import backends.sm90_state as sm90
 from backends.seam import StepOutcome
 from harness.backend_step import executed_length_problems, selection_problems
 from harness.builder import build_scenario
+from harness.case_runner import run_case
 from harness.cases import LONG_CTX, case_scenario, regime_contexts
 from harness.findings import rows_past_valid, topk_hole_rows, topk_holes_finding
-from harness.judge import run_case
 from harness.spec import batch
 from harness.topk_holes import TopkHoles, with_topk_holes
 from mla_constants import INVALID

@@ -171,8 +171,8 @@ def test_release_b_against_a_with_nothing_broken_passes(releases):
     result = releases("nothing")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines([
-        f"PASS  verdict    FlashInfer {RELEASE_A} -> FlashInfer {RELEASE_B}: 10 tests compared, 2 cases of them on their records, "
-        "no regression",
+        f"PASS  verdict    FlashInfer {RELEASE_A} -> FlashInfer {RELEASE_B}: 10 tests compared, 2 cases of them on "
+        "their records, no regression",
         "ok    outcomes   none of 10 tests that passed (or xfailed) before fails, errors, xpasses or xfails now",
         "ok    integers   all 2 cases with integer results equal",
         "ok    not run    0 tests of the baseline did not run; 1 skipped in the baseline and not run now, not judged"])
@@ -315,7 +315,8 @@ def test_an_integer_result_missing_from_a_passing_run_is_a_regression_and_floats
     assert lines["numerics"].startswith("note")
 
 
-MODULE_A, MODULE_B = "0.33.0 (SM90 module sha256 5f0c2a9e1b7d)", "0.33.0 (SM90 module sha256 0be41c7d2f3a, modified: x.py)"
+MODULE_A = "0.33.0 (SM90 module sha256 5f0c2a9e1b7d)"
+MODULE_B = "0.33.0 (SM90 module sha256 0be41c7d2f3a, modified: x.py)"
 
 
 @pytest.mark.parametrize(("before", "after", "labels"), [

@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap, stand_ins_in_use
 from harness.backend_step import executed_length_problems, layer_config, run_step
 from harness.builder import build_scenario
+from harness.case_runner import run_case, run_sequence
 from harness.cases import KernelConfig, sequence_steps, situation_cases
 from harness.device_inputs import build_attention_inputs
 from harness.findings import TopkHolesAttended
 from harness.findings.vllm import Fp8PlannedAsUint8
 from harness.input_space import classify, covering_cases
-from harness.judge import run_case, run_sequence
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK
 from pytest_sparse_mla.coverage import record_input

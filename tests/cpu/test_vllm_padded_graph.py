@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from harness.builder import build_scenario
+from harness.case_runner import run_case
 from harness.cases import KernelConfig
 from harness.findings.vllm import PaddedGraphRowsUnplanned, padded_graph_step
-from harness.judge import run_case
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK
 from pytest_sparse_mla.judge import flashinfer_checks_query_shape

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness.case_runner import run_case
 from harness.cases import longest_request_cases, situation_cases
 from harness.input_space import SITUATIONS, classify_case, covering_cases
-from harness.judge import run_case
 from tests import fa3_stand_in
 from tests.support.vllm_planting import BF16, BUILDER, UnreportedJudge, planted, stand_in_for
 

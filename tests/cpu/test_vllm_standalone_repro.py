@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.judge import backend_identity
+from harness.case_runner import backend_identity
 from harness.spec import batch
 from recording.backend_case import write_backend_case
 from recording.commands import standalone_command

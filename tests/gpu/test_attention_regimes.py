@@ -1,7 +1,7 @@
 """The FA3 production path against the references in every context regime and batch situation
 (docs/regimes.md#batch-situations), for every kv_indices layout.
 
-Each case runs through the one judge (``harness.judge.run_case``, the ``judge`` fixture) on the
+Each case runs through the one judge (``harness.case_runner.run_case``, the ``judge`` fixture) on the
 port under that layout (``backends.port.PortBackend("fa3", impl, layout)``): invariants and (b) ==
 (a) before launch (a violation fails without launching), then plan + convert + layout + run on
 NaN-filled outputs, the state's buffers against the rehearsed layout, a bitwise rerun, and the
@@ -24,8 +24,8 @@ from backends.port import PortBackend
 from fast.layouts import LAYOUTS
 from harness import build_scenario
 from harness.backend_step import laid_out_step
+from harness.case_runner import run_case
 from harness.cases import case_layout_index, covering_config, large_batch_cases, situation_cases
-from harness.judge import run_case
 from harness.pipeline import describe_rows
 from harness.port.launch import DEVICE
 from reference import check_plan_invariants

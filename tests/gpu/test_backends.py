@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.judge import run_case
+from harness.case_runner import run_case
 from harness.port.launch import DEVICE
 from tests.vllm_cases import step_params
 

@@ -34,8 +34,9 @@ from fast.layouts import LAYOUTS
 from harness import batch, build_scenario
 from harness.backend_step import laid_out_step
 from harness.case_log import note_sequence, note_sequence_step
+from harness.case_runner import run_case, run_sequence
 from harness.cases import LONG_CTX, Case, covering_config
-from harness.judge import judge_step, run_case, run_sequence
+from harness.judge import judge_step
 from harness.pipeline import as_planned, describe_rows
 from harness.port.launch import DEVICE
 from harness.scenario import with_empty_rows

@@ -22,10 +22,11 @@ import pytest
 from backends.registry import open_backend
 from harness.backend_step import layer_config
 from harness.builder import build_scenario
+from harness.case_runner import run_case, run_sequence
 from harness.cases import KernelConfig, large_batch_cases, sequence_steps
 from harness.device_inputs import build_attention_inputs
 from harness.input_space import classify
-from harness.judge import measured, run_case, run_sequence
+from harness.judge import measured
 from harness.port.launch import DEVICE
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.flashmla_table import max_difference, table_row, write_table_row

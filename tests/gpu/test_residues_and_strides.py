@@ -26,8 +26,8 @@ import pytest
 from backends.registry import open_backend
 from harness.backend_step import layer_config, valid_lengths
 from harness.builder import build_scenario
+from harness.case_runner import port_twin, run_case, scenario_of_step
 from harness.device_inputs import build_attention_inputs
-from harness.judge import port_twin, run_case, scenario_of_step
 from harness.port.launch import DEVICE
 from tests.residues_and_strides import (
     FLASHMLA_TAKES_WHOLE_ROWS,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from backends.registry import open_backend
-from harness.judge import run_case
+from harness.case_runner import run_case
 from harness.port.launch import DEVICE
 from mla_constants import TOPK
 from tests.topk_hole_cases import ROPE_CONFIGS, hole_params

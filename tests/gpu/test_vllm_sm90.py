@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.case_runner import port_twin, run_case, run_sequence
 from harness.cases import KernelConfig, device_split_cases, sequence_steps
-from harness.judge import port_twin, run_case, run_sequence
 from harness.port.launch import DEVICE
 from tests.vllm_cases import input_space_params, large_params, magnitude_params, step_params
 

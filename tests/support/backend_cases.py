@@ -6,7 +6,7 @@ from harness.plan_history import histories
 
 
 def port_case(mode: str | None) -> dict:
-    """The case ``harness.judge.run_sequence`` notes for the fresh history on the port, in ``mode``
+    """The case ``harness.case_runner.run_sequence`` notes for the fresh history on the port, in ``mode``
     (None: a case noted before the mode was recorded)."""
     spec, seed = histories()["fresh"][0]
     case = {"kind": "sequence", "backend": {"name": "port-fa3", "kernel": "fa3", "release": None,

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
+from harness.case_runner import Reporter
 from harness.cases import KernelConfig
-from harness.judge import judge_step
 from tests import fa3_stand_in
 
 #: Selections (``-k``) of ``tests/cpu/test_vllm_backend.py``: a sequence through one layer, and a single step.
@@ -22,23 +22,15 @@ BF16 = KernelConfig("bfloat16", True, 16)
 BUILDER = "FlashInferMLASparseSM90Builder"
 
 
-class UnreportedJudge:
-    """``harness.judge.judge_step`` on every step, its failure raised, nothing reported to the
-    run's summary (the planted bug's failures are what the test expects)."""
+class UnreportedJudge(Reporter):
+    """Each step judged, its failure raised, nothing reported to the run's summary (the planted
+    bug's failures are what the test expects); a configuration the backend does not serve skips
+    the test."""
 
     def admit(self, backend, config) -> None:
         reason = backend.unsupported(config)
         if reason:
             pytest.skip(f"{backend.name}: {reason}")
-
-    def verdict(self, backend, layer, scenario, inputs, *, twin=None, compare=True, label="", context_of_step=""):
-        return judge_step(backend, layer, scenario, inputs, compare=compare, twin=twin, context_of_step=context_of_step)
-
-    def step(self, backend, layer, scenario, inputs, **kwargs):
-        verdict = self.verdict(backend, layer, scenario, inputs, **kwargs)
-        if verdict.failure is not None:
-            raise verdict.failure
-        return verdict.outcome
 
 
 def planted(monkeypatch, module, class_name: str, method: str, edits) -> None:
