@@ -29,9 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-#: Kernel configurations drawn from (kv dtype, rope, heads, k_scale): DeepSeek-V3.2's heads per rank.
+#: Kernel configurations drawn from (kv dtype, rope, heads, k_scale): DeepSeek-V3.2's heads per
+#: rank; fp8 at k_scale 1, since vLLM reads an fp8 cache's rope part without k_scale
+#: (docs/findings.md#vllm-fp8-kpe-scale), a finding that decides the output at any other scale.
 CONFIGS = (("bfloat16", True, 16, 1.0), ("bfloat16", True, 64, 1.0), ("bfloat16", True, 128, 1.0),
-           ("bfloat16", False, 32, 1.0), ("float8_e4m3fn", True, 16, 0.5), ("float8_e4m3fn", True, 128, 1.0))
+           ("bfloat16", False, 32, 1.0), ("float8_e4m3fn", True, 16, 1.0), ("float8_e4m3fn", True, 128, 1.0))
 MAX_REQUESTS = 8
 TOPK = 2048
 
@@ -72,8 +74,9 @@ def measured(backend, case: dict, device) -> dict:
     try:
         _, kept = run_sequence(Reporter(), backend, history, device)
         _, fresh = run_sequence(Reporter(), backend, fresh_steps, device)
-    except AssertionError as exc:
-        return {**case, "error": str(exc).splitlines()[0][:300]}
+    except AssertionError as exc:  # a known finding's exception included: its class names it
+        lines = str(exc).splitlines()
+        return {**case, "error": f"{type(exc).__name__}: {' | '.join(lines[1:3] or lines[:1])[:300]}"}
     target, alone = kept[-1], fresh[-1]
     differing = (target.out.float() != alone.out.float()).sum().item()
     return {**case, "error": None, "plan_kept": target.plans == kept[-2].plans,

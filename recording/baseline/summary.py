@@ -241,8 +241,10 @@ def nothing_ran_summary(measured: list[CaseComparison], run: RunFacts, before_ve
 def compared_labels(before: RunCode, after: RunCode) -> tuple[str, str]:
     """The two runs of a check named by what differs between them (FlashInfer, vLLM, machine:
     :class:`RunCode`), what both ran alike after the new one's, in parentheses; both named by
-    FlashInfer where nothing differs."""
-    pairs = list(zip(before.named(), after.named(), strict=True))
+    FlashInfer where nothing differs. The machine is compared only where both records name it."""
+    # a machine one record does not name (an older record, or no GPU found) is not called a change
+    pairs = [(b, a) for b, a in zip(before.named(), after.named(), strict=True)
+             if b[0] != "machine" or (b[1] is not None and a[1] is not None)]
     shown = [(b, a) for b, a in pairs if b != a] or pairs[:1]
     alike = [f"{name} {value}" for (name, value), a in pairs if (name, value) == a and value is not None
              and ((name, value), a) not in shown]

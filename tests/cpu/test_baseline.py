@@ -738,7 +738,7 @@ def test_the_upgrade_check_re_runs_fixtures_and_compares_them_with_the_old_relea
     replaying("0.7.4")
     result = replay_run(pytester, "--compare-baseline=base", "--baseline-out=same")
     assert result.ret == 0, "\n".join(result.outlines[-30:])
-    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> FlashInfer 0.7.4: 2 tests compared, "
+    result.stdout.fnmatch_lines(["PASS  verdict    FlashInfer 0.7.2.post1 -> FlashInfer 0.7.4*: 2 tests compared, "
                                  "0 cases and 2 fixtures of them on their records, no regression",
                                  "ok    fixtures   2 re-run: 2 of 2 with outputs bitwise equal to FlashInfer "
                                  "0.7.2.post1; refusals 0 new, 0 gone"])

@@ -171,7 +171,8 @@ def test_release_b_against_a_with_nothing_broken_passes(releases):
     result = releases("nothing")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines([
-        f"PASS  verdict    FlashInfer {RELEASE_A} -> FlashInfer {RELEASE_B}: 10 tests compared, 2 cases of them on "
+        # the machine the two runs share ends the new run's name on a GPU: "(both: machine NAME)"
+        f"PASS  verdict    FlashInfer {RELEASE_A} -> FlashInfer {RELEASE_B}*: 10 tests compared, 2 cases of them on "
         "their records, no regression",
         "ok    outcomes   none of 10 tests that passed (or xfailed) before fails, errors, xpasses or xfails now",
         "ok    integers   all 2 cases with integer results equal",
@@ -327,7 +328,8 @@ MODULE_B = "0.33.0 (SM90 module sha256 0be41c7d2f3a, modified: x.py)"
     (RunCode(RELEASE_A, None, "H100"), RunCode(RELEASE_B, MODULE_A, "H200"),
      (f"FlashInfer {RELEASE_A}, vLLM none, machine H100", f"FlashInfer {RELEASE_B}, vLLM {MODULE_A}, machine H200")),
     (RunCode(RELEASE_B), RunCode(RELEASE_B), (f"FlashInfer {RELEASE_B}", f"FlashInfer {RELEASE_B}")),
-], ids=["flashinfer", "vllm-code", "everything", "nothing"])
+    (RunCode(RELEASE_A), RunCode(RELEASE_B, None, "H200"), (f"FlashInfer {RELEASE_A}", f"FlashInfer {RELEASE_B}")),
+], ids=["flashinfer", "vllm-code", "everything", "nothing", "machine-not-recorded"])
 def test_the_check_names_the_runs_by_what_differs_between_them(before, after, labels):
     """A check of two vLLM modules on one FlashInfer is not called a FlashInfer upgrade: the
     report names what changed (FlashInfer, the vLLM module, the machine) and what both ran."""
