@@ -188,7 +188,7 @@ def compared_rows(outcome: StepOutcome, scenario: Scenario, truth, lowp, kernel:
         comparisons = [compare_to_budget("out" + suffix, out, truth[0], lowp[0], kv_dtype)]
     else:
         comparisons = compare_attention(out, outcome.lse[pick], truth, lowp, kv_dtype, kernel=kernel, suffix=suffix)
-    if rows is None or not suffix:
+    if rows is None:
         return comparisons
     return [dataclasses.replace(c, worst=[(rows[r], h, e) for r, h, e in c.worst]) for c in comparisons]
 

@@ -136,7 +136,10 @@ def empty_row_problems(outcome: StepOutcome, rows: list[int]) -> list[str]:
     lse = outcome.lse[rows] if outcome.lse is not None else None
     if bool((out == 0).all()) and (lse is None or bool((lse == float("inf")).all())):
         return []
-    return [f"rows {rows} have no valid entry and are not out 0 / LSE +inf: out max |{float(out.abs().max()):.3g}|"]
+    text = f"rows {rows} have no valid entry and are not out 0 / LSE +inf: out max |{float(out.abs().max()):.3g}|"
+    if lse is not None:
+        text += f", lse from {float(lse.min()):.3g} to {float(lse.max()):.3g}"
+    return [text]
 
 
 def runs_neither_count(verdict: Verdict, scenario: Scenario, rows: list[int]) -> AssertionError:

@@ -22,10 +22,17 @@ from backends.port import REFUSAL_EXPECTED, lay_out
 from backends.seam import StepOutcome, planned_then_run, query_rows
 from fast.impl import FastImpl
 from harness.backend_step import layer_config
-from harness.builder import build_scenario
+from harness.builder import build_scenario, with_shared_mtp_indices
 from harness.case_runner import Reporter, run_sequence
 from harness.device_inputs import AttentionInputs, build_attention_inputs
-from harness.findings import TOPK_HOLES, RegimeCPlannedAsPrefix, TopkHolesAttended
+from harness.findings import (
+    SHARED_MTP,
+    TOPK_HOLES,
+    RegimeCPlannedAsPrefix,
+    SharedMtpRowsByContext,
+    TopkHolesAttended,
+    valid_and_rule_counts,
+)
 from harness.findings.vllm import (
     FP8_AS_UINT8,
     KPE_SCALE,
@@ -623,6 +630,88 @@ def test_holes_catch_an_empty_row_that_is_not_out_0_and_lse_inf():
     text = failure_text(verdict_of(EmptyRowNaN, scenario=scenario, executes_valid_counts=True))
     assert "rows that attend no hole are off" in text and "rows [3] have no valid entry and are not out 0 / LSE " \
            "+inf: out max |nan|" in text, text
+
+
+class EmptyRowLseNotInf(ValidCounts):
+    """Writes out 0 for a row with no valid entry but leaves its LSE at -inf (the oracle's value, not
+    the convention of a kernel handed valid counts)."""
+
+    def attend(self, step, rows, read, mask):
+        out, lse = super().attend(step, rows, read, mask)
+        lse[~mask.any(dim=1)] = float("-inf")
+        return out, lse
+
+
+def test_holes_catch_an_empty_row_whose_lse_is_not_inf():
+    scenario = with_empty_rows(with_topk_holes(build_scenario(DECODES, SEED), TIES), [3])
+    text = failure_text(verdict_of(EmptyRowLseNotInf, scenario=scenario, executes_valid_counts=True))
+    assert "rows [3] have no valid entry and are not out 0 / LSE +inf: out max |0|, lse from -inf to -inf" in text, \
+        text
+
+
+# --- MTP's shared top-k rows: a draft step that reuses the rows draft step 0 kept --------------------
+
+#: Draft step 2 of vLLM's speculator with shared top-k indices, kpool 1: rows 0 to 3 (step-0
+#: contexts 1, 2, 126, 127) hold fewer valid entries than the length rule gives their draft's
+#: context (3, 4, 128, 128); rows 4 to 7 (past topk) the same count either way.
+MTP_STEP = 2
+MTP_DECODES = batch(*[(ctx + MTP_STEP, 1) for ctx in (1, 2, 126, 127, 128, 129, 256, 100003)], topk=TOPK, kpool=1)
+MTP_BY_RULE, MTP_ALIKE = [0, 1, 2, 3], [4, 5, 6, 7]
+
+
+def mtp_scenario():
+    return with_shared_mtp_indices(build_scenario(MTP_DECODES, SEED), MTP_STEP)
+
+
+class RuleCountsThenReadsAnotherRowsSlot(AttendsHoles):
+    """:class:`AttendsHoles`; row 5 (whose counts agree) reads a slot of another row."""
+
+    def read(self, slots, lengths):
+        read, mask = super().read(slots, lengths)
+        return foreign_slot(read, mask, row=MTP_ALIKE[1]), mask
+
+
+class RuleCountsWithARowAlikeOff(AttendsHoles):
+    """:class:`AttendsHoles`, row 6 (whose counts agree) 1.5 times what it should be."""
+
+    def attend(self, step, rows, read, mask):
+        out, lse = super().attend(step, rows, read, mask)
+        out[MTP_ALIKE[2]] *= 1.5
+        return out, lse
+
+
+def test_the_shared_mtp_step_is_drawn_as_its_self_tests_say():
+    valid, rule = valid_and_rule_counts(mtp_scenario(), len(MTP_BY_RULE + MTP_ALIKE))
+    assert (valid != rule).nonzero().flatten().tolist() == MTP_BY_RULE
+
+
+def test_shared_mtp_rows_run_by_the_rule_are_the_finding_and_only_they():
+    scenario = mtp_scenario()
+    assert verdict_of(ValidCounts, scenario=scenario, executes_valid_counts=True).failure is None
+    verdict = verdict_of(AttendsHoles, scenario=scenario)
+    assert isinstance(verdict.failure, SharedMtpRowsByContext) and SHARED_MTP in verdict.expected, verdict.failure
+    text = str(verdict.failure)
+    assert text.startswith(f"4 rows of draft step {MTP_STEP} run the length rule's count at the draft's context"), \
+        text
+    assert "row 1 (regime H, ctx 4), host exact 2, planned 4, executed 4, valid 2: kept from draft step 0 at " \
+           "context 2, runs the rule's count at the draft's context" in text, text
+    assert "row 4 " not in text, text
+
+
+def test_shared_mtp_catches_what_the_finding_does_not_explain():
+    scenario = mtp_scenario()
+    neither = verdict_of(HoleRowCutShort, scenario=scenario)
+    text = failure_text(neither)
+    assert type(neither.failure) is AssertionError and "row 1 (regime H, ctx 4)" in text and \
+        "the length it runs is neither its valid count nor the length rule's count" in text, text
+    off = verdict_of(RuleCountsWithARowAlikeOff, scenario=scenario)
+    text = failure_text(off)
+    assert type(off.failure) is AssertionError and text.startswith("rows that run their valid count are off") and \
+        f"worst: row {MTP_ALIKE[2]} " in text, text
+    foreign = verdict_of(RuleCountsThenReadsAnotherRowsSlot, scenario=scenario)
+    text = failure_text(foreign)
+    assert type(foreign.failure) is AssertionError and \
+        f"row {MTP_ALIKE[1]} (regime H, ctx 131)" in text and "executes slots other than its selection" in text, text
 
 
 class AttendsHolesThenReadsAnotherRowsSlot(AttendsHoles):
