@@ -602,6 +602,19 @@ def test_holes_executed_with_the_length_rule_are_the_finding_and_only_they():
     assert f"worst: row {NO_HOLE_ROW} " in failure_text(off)
 
 
+def test_the_holes_finding_measures_its_rows_against_the_contract_and_a_declared_filler():
+    """Each row of the finding is measured against the contract oracle; where the backend's family
+    declares how it packs a -1 inside a row's length (vLLM's filler), against the implementation
+    oracle too."""
+    scenario, _ = scenario_and_inputs(holes=TIES)
+    plain = failure_text(verdict_of(AttendsHoles, scenario=scenario))
+    declared = failure_text(verdict_of(AttendsHoles, scenario=scenario, name="vllm-0.33.0",
+                                       minus_one_filler=SLOT_ZERO_FILLER))
+    line = "row 1 (regime F, ctx 300): executed 128, length rule 128, valid 84 (44 holes); out max |err| vs contract "
+    assert line in plain and ", vs implementation" not in plain, plain
+    assert line in declared and "the budget), vs implementation " in declared, declared
+
+
 def test_holes_planned_past_the_valid_count_without_a_read_back_are_named_as_planned():
     scenario, _ = scenario_and_inputs(holes=TIES)
     verdict = verdict_of(ShowsItsPlanOnly, scenario=scenario)
