@@ -29,13 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from mla_constants import TOPK
+
 #: Kernel configurations drawn from (kv dtype, rope, heads, k_scale): DeepSeek-V3.2's heads per
 #: rank; fp8 at k_scale 1, since vLLM reads an fp8 cache's rope part without k_scale
 #: (docs/findings.md#vllm-fp8-kpe-scale), a finding that decides the output at any other scale.
 CONFIGS = (("bfloat16", True, 16, 1.0), ("bfloat16", True, 64, 1.0), ("bfloat16", True, 128, 1.0),
            ("bfloat16", False, 32, 1.0), ("float8_e4m3fn", True, 16, 1.0), ("float8_e4m3fn", True, 128, 1.0))
 MAX_REQUESTS = 8
-TOPK = 2048
 
 
 def drawn_case(seed: int, index: int) -> dict:
@@ -51,17 +52,14 @@ def drawn_case(seed: int, index: int) -> dict:
 
 
 def steps_of(case: dict):
-    """``(kept history, fresh)``: the steps of each run, ``(spec, seed)`` as the case runner takes them."""
+    """``(kept history, fresh)``: the steps of each run, ``(spec, seed)`` as the case runner takes
+    them, built as the plan-history check builds its decode steps (``harness.plan_history``)."""
     from harness.cases import KernelConfig
-    from harness.spec import batch
+    from harness.plan_history import decode_step
 
     config = KernelConfig(case["kv_dtype"], case["rope"], case["heads"], case["k_scale"])
-
-    def step(contexts, seed):
-        return config.apply(batch(*[(c, 1) for c in contexts], kpool=1, topk=TOPK)), seed
-
-    target = step(case["contexts"], case["target_seed"])
-    return [step([c - 1 for c in case["contexts"]], case["history_seed"]), target], [target]
+    target = decode_step(case["contexts"], case["target_seed"], config)
+    return [decode_step([c - 1 for c in case["contexts"]], case["history_seed"], config), target], [target]
 
 
 def measured(backend, case: dict, device) -> dict:

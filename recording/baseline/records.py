@@ -210,12 +210,12 @@ def outcomes_file_problem(data) -> str | None:
     return None
 
 
-def read_outcomes(directory: Path) -> tuple[str | None, dict[str, Outcome]]:
-    """The FlashInfer version and every test's outcome of a records folder ((None, {}) where it
-    has no outcomes file); BaselineError naming the file and the field when it cannot be read."""
+def outcomes_data(directory: Path) -> dict:
+    """A records folder's outcomes file, checked ({} where it has none); BaselineError naming the
+    file and the field when it cannot be read."""
     path = Path(directory) / OUTCOMES_FILE
     if not path.exists():
-        return None, {}
+        return {}
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -223,17 +223,22 @@ def read_outcomes(directory: Path) -> tuple[str | None, dict[str, Outcome]]:
     problem = outcomes_file_problem(data)
     if problem:
         raise BaselineError(f"{path}: {problem}; {RERECORD}")
-    return data["flashinfer"], {case: Outcome(**entry) for case, entry in data["tests"].items()}
+    return data
+
+
+def read_outcomes(directory: Path) -> tuple[str | None, dict[str, Outcome]]:
+    """The FlashInfer version and every test's outcome of a records folder ((None, {}) where it
+    has no outcomes file)."""
+    data = outcomes_data(directory)
+    return data.get("flashinfer"), {case: Outcome(**entry) for case, entry in data.get("tests", {}).items()}
 
 
 def read_run_code(directory: Path) -> RunCode:
     """What the run that wrote a records folder judged (:class:`RunCode`): the FlashInfer
     versions of its records and of its outcomes file (joined where they differ), the vLLM and
     the machine its outcomes file names."""
-    path = Path(directory) / OUTCOMES_FILE
-    flashinfer, _ = read_outcomes(directory)
-    versions = {r.flashinfer for r in read_records(directory).values()} | {flashinfer}
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = outcomes_data(directory)
+    versions = {r.flashinfer for r in read_records(directory).values()} | {data.get("flashinfer")}
     return RunCode(",".join(sorted(versions - {None})) or None, data.get("vllm"), data.get("machine"))
 
 

@@ -346,13 +346,19 @@ def test_selection_catches_a_slot_of_another_row():
 # --- the output and LSE against the oracle -------------------------------------------------------------
 
 
-class OutputOff(RightLayer):
-    """Row ROW's output 1.5 times what it should be."""
+class OneRowOff:
+    """Mixed in before a layer class: row ``off_row``'s output 1.5 times what the layer gives."""
+
+    off_row = ROW
 
     def attend(self, step, rows, read, mask):
         out, lse = super().attend(step, rows, read, mask)
-        out[ROW] *= 1.5
+        out[self.off_row] *= 1.5
         return out, lse
+
+
+class OutputOff(OneRowOff, RightLayer):
+    """Row ROW's output 1.5 times what it should be."""
 
 
 class LseOff(RightLayer):
@@ -554,13 +560,10 @@ class HoleRowCutShort(RightLayer):
         return one_row_changed(super().lengths(step, slots), -1)
 
 
-class NoHoleRowOff(AttendsHoles):
+class NoHoleRowOff(OneRowOff, AttendsHoles):
     """:class:`AttendsHoles`, its row without holes 1.5 times what it should be."""
 
-    def attend(self, step, rows, read, mask):
-        out, lse = super().attend(step, rows, read, mask)
-        out[NO_HOLE_ROW] *= 1.5
-        return out, lse
+    off_row = NO_HOLE_ROW
 
 
 class ShowsItsPlanOnlyWithABoundBelowValid(ShowsItsPlanOnly):
@@ -684,13 +687,10 @@ class RuleCountsThenReadsAnotherRowsSlot(AttendsHoles):
         return foreign_slot(read, mask, row=MTP_ALIKE[1]), mask
 
 
-class RuleCountsWithARowAlikeOff(AttendsHoles):
+class RuleCountsWithARowAlikeOff(OneRowOff, AttendsHoles):
     """:class:`AttendsHoles`, row 6 (whose counts agree) 1.5 times what it should be."""
 
-    def attend(self, step, rows, read, mask):
-        out, lse = super().attend(step, rows, read, mask)
-        out[MTP_ALIKE[2]] *= 1.5
-        return out, lse
+    off_row = MTP_ALIKE[2]
 
 
 def test_the_shared_mtp_step_is_drawn_as_its_self_tests_say():
