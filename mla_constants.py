@@ -67,6 +67,6 @@ GPU_TIER_DEVICE_ENV = "SPARSE_MLA_DEVICE"
 GPU_TIER_DEFAULT_DEVICE = "cuda"
 
 #: What a packing layout writes for a -1 inside a row's planned length (``reference.contract``'s
-#: fillers; a vLLM release's ``minus_one_filler``, ``backends.vllm_facts``).
+#: fillers; a vLLM release's ``minus_one_filler``, ``backends.vllm.facts``).
 SLOT_ZERO = "slot 0"
 FIRST_SLOT = "the row's first slot"

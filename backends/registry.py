@@ -3,12 +3,12 @@ backend is).
 
 A spec is one of:
 
-- ``port-fa3`` / ``port-fa2``: the project's port (``backends.port``) on FlashInfer's fa3 or fa2
+- ``port-fa3`` / ``port-fa2``: the project's port (``backends.flashinfer.port``) on FlashInfer's fa3 or fa2
   kernel, its host stages those of the implementation under test (``--impl``) where one is given;
-- ``vllm`` / ``vllm-RELEASE``: a vLLM release's own SM90 backend (``backends.vllm_sm90``), from the
+- ``vllm`` / ``vllm-RELEASE``: a vLLM release's own SM90 backend (``backends.vllm.sm90``), from the
   release ``--vllm`` names (``vllm-RELEASE`` must name the same release);
 - ``flashmla`` / ``flashmla-RELEASE``: FlashMLA's sparse kernels as that release's
-  FLASHMLA_SPARSE calls them (``backends.flashmla``);
+  FLASHMLA_SPARSE calls them (``backends.vllm.flashmla``);
 - ``module:factory``: ``factory()`` from ``module``, returning an object with the members of
   :class:`backends.seam.Backend`.
 
@@ -23,10 +23,10 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .installed import flashinfer_import_problem as flashinfer_import_problem
-from .installed import flashinfer_jit_dir as flashinfer_jit_dir
-from .installed import flashinfer_wrapper_class as flashinfer_wrapper_class
-from .installed import installed_flashinfer_version as installed_flashinfer_version
+from .flashinfer.installed import flashinfer_import_problem as flashinfer_import_problem
+from .flashinfer.installed import flashinfer_jit_dir as flashinfer_jit_dir
+from .flashinfer.installed import flashinfer_wrapper_class as flashinfer_wrapper_class
+from .flashinfer.installed import installed_flashinfer_version as installed_flashinfer_version
 
 if TYPE_CHECKING:
     from .seam import Backend
@@ -52,10 +52,10 @@ class BackendFamily:
 
 #: Every backend family by name (``vllm`` and ``flashmla`` also named ``NAME-RELEASE``).
 FAMILIES = {
-    "port-fa3": BackendFamily("backends.port", "PortBackend", kernel="fa3"),
-    "port-fa2": BackendFamily("backends.port", "PortBackend", kernel="fa2"),
-    "vllm": BackendFamily("backends.vllm_sm90", "VllmSM90Backend", needs_vllm=True, facts="backends.vllm_facts"),
-    "flashmla": BackendFamily("backends.flashmla", "FlashMLABackend", needs_vllm=True),
+    "port-fa3": BackendFamily("backends.flashinfer.port", "PortBackend", kernel="fa3"),
+    "port-fa2": BackendFamily("backends.flashinfer.port", "PortBackend", kernel="fa2"),
+    "vllm": BackendFamily("backends.vllm.sm90", "VllmSM90Backend", needs_vllm=True, facts="backends.vllm.facts"),
+    "flashmla": BackendFamily("backends.vllm.flashmla", "FlashMLABackend", needs_vllm=True),
 }
 #: The port's names and the FlashInfer kernel each runs on.
 PORT_KERNELS = {name: family.kernel for name, family in FAMILIES.items() if not family.needs_vllm}
@@ -143,7 +143,7 @@ def release_digest_problem(name: str, release: str | None, digest: str | None) -
 
 def open_backend(spec: str, vllm_source=None, *, impl=None) -> Backend:
     """The backend ``spec`` names (module docstring). ``vllm_source``: a
-    ``backends.vllm_source.VllmSource`` for those that run a vLLM release's files; ``impl``: the
+    ``backends.vllm.source.VllmSource`` for those that run a vLLM release's files; ``impl``: the
     host stages the port runs (an object with ``fast.impl.SparseMLAImpl``'s methods; None: the
     project's own)."""
     if is_factory_spec(spec):

@@ -1,4 +1,4 @@
-"""FlashMLA beside FA3 (``--vllm``): vLLM's FLASHMLA_SPARSE backend (``backends.flashmla``) on
+"""FlashMLA beside FA3 (``--vllm``): vLLM's FLASHMLA_SPARSE backend (``backends.vllm.flashmla``) on
 the kernel section's shapes, caches and q.
 
 What is timed: the FlashMLA kernel calls that vLLM's ``forward_mqa`` makes for one step
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.flashmla import RECORDED_OPS, SIGNATURES, FlashMLAUnavailable
 from backends.registry import open_backend
-from backends.vllm_source import VllmSourceError, resolve
+from backends.vllm.flashmla import RECORDED_OPS, SIGNATURES, FlashMLAUnavailable
+from backends.vllm.source import VllmSourceError, resolve
 from harness import AttentionInputs
 from harness.backend_step import layer_config, step_input
 from harness.device_inputs import intended_slots_on

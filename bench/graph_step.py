@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from harness.timing import estimate_seconds, summarize, synchronize
 
 from .context import Context, error_text

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from harness import build_scenario
 from harness.timing import summarize, synchronize
 from mla_constants import variant_name

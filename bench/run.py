@@ -69,7 +69,7 @@ def device_facts(device: torch.device) -> dict:
              "memory_bytes": props.total_memory, "l2_bytes": getattr(props, "L2_cache_size", None),
              "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
     try:
-        from backends.flashinfer_compat import detect_features
+        from backends.flashinfer.compat import detect_features
 
         facts["flashinfer_features"] = detect_features(device).describe()  # what plan() and run() check, probed
     except Exception as exc:
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         data["environment"]["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     try:
-        from backends.flashinfer_compat import distinct_warnings
+        from backends.flashinfer.compat import distinct_warnings
 
         data["flashinfer_warnings"] = distinct_warnings()
     except Exception:

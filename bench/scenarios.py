@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from harness import AttentionInputs, batch, build_scenario
 from harness.cases import KernelConfig
 from harness.timing import synchronize

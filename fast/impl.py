@@ -17,7 +17,7 @@ Every method has the semantics of the production path it names:
 - optionally ``make_attention_state(config, device)``: an attention state of the impl's own,
   with the methods of :class:`AttentionState` (plan on the host, then convert -> layout ->
   run on the device, capturable in a CUDA graph), in place of the port's
-  (``backends.port.make_attention_state``, FlashInfer's wrapper driven by these host stages).
+  (``backends.flashinfer.port.make_attention_state``, FlashInfer's wrapper driven by these host stages).
 
 ``fast/`` is host stages only: it imports no vendor package.
 """
@@ -58,7 +58,7 @@ class AttentionState(Protocol):
     """What the GPU tier drives: ``num_rows`` planned rows, the reserved device buffers
     (``kv_indices``, ``kv_indptr``, ``kv_len``), the host staging of the last plan
     (``planned_kv_indptr``, ``planned_kv_len``), and ``features`` (a
-    :class:`backends.flashinfer_compat.Features`)."""
+    :class:`backends.flashinfer.compat.Features`)."""
 
     num_rows: int
 

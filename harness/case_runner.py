@@ -122,7 +122,7 @@ def flashinfer_in_use() -> str:
 
 
 def port_layer(backend) -> dict:
-    """What reopens a port's layer as it ran (``backends.port.PortBackend``): its kv_indices layout
+    """What reopens a port's layer as it ran (``backends.flashinfer.port.PortBackend``): its kv_indices layout
     and whether it keeps its plans where rows and lengths repeat; nothing for any other backend."""
     if family_and_release(backend.name)[0] not in PORT_KERNELS:
         return {}

@@ -48,7 +48,7 @@ def flashinfer_checks_query_shape() -> bool:
         return False
     if not getattr(wrapper, "__module__", "").startswith("flashinfer"):  # a stand-in says, else it does not check
         return bool(getattr(wrapper, "checks_query_shape", False))
-    from backends.flashinfer_compat import detect_features
+    from backends.flashinfer.compat import detect_features
 
     return bool(detect_features(gpu_tier_device()).run_checks_query_shape)
 

@@ -385,7 +385,7 @@ class FailureDump:
         impl = load_impl(self.node.config.stash.get(IMPL_SPEC, None) or DEFAULT_IMPL_SPEC)
         features = None
         if note["kind"] == "attention-state":
-            from backends import flashinfer_compat
+            from backends.flashinfer import compat as flashinfer_compat
 
             features = flashinfer_compat.detect_features()
         path = write_failing_sequence(self.directory, self._safe_name(), note, impl, run_device(self.node.config),

@@ -1,7 +1,7 @@
-"""``--vllm=PATH``: a vLLM release's own SM90 sparse backend under test (``backends.vllm_sm90``).
+"""``--vllm=PATH``: a vLLM release's own SM90 sparse backend under test (``backends.vllm.sm90``).
 
 PATH is a vLLM wheel, a folder holding the ``vllm`` package (an unpacked wheel, a checkout, a
-slice written by ``python3 -m backends.vllm_source slice``), or ``installed``. Each process
+slice written by ``python3 -m backends.vllm.source slice``), or ``installed``. Each process
 resolves it when it starts (a wheel's files checked against its RECORD every time); the
 controlling one first, so that anything it cannot use (missing, empty, not a vLLM wheel, a
 corrupt one, a folder without the package) is a usage error of one line before any test or
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.vllm_source import VllmSourceError, resolve
+from backends.vllm.source import VllmSourceError, resolve
 
 from .keys import GROUP, REGIME_KEY
 
@@ -64,7 +64,7 @@ def pytest_configure(config):
 def flashmla_absence(source) -> str | None:
     """Why the FlashMLA backend cannot be tested from ``source`` (None: its modules and kernels
     are there)."""
-    from backends.vllm_source import SLICE_COMMAND, missing_flashmla_files
+    from backends.vllm.source import SLICE_COMMAND, missing_flashmla_files
 
     missing = missing_flashmla_files(source)
     if not missing:
@@ -77,8 +77,8 @@ def pytest_report_header(config):
     source = config.stash.get(VLLM_SOURCE, None)
     if not source:
         return [NO_VLLM]
-    from backends.vllm_facts import facts_for
-    from backends.vllm_source import design_of
+    from backends.vllm.facts import facts_for
+    from backends.vllm.source import design_of
 
     absent = flashmla_absence(source)
     under_test = "FlashMLA under test: the release's FLASHMLA_SPARSE on its own kernels (a stand-in without CUDA)"
@@ -119,7 +119,7 @@ def vllm_backend(pytestconfig):
     source = pytestconfig.stash.get(VLLM_SOURCE, None)
     if source is None:
         pytest.skip(NO_VLLM)
-    from backends.vllm_sm90 import VllmSM90Backend
+    from backends.vllm.sm90 import VllmSM90Backend
 
     return VllmSM90Backend(source)
 

@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from backends.port import lay_out_rows, make_attention_state
+from backends.flashinfer.port import lay_out_rows, make_attention_state
 from backends.seam import LaidOut
 from reference.rules import convert_rule
 
@@ -126,7 +126,7 @@ def _refusal(exc: Exception) -> str:
 
 
 def _rerun_pipeline(fx: Fixture, impl, impl_spec: str | None, device) -> Rerun:
-    from backends.port import AttentionConfig
+    from backends.flashinfer.port import AttentionConfig
 
     version = flashinfer_version() or "unknown"
     meta, n = fx.meta, fx.num_rows
@@ -180,7 +180,7 @@ def plan_as_local_ids(kv_indptr: torch.Tensor, kv_len: torch.Tensor, kv_indices:
 
 
 def _rerun_captured(fx: Fixture, device) -> Rerun:
-    from backends.port import open_wrapper
+    from backends.flashinfer.port import open_wrapper
 
     version = flashinfer_version() or "unknown"
     how = "re-run exactly as captured: the recorded CSR arrays, plan arguments and kv_indices"

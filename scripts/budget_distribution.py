@@ -60,7 +60,7 @@ def drawn_case(variant: str, seed: int, index: int):
 def works_per_row(state, rows: int) -> list[int]:
     """How many fa3 work items each planned row is split into (``[]`` where the schedule cannot
     be read, as on the fa2 kernel)."""
-    from backends import fa3_schedule
+    from backends.flashinfer import fa3_schedule
 
     try:
         schedule = fa3_schedule.read_schedule(state.wrapper._wrapper)
@@ -76,8 +76,8 @@ def works_per_row(state, rows: int) -> list[int]:
 def measure(variant: str, cases: int, seed: int, out: Path, start: int = 0) -> int:
     import torch
 
-    from backends.flashinfer_compat import detect_features
-    from backends.port import PortBackend
+    from backends.flashinfer.compat import detect_features
+    from backends.flashinfer.port import PortBackend
     from harness import build_attention_inputs, build_scenario
     from harness.backend_step import layer_config
     from harness.judge import judge_step

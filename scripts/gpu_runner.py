@@ -17,11 +17,11 @@ arguments `{release}` and `{phase}` (cold, warm) are filled in per run, so that 
 record into a folder of its own: `-- --record-baseline=base/{release}-{phase}`.
 
 --vllm PATH (repeatable): a vLLM wheel, or a folder holding the vllm package (a slice written by
-`python3 -m backends.vllm_source slice WHEEL -o DIR`): each FlashInfer release then runs once
+`python3 -m backends.vllm.source slice WHEEL -o DIR`): each FlashInfer release then runs once
 per vLLM, with `--vllm=PATH` (the vLLM axis of the table: one row per vLLM x FlashInfer).
 --pair 0.33.0:0.7.2.post1 (repeatable) runs only the pairs named, by vLLM and FlashInfer
 release. A pair whose vLLM design cannot run on that FlashInfer
-(`backends.vllm_source.incompatibility`) is not run: its row names the incompatibility.
+(`backends.vllm.source.incompatibility`) is not run: its row names the incompatibility.
 
 Each run's log, junit xml and FlashInfer's JIT build log go to --out (default out/gpu-runner);
 the table is printed last and written as table.md and table.json there. Exit status 1 when a
@@ -388,7 +388,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--pair", action="append", default=[], metavar="VLLM:RELEASE",
                         help="run only these vLLM x FlashInfer pairs (repeatable; default: every pair)")
     parser.add_argument("--matrix", action="store_true",
-                        help="the supported vLLM x FlashInfer matrix (backends.vllm_source.SUPPORTED_MATRIX): one "
+                        help="the supported vLLM x FlashInfer matrix (backends.vllm.source.SUPPORTED_MATRIX): one "
                         "session per FlashInfer release, each vLLM release after the first in a session of its "
                         "vLLM tests alone; vLLM from --vllm and DIR/vllm")
     parser.add_argument("--jobs", type=int, default=1,
@@ -425,7 +425,7 @@ def vllm_axis(paths: list[str]) -> list[VllmAxis | None]:
     if not paths:
         return [None]
     _project_on_path()
-    from backends.vllm_source import design_of, missing_flashmla_files, resolve
+    from backends.vllm.source import design_of, missing_flashmla_files, resolve
 
     axis = []
     for path in paths:
@@ -608,7 +608,7 @@ def with_incompatibility(session: Session) -> Session:
     if session.vllm is None:
         return session
     _project_on_path()
-    from backends.vllm_source import incompatibility
+    from backends.vllm.source import incompatibility
 
     version = release_version(session.release)
     reason = incompatibility(session.vllm.design, version) if version is not None else None
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     if args.matrix:
         _project_on_path()
-        from backends.vllm_source import FLASHMLA_PAIR, SUPPORTED_MATRIX
+        from backends.vllm.source import FLASHMLA_PAIR, SUPPORTED_MATRIX
 
         releases = list(SUPPORTED_MATRIX)
         axis = [a for a in vllm_axis(args.vllm + vllm_paths_in(args.wheels.resolve())) if a is not None]

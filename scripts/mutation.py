@@ -5,8 +5,8 @@ pyproject.toml; needs the ``mutation`` extra):
                                 [--retest-survivors]
 
 runs ``mutmut run`` over fast/kvlen.py, fast/layouts.py, convert's host functions and
-fast/impl.py, and over the adapter that drives vLLM's own backend (backends/vllm_sm90.py and
-the schedule read-back, backends/fa3_schedule.py), with the CPU tests that exercise them, then
+fast/impl.py, and over the adapter that drives vLLM's own backend (backends/vllm/sm90.py and
+the schedule read-back, backends/flashinfer/fa3_schedule.py), with the CPU tests that exercise them, then
 prints the score (killed among the mutants some test reaches) per area and in all, the mutants
 no test reaches, and each survivor with its diff. The adapter's tests need a vLLM
 (``--vllm PATH``, handed to pytest through ``PYTEST_ADDOPTS``); without one they skip and its

@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default: harness.port.launch.DEVICE")
     args = parser.parse_args(argv)
 
-    from backends.vllm_sm90 import VllmSM90Backend
-    from backends.vllm_source import resolve
+    from backends.vllm.sm90 import VllmSM90Backend
+    from backends.vllm.source import resolve
     from harness.port.launch import DEVICE
 
     backend = VllmSM90Backend(resolve(args.vllm))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from fast.impl import FastImpl
 from harness import batch, build_attention_inputs, build_scenario
 from harness.findings import REGIME_C_FINDING

@@ -1,6 +1,6 @@
 """Standalone reproducer of docs/findings.md#vllm-padded-graph-rows-unplanned: needs torch (with
 Triton), FlashInfer and a vLLM release's files (a wheel unpacked, a slice of
-``python3 -m backends.vllm_source slice``, or a source checkout); nothing of this project.
+``python3 -m backends.vllm.source slice``, or a source checkout); nothing of this project.
 
     python3 scripts/repro_vllm_padded_graph.py VLLM_ROOT
 

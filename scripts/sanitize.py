@@ -34,7 +34,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV
 
 REPO = Path(__file__).resolve().parent.parent

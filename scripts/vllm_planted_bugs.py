@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.vllm_source import MODULE_FILES
+from backends.vllm.source import MODULE_FILES
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ BUGS = (
 )
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
 
-#: Features vLLM 0.32.0 to 0.34.0 declare (``backends.vllm_facts``), each deleted from a copy of
+#: Features vLLM 0.32.0 to 0.34.0 declare (``backends.vllm.facts``), each deleted from a copy of
 #: the module, with the words the check of the code against the facts names it by: the module
 #: then fails that check (``tests/cpu/test_vllm_backend.py``), where reading the fact from the
 #: code made it pass for an older release that lacks the feature.

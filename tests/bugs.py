@@ -128,7 +128,7 @@ class PlanKeptForTheSameRowCount(FastImpl):
     name = "edge-plan-kept-for-the-same-row-count"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
+        from backends.flashinfer.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
 
         class State(SM90AttentionState):
             def _same_as_last_plan(self, num_rows, lens):
@@ -146,7 +146,7 @@ class LseBaseChangedThroughExp(FastImpl):
     name = "edge-lse-base-changed-through-exp"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
+        from backends.flashinfer.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
 
         class State(SM90AttentionState):
             def attend(self, q_nope, q_pe, ckv, kpe, out, lse):
@@ -167,7 +167,7 @@ class QPeHeadsRolled(FastImpl):
     name = "kernel-input-q-pe-heads-rolled"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState
+        from backends.flashinfer.sm90_state import SM90AttentionState
 
         class State(SM90AttentionState):
             def attend(self, q_nope, q_pe, ckv, kpe, out, lse):
@@ -186,7 +186,7 @@ class StaleSplitPartialMerged(FastImpl):
     name = "workspace-stale-split-partial-merged"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState
+        from backends.flashinfer.sm90_state import SM90AttentionState
 
         class State(SM90AttentionState):
             def __init__(self, *args, **kw):
@@ -215,7 +215,7 @@ class GraphOutputLeftInItsStaticBuffers(FastImpl):
     name = "graph-output-left-in-its-static-buffers"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState
+        from backends.flashinfer.sm90_state import SM90AttentionState
 
         class State(SM90AttentionState):
             def __init__(self, *args, **kw):
@@ -250,7 +250,7 @@ class StepKernelsOnTheCapturedGrid(FastImpl):
     name = "edge-step-kernels-on-the-captured-grid"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
+        from backends.flashinfer.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
 
         class State(SM90AttentionState):
             def write_indices(self, topk_indices, block_table, req_id):
@@ -277,7 +277,7 @@ class PlanKeptForAReorderedBatch(FastImpl):
     name = "edge-plan-kept-for-a-reordered-batch"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
+        from backends.flashinfer.sm90_state import SM90AttentionState  # FlashInfer is imported only with a state
 
         class State(SM90AttentionState):
             kept_profile = None
@@ -430,7 +430,7 @@ class StaleLengthsPastTheRowCount(FastImpl):
     name = "sequence-stale-lengths-past-the-row-count"
 
     def make_attention_state(self, config, device="cuda", **kwargs):
-        from backends.sm90_state import SM90AttentionState
+        from backends.flashinfer.sm90_state import SM90AttentionState
 
         class State(SM90AttentionState):
             def plan(self, num_rows, lens):

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from backends import fa3_schedule as fs
+from backends.flashinfer import fa3_schedule as fs
 from harness.plan_limits.scheduler import scheduler_chunk
 
 NUM_CLUSTERS = 4

@@ -1,4 +1,4 @@
-"""The cases both tiers run through vLLM's FLASHMLA_SPARSE backend (``backends.flashmla``).
+"""The cases both tiers run through vLLM's FLASHMLA_SPARSE backend (``backends.vllm.flashmla``).
 
 The CPU tier runs every regime case and batch situation with the covering design's kernel
 configurations on the stand-in kernels (``tests.flashmla_stand_in``); the GPU tier runs every

@@ -1,5 +1,5 @@
 """A CPU stand-in for FlashMLA's compiled sparse kernels, so that vLLM's FLASHMLA_SPARSE backend
-(``backends.flashmla``) runs end to end without a GPU: its builder, its convert kernel (in
+(``backends.vllm.flashmla``) runs end to end without a GPU: its builder, its convert kernel (in
 Triton's interpreter), its q concat and head padding, the fp8 cache in FlashMLA's layout, the
 fp8 paths' tile-scheduler metadata and workspace, and FlashMLA's Python interface all run as
 they ship; only the two kernels are these functions.
@@ -40,8 +40,8 @@ import types
 import numpy as np
 import torch
 
-from backends import vllm_shims
-from backends.flashmla import RECORDED_OPS, op_schemas
+from backends.vllm import shims as vllm_shims
+from backends.vllm.flashmla import RECORDED_OPS, op_schemas
 from reference import sparse_mla_reference
 from reference.flashmla_layout import TOKEN_BYTES, dequantize
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import backends.flashinfer_compat as compat
-import backends.sm90_state as sm90
-from backends.flashinfer_compat import PAGE_COUNT_REFUSAL
+import backends.flashinfer.compat as compat
+import backends.flashinfer.sm90_state as sm90
+from backends.flashinfer.compat import PAGE_COUNT_REFUSAL
 from tests import simulated_sm90
 
 FEATURES = SimpleNamespace(**{**vars(simulated_sm90.FEATURES), "version": "simulated-sm90-page-counts",

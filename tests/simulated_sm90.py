@@ -39,8 +39,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import backends.flashinfer_compat as compat
-import backends.sm90_state as sm90
+import backends.flashinfer.compat as compat
+import backends.flashinfer.sm90_state as sm90
 import fast.convert
 import harness.availability
 from reference.oracle import LOG2_E
@@ -235,7 +235,7 @@ def stand_in_flashinfer_version(source, wrapper) -> str:
     """The FlashInfer release the stand-in answers as: the one the vLLM release pins where its
     series is the one whose schedule the stand-in keeps (``wrapper.release``), else that
     series' first release; tagged as the stand-in."""
-    from backends.vllm_source import flashinfer_pin
+    from backends.vllm.source import flashinfer_pin
 
     pin = flashinfer_pin(source)
     version = pin if pin and compat.parse_version(pin)[:2] == compat.parse_version(wrapper.release)[:2] \
@@ -255,8 +255,8 @@ def install_vllm_stand_ins(source, monkeypatch) -> None:
       and in place of its extensions, vLLM's platform an SM90 CUDA one, Triton's interpreter
       taking vLLM's 0/1 integer masks, FLASHMLA_SPARSE loaded (once per process) and FlashMLA's
       interface calling the stand-in kernels."""
-    from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
-    from backends.vllm_source import design_of, missing_flashmla_files
+    from backends.vllm.flashmla import FlashMLABackend, FlashMLAUnavailable
+    from backends.vllm.source import design_of, missing_flashmla_files
     from tests import fa3_stand_in, flashmla_stand_in
 
     wrapper = fa3_stand_in.StandInWrapper if design_of(source) == "bounded" else fa3_stand_in.StandIn06Wrapper

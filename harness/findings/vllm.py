@@ -1,4 +1,4 @@
-"""vLLM's own SM90 backend's findings (``backends.vllm_sm90``, the ``vllm`` family): what a
+"""vLLM's own SM90 backend's findings (``backends.vllm.sm90``, the ``vllm`` family): what a
 release is known to do wrong, as the judge asks it of every family
 (:class:`harness.findings.FamilyFindings`):
 

@@ -1,5 +1,5 @@
 """The studies of the port's own state: the modules of harness/ that drive the project's port
-through its API, ``backends.port`` (its attention state, graphs, kept plans, scale and plan
+through its API, ``backends.flashinfer.port`` (its attention state, graphs, kept plans, scale and plan
 limits), and the only ones of harness/ that may import it (``tests/cpu/test_layering.py``).
 
 - :mod:`.launch`: what the GPU tests of the port's state drive it with (config, static inputs,

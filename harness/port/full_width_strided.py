@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from mla_constants import TOPK
 
 COVERAGE_REFUSAL = "ValueError: KV cache does not cover"

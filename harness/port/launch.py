@@ -3,7 +3,7 @@ input-space cases on one state) use to drive that state themselves: the state's 
 a scenario, its static step inputs, NaN-filled outputs, the checks before launch, the plan or the
 refusal the installed FlashInfer is expected to make, what the state hands the kernel against
 (b), and the comparison with the references over (b). A test that judges a backend step by step
-runs it through ``harness.judge`` instead (the port under any layout: ``backends.port.PortBackend``).
+runs it through ``harness.judge`` instead (the port under any layout: ``backends.flashinfer.port.PortBackend``).
 
 :func:`plan_or_refusal` tells the test's log whether the plan was refused as expected
 (``expected_refusal(why)``: the ``regime_log`` fixture), so the run counts refusals apart from
@@ -24,8 +24,8 @@ from typing import Protocol
 
 import torch
 
-from backends.port import PLAN_REFUSAL as PAGE_COUNT_REFUSAL
-from backends.port import AttentionConfig, kernel_parts, plan_refused, state_problems
+from backends.flashinfer.port import PLAN_REFUSAL as PAGE_COUNT_REFUSAL
+from backends.flashinfer.port import AttentionConfig, kernel_parts, plan_refused, state_problems
 from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV, KV_LORA_RANK
 from reference import Comparison, sparse_mla_reference
 from reference.budget import compare_attention
@@ -53,7 +53,7 @@ def attention_config(scenario: Scenario, layout: str, max_rows: int | None = Non
 
 
 def strided_plan_refused(features, step: Step) -> bool:
-    """Whether the installed FlashInfer refuses ``step``'s plan (``backends.port.plan_refused``)."""
+    """Whether the installed FlashInfer refuses ``step``'s plan (``backends.flashinfer.port.plan_refused``)."""
     return plan_refused(features, step.layout, step.planned_lens, step.scenario.spec.resolved_width)
 
 
@@ -117,7 +117,7 @@ def block_table_buffer(scenario: Scenario, min_rows: int = 1) -> torch.Tensor:
 
 def state_matches_step(state, step: Step) -> list[str]:
     """Differences between what the state hands the kernel and what (b) was computed from
-    (``backends.port.state_problems``)."""
+    (``backends.flashinfer.port.state_problems``)."""
     note_step(step)
     return state_problems(state, step.kv_indptr, step.kv_indices, step.planned_lens)
 
@@ -126,7 +126,7 @@ def planned_references(
     step: Step, inputs: AttentionInputs, state=None
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """(truth, lowp) over (b) for the planned rows: each ``(out, lse)``; the lowp with the parts
-    the kernel split each row into where ``state`` shows them (:func:`backends.port.kernel_parts`)."""
+    the kernel split each row into where ``state`` shows them (:func:`backends.flashinfer.port.kernel_parts`)."""
     n = step.num_planned
     slots, mask = as_planned(step)
     parts = kernel_parts(state, n, slots.shape[1]) if state is not None else None

@@ -36,7 +36,7 @@ def _limit_plan(n: int, heads: int, width: int, device, features=None):
     its own request reading ``width`` slots); returns ``(wrapper, plan_kwargs, kv_indices)``."""
     import torch
 
-    from backends.port import open_wrapper
+    from backends.flashinfer.port import open_wrapper
     from mla_constants import KV_LORA_RANK, ROPE_DIM
 
     i32 = dict(dtype=torch.int32)
@@ -164,7 +164,7 @@ def warm_up(device: str = "cuda") -> None:
     too, where it imports) and CUDA."""
     import torch
 
-    from backends.port import signature_features
+    from backends.flashinfer.port import signature_features
     from harness import row_check  # noqa: F401
     from harness.port import launch  # noqa: F401
 

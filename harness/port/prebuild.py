@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from fast.impl import default_impl
 from mla_constants import FA2_KERNEL_VARIANTS, KERNEL_VARIANTS, ROPE_DIM, TOPK
 

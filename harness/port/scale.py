@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from mla_constants import GPU_TIER_DEFAULT_DEVICE, GPU_TIER_DEVICE_ENV, TOPK
 
 from ..cases import LONG_CTX, LONG_CTX_128K, VARIANTS, KernelConfig, regime_contexts

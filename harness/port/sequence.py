@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from fast.layouts import indices_capacity
 from reference import intended_selection, kv_len_rule, planned_selection
 from reference.invariants import same_multisets

@@ -30,7 +30,7 @@ def vllm_on_stand_in(vllm_backend, monkeypatch):
 def flashmla_backend(flashmla_source):
     """The release's FLASHMLA_SPARSE on the stand-in kernels (loaded once per test module, on a
     platform that says SM90 as the engine's would)."""
-    from backends.flashmla import FlashMLABackend
+    from backends.vllm.flashmla import FlashMLABackend
     from tests import flashmla_stand_in
 
     flashmla_stand_in.register(flashmla_source)
@@ -57,8 +57,8 @@ def stand_in(monkeypatch):
     FlashInfer's wrapper; the class, its refusal and plans reset."""
     import torch
 
-    import backends.flashinfer_compat as compat
-    import backends.sm90_state as sm90
+    import backends.flashinfer.compat as compat
+    import backends.flashinfer.sm90_state as sm90
     from tests.support.reference_wrapper import ReferenceWrapper
 
     monkeypatch.setattr(sm90, "MLAWrapper", ReferenceWrapper)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backends.flashmla import FlashMLABackend
+from backends.vllm.flashmla import FlashMLABackend
 from bench import report, run, selection
 from bench.context import Context
 from bench.counting import attention_bytes, attention_flops

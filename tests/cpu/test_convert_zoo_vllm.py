@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 import torch
 
-from backends.vllm_shims import SPARSE_UTILS_MODULE
+from backends.vllm.shims import SPARSE_UTILS_MODULE
 from mla_constants import INVALID
 from reference.rules import convert_rule, request_ids_per_row
 from tests.support.index_zoo import BS, ZOO, ZOO_Q_LENS, ZOO_ROWS, ZOO_TABLE, ZOO_WIDTHS, zoo_rows

@@ -1,4 +1,4 @@
-"""Reading FlashInfer's fa3 MLA schedule back (``backends.fa3_schedule``), on workspaces laid out
+"""Reading FlashInfer's fa3 MLA schedule back (``backends.flashinfer.fa3_schedule``), on workspaces laid out
 by hand as FlashInfer's ``MLAPlanInfo`` describes them (field numbers written out here, not
 taken from the module: the CPU stand-in of FlashInfer writes its schedule with the module's own
 constants, so only these tests hold the constants to FlashInfer's layout), and the per-row
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backends.fa3_schedule import (
+from backends.flashinfer.fa3_schedule import (
     PLAN_INFO_LEN,
     RowExtent,
     ScheduleUnreadable,
@@ -166,7 +166,7 @@ def test_works_naming_rows_that_are_not_planned_are_stray():
 def test_column_parts_number_each_rows_works_in_kv_order():
     """Row 0 read by works [0,3) [3,6) [6,7) (listed out of order), row 1 by one work, row 2 by
     none, an empty work and a stray row ignored: the part of each KV column."""
-    from backends.fa3_schedule import Schedule, column_parts
+    from backends.flashinfer.fa3_schedule import Schedule, column_parts
 
     schedule = Schedule(row=torch.tensor([0, 1, 0, 0, 0, 5]), kv_start=torch.tensor([6, 0, 0, 3, 7, 0]),
                         kv_end=torch.tensor([7, 4, 3, 6, 7, 9]), capacity=8)

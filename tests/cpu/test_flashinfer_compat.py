@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.flashinfer_compat import (
+from backends.flashinfer.compat import (
     PROBE_SLOT,
     PROBED_BEHAVIOURS,
     PROBED_NAMES,
@@ -128,7 +128,7 @@ def test_describe_names_each_probed_behaviour():
 
 
 class FakeRelease:
-    """Stands in for backends.flashinfer_compat.MLAWrapper on a release that does (or does not)
+    """Stands in for backends.flashinfer.compat.MLAWrapper on a release that does (or does not)
     check page counts at plan, cache coverage and q rows at run. A launch writes zeros into the
     planned rows of ``out`` after reading the planned slots from the storage under the cache
     view (as the kernel would)."""

@@ -1,4 +1,4 @@
-"""vLLM's FLASHMLA_SPARSE backend of a release (``--vllm``; ``backends.flashmla``) on a machine
+"""vLLM's FLASHMLA_SPARSE backend of a release (``--vllm``; ``backends.vllm.flashmla``) on a machine
 without a GPU.
 
 vLLM's code runs as it ships: its builder, ``forward_mqa`` with its convert kernel (in
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends import flashmla as flashmla_backend_module
-from backends.flashmla import FlashMLABackend, FlashMLAUnavailable, KernelRecorder, release_read_gaps
-from backends.vllm_shims import (
+from backends.vllm import flashmla as flashmla_backend_module
+from backends.vllm.flashmla import FlashMLABackend, FlashMLAUnavailable, KernelRecorder, release_read_gaps
+from backends.vllm.shims import (
     FLASHMLA_REAL_MODULES,
     FLASHMLA_SHIMS_BY_NAME,
     FLASHMLA_SPARSE_MODULE,
@@ -35,7 +35,7 @@ from backends.vllm_shims import (
     gathered_cache_rows,
     shim_attributes,
 )
-from backends.vllm_source import SLICE_METADATA, SLICE_MODULE_FILES, resolve
+from backends.vllm.source import SLICE_METADATA, SLICE_MODULE_FILES, resolve
 from harness.backend_step import (
     executed_length_problems,
     layer_config,
@@ -200,7 +200,7 @@ def test_fp8_cache_from_32_heads_runs_decode_and_prefill_kernels_apart(flashmla_
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
 def test_kernels_see_the_head_count_vllm_pads_to(flashmla_on_stand_in, kernel_calls, heads, kv_dtype, device, judge):
     """Each kernel call runs a head count FlashMLA's SM90 kernels take, no fewer than the layer's,
-    and the one ``backends.flashmla.kernel_heads`` says (the rule ``unsupported`` judges by)."""
+    and the one ``backends.vllm.flashmla.kernel_heads`` says (the rule ``unsupported`` judges by)."""
     config = KernelConfig(kv_dtype, True, heads, 0.5 if kv_dtype == "float8_e4m3fn" else 1.0)
     _run(flashmla_on_stand_in, MIXED_CASE, config, device, judge)
     seen = {h for _, h, _ in kernel_calls}
@@ -311,9 +311,9 @@ def test_stand_in_prefill_reads_only_the_entries_it_is_handed(flashmla_backend):
 
 def test_every_name_the_backend_reads_is_in_the_release(flashmla_source):
     """Read statically from the release's files and its ``_flashmla_C`` library, so a release
-    that renames what ``backends.flashmla`` reads fails here by name."""
+    that renames what ``backends.vllm.flashmla`` reads fails here by name."""
     gaps = release_read_gaps(flashmla_source)
-    assert not gaps, f"vLLM {flashmla_source.version} lacks what backends.flashmla reads:\n" + "\n".join(gaps)
+    assert not gaps, f"vLLM {flashmla_source.version} lacks what backends.vllm.flashmla reads:\n" + "\n".join(gaps)
 
 
 def test_an_op_whose_arguments_moved_is_named():
@@ -385,8 +385,8 @@ def test_without_cuda_or_the_stand_in_the_backend_refuses_with_the_loaders_error
     unavailable; the refusal carries why importing the kernels failed."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine: FlashMLA's kernels may load here")
-    script = ("from backends.flashmla import FlashMLABackend, FlashMLAUnavailable\n"
-              "from backends.vllm_source import resolve\n"
+    script = ("from backends.vllm.flashmla import FlashMLABackend, FlashMLAUnavailable\n"
+              "from backends.vllm.source import resolve\n"
               f"try:\n    FlashMLABackend(resolve({str(flashmla_source.root)!r}))\n"
               "except FlashMLAUnavailable as exc:\n    print(exc)\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

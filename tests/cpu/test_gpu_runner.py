@@ -218,8 +218,8 @@ def test_vllm_paths_are_found_in_the_wheel_folder(tmp_path):
 
 
 def test_the_matrix_is_the_supported_one():
-    from backends.flashinfer_compat import RELEASES_READ
-    from backends.vllm_source import FLASHMLA_PAIR, SUPPORTED_MATRIX
+    from backends.flashinfer.compat import RELEASES_READ
+    from backends.vllm.source import FLASHMLA_PAIR, SUPPORTED_MATRIX
 
     assert tuple(SUPPORTED_MATRIX) == RELEASES_READ
     assert FLASHMLA_PAIR[0] in SUPPORTED_MATRIX[FLASHMLA_PAIR[1]]

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from backends.port import REFUSAL_EXPECTED, lay_out
+from backends.flashinfer.port import REFUSAL_EXPECTED, lay_out
 from backends.seam import StepOutcome, planned_then_run, query_rows
 from fast.impl import FastImpl
 from harness.backend_step import layer_config

@@ -11,9 +11,16 @@ package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and fro
 the seam and the registry (:data:`SEAM_MODULES`). The studies of the port's own state (its graphs,
 kept plans, scale and plan limits) live in harness/port/ (:data:`PORT_WING`); they, and
 :data:`PORT_STUDIES_ELSEWHERE` (the reruns of the port's fixtures), may also import the port's API,
-``backends.port``; no other module of harness/ or recording/ may.
+``backends.flashinfer.port``; no other module of harness/ or recording/ may.
 fast/ holds the port's host stages: it imports no vendor package (FlashInfer's wrapper and the
 port's attention state are backends/').
+
+backends/ holds one package per vendor (:data:`VENDOR_PACKAGES`: ``backends.flashinfer``, the
+port and what it reads of FlashInfer; ``backends.vllm``, vLLM's own modules and FlashMLA's kernels
+as a release calls them) and, beside them, only the seam and the registry
+(:data:`BACKENDS_TOP`). A vendor package builds only on those before it in that order (vLLM's
+backend runs on FlashInfer's kernels and reads their schedule; the port never imports vLLM), and
+the seam imports no vendor package.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ LAYERS = {
 #: What harness/ and recording/ may import from backends/.
 SEAM_MODULES = ("backends.seam", "backends.registry")
 #: The port's API, for the studies of the port's own state alone.
-PORT_API = "backends.port"
+PORT_API = "backends.flashinfer.port"
 #: The folder of the studies of the port's own state: every module under it drives the port
 #: through its API, and no module of harness/ outside it may import that API.
 PORT_WING = Path("harness", "port")
@@ -53,7 +60,14 @@ PORT_WING = Path("harness", "port")
 #: it could not import them.
 PORT_STUDIES_ELSEWHERE = ("recording.rerun",)
 #: Vendor packages and the project's modules that wrap them.
-VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "backends.flashinfer_compat", "backends.sm90_state")
+VENDOR_MODULES = ("flashinfer", "vllm", "flash_mla", "backends.flashinfer.compat", "backends.flashinfer.sm90_state")
+#: The vendor packages of backends/, each building only on those before it.
+VENDOR_PACKAGES = ("backends.flashinfer", "backends.vllm")
+#: The vendor code each vendor package may import (vLLM's own modules are loaded from the
+#: release at test time, under their own names, by ``backends.vllm.shims``).
+VENDOR_OF_PACKAGE = {"backends.flashinfer": ("flashinfer",), "backends.vllm": ("vllm", "flash_mla", "flashinfer")}
+#: What backends/ holds beside its vendor packages.
+BACKENDS_TOP = ("backends", "backends.seam", "backends.registry")
 BEHIND_THE_SEAM = ("harness", "recording")
 #: Packages that import no vendor package at all.
 HOST_STAGES = ("fast",)
@@ -229,10 +243,10 @@ def test_harness_and_recording_reach_vendors_only_through_the_seam():
 def test_the_seam_check_sees_a_vendor_import(tmp_path):
     (tmp_path / "harness").mkdir()
     (tmp_path / "harness" / "x.py").write_text("def f():\n    from flashinfer.mla import W\n"
-                                              "from backends.vllm_sm90 import L\nfrom backends.seam import S\n")
+                                              "from backends.vllm.sm90 import L\nfrom backends.seam import S\n")
     found = vendor_imports(tmp_path)
     assert [p.split(": ")[1] for p in found] == ["imports flashinfer.mla (reach it through backends.seam)",
-                                                 "imports backends.vllm_sm90 (reach it through backends.seam)"]
+                                                 "imports backends.vllm.sm90 (reach it through backends.seam)"]
 
 
 def test_the_seam_check_sees_a_vendor_import_in_the_host_stages(tmp_path):
@@ -279,16 +293,16 @@ def test_the_seam_check_lets_only_the_port_studies_import_the_port(tmp_path):
     anywhere else in harness/ or recording/ it is not, a module named as a study but outside the
     folder (harness/launch.py) or in a folder whose name only starts alike (harness/portable/)
     included."""
-    port_import = "from backends.port import make_attention_state\n"
+    port_import = "from backends.flashinfer.port import make_attention_state\n"
     for rel in ("harness/port/launch.py", "harness/port/sub/study.py", "recording/rerun.py", "harness/launch.py",
                 "harness/portable/x.py", "recording/replay.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(port_import)
-    (tmp_path / "harness" / "judge.py").write_text("from backends.port import PortBackend\n"
+    (tmp_path / "harness" / "judge.py").write_text("from backends.flashinfer.port import PortBackend\n"
                                                   "from backends.registry import open_backend\n")
     found = vendor_imports(tmp_path)
     outside = ("harness/judge.py", "harness/launch.py", "harness/portable/x.py", "recording/replay.py")
-    assert found == [f"{rel}:1: imports backends.port (reach it through backends.seam)" for rel in outside]
+    assert found == [f"{rel}:1: imports backends.flashinfer.port (reach it through backends.seam)" for rel in outside]
 
 
 def test_every_port_study_named_exists_and_uses_the_port():
@@ -400,3 +414,77 @@ def test_every_package_of_the_project_is_listed_for_the_wheel():
     found = sorted(".".join(parts) for parts in folders
                    if parts[0] in LAYERS and parts[0] not in from_checkout and not SKIPPED_DIRS & set(parts))
     assert sorted(listed_packages((ROOT / "pyproject.toml").read_text())) == found
+
+
+def vendor_package_of(module: str) -> str | None:
+    """The vendor package of backends/ that ``module`` belongs to, or None."""
+    return next((p for p in VENDOR_PACKAGES if module == p or module.startswith(p + ".")), None)
+
+
+def backend_modules_outside_a_vendor_package(root: Path = ROOT) -> list[str]:
+    """Every module of backends/ that is neither in a vendor package nor one of :data:`BACKENDS_TOP`."""
+    return sorted(name for name in map(lambda p: module_name(p, root), project_modules(root))
+                  if name.split(".")[0] == "backends" and name not in BACKENDS_TOP and vendor_package_of(name) is None)
+
+
+def vendor_package_crossings(root: Path = ROOT) -> list[str]:
+    """One line per import that breaks the vendor packages' order: a vendor package importing a
+    later one or another vendor's code than its own (:data:`VENDOR_OF_PACKAGE`), and the seam
+    importing any vendor package or vendor."""
+    order = {p: i for i, p in enumerate(VENDOR_PACKAGES)}
+    vendors = {v for vs in VENDOR_OF_PACKAGE.values() for v in vs}
+
+    def crossing(path: Path, module: str) -> str | None:
+        here = module_name(path, root)
+        there_package = vendor_package_of(module)
+        vendor = module.split(".")[0] if module.split(".")[0] in vendors else None
+        if here == "backends.seam":
+            return f"the seam imports {module}" if there_package or vendor else None
+        package = vendor_package_of(here)
+        if package is None:
+            return None
+        if there_package is not None and order[there_package] > order[package]:
+            return f"{package} imports {module}, of a vendor package after it"
+        if vendor is not None and vendor not in VENDOR_OF_PACKAGE[package]:
+            return f"{package} imports {module}, another vendor's code"
+        return None
+
+    return imports_breaking(crossing, root)
+
+
+def test_backends_hold_one_package_per_vendor_beside_the_seam_and_the_registry():
+    assert backend_modules_outside_a_vendor_package() == []
+    for name in VENDOR_PACKAGES:
+        assert (ROOT / Path(*name.split(".")) / "__init__.py").is_file(), f"vendor package {name} is missing"
+
+
+def test_vendor_packages_build_only_on_those_before_them():
+    problems = vendor_package_crossings()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_vendor_package_checks_see_a_module_astray_and_an_import_against_the_order(tmp_path):
+    for rel, source in {"backends/__init__.py": "", "backends/seam.py": "from backends.vllm.source import V\n",
+                        "backends/registry.py": "", "backends/helper.py": "",
+                        "backends/flashinfer/__init__.py": "",
+                        "backends/flashinfer/port.py": "def f():\n    from ..vllm import sm90\nimport flashinfer\n",
+                        "backends/flashinfer/wrap.py": "import vllm.config\n",
+                        "backends/vllm/__init__.py": "",
+                        "backends/vllm/sm90.py": "from ..flashinfer import port\nimport flashinfer\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(source)
+    assert backend_modules_outside_a_vendor_package(tmp_path) == ["backends.helper"]
+    assert [p.split(": ", 1)[1] for p in vendor_package_crossings(tmp_path)] == [
+        "backends.flashinfer imports backends.vllm, of a vendor package after it",
+        "backends.flashinfer imports vllm.config, another vendor's code",
+        "the seam imports backends.vllm.source",
+    ]
+
+
+def test_every_backend_family_opens_from_a_vendor_package():
+    """The registry's table points into the vendor packages: a family's module and its facts."""
+    from backends.registry import FAMILIES
+
+    astray = {name: (f.module, f.facts) for name, f in FAMILIES.items()
+              if vendor_package_of(f.module) is None or (f.facts is not None and vendor_package_of(f.facts) is None)}
+    assert astray == {}

@@ -11,8 +11,8 @@ RESULTS = """
     fast.kvlen.x_kv_lens_host__mutmut_1: killed
     fast.kvlen.x_kv_lens_host__mutmut_2: survived
     fast.layouts.x_kv_indptr_host__mutmut_1: timeout
-    backends.fa3_schedule.x_read_schedule__mutmut_1: no tests
-    backends.vllm_sm90.x_step__mutmut_3: killed
+    backends.flashinfer.fa3_schedule.x_read_schedule__mutmut_1: no tests
+    backends.vllm.sm90.x_step__mutmut_3: killed
 """
 
 

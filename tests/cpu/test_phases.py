@@ -13,7 +13,7 @@ def test_the_innermost_frame_that_belongs_to_a_phase_names_it():
     assert phase_of([torch_op, ("/w/reference/oracle.py", "sparse_mla_float64"),
                      ("/w/harness/judge.py", "judge_step")]) == "oracle and reference models"
     assert phase_of([("/site/flashinfer/mla/_batch_mla/__init__.py", "plan"),
-                     ("/w/backends/sm90_state.py", "plan")]) == "FlashInfer plan"
+                     ("/w/backends/flashinfer/sm90_state.py", "plan")]) == "FlashInfer plan"
     assert phase_of([("/site/flashinfer/mla/_batch_mla/__init__.py", "run")]) == "FlashInfer run"
     assert phase_of([("/usr/lib/python3.12/subprocess.py", "wait"), ("/w/tests/cpu/test_x.py", "test_y")]) \
         == "child processes"

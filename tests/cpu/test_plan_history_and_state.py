@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-import backends.sm90_state as sm90
+import backends.flashinfer.sm90_state as sm90
 from backends.registry import open_backend
 from backends.seam import float_workspaces
 from harness.bits import ulp_distance_bf16

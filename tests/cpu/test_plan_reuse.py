@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import backends.sm90_state as sm90
-from backends.sm90_state import AttentionConfig, SM90AttentionState
+import backends.flashinfer.sm90_state as sm90
+from backends.flashinfer.sm90_state import AttentionConfig, SM90AttentionState
 from mla_constants import DEEPSEEK_V32_SM_SCALE
 
 
 class RecordingWrapper:
-    """Stands in for backends.flashinfer_compat.MLAWrapper: records what each plan was given."""
+    """Stands in for backends.flashinfer.compat.MLAWrapper: records what each plan was given."""
 
     def __init__(self, workspace, *, features=None, **buffers):
         self.features = features

@@ -406,7 +406,7 @@ def test_vllm_naming_a_release_without_the_sm90_backend_is_one_usage_error(pytes
                                         "vllm-0.10.0.dist-info/RECORD,,\n",
     })
     result, out = usage_run(pytester, f"--vllm={wheel}")
-    from backends.vllm_source import MODULE_FILES
+    from backends.vllm.source import MODULE_FILES
 
     assert_one_usage_error(result, out, f"--vllm={wheel}: vLLM 0.10.0 lacks {list(MODULE_FILES)}; a vLLM release "
                                         "without the SM90 sparse backend")

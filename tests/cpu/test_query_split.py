@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 
-from backends.vllm_sm90 import common_metadata
+from backends.vllm.sm90 import common_metadata
 from harness.backend_step import layer_config, valid_lengths
 from harness.builder import build_scenario, even_host_split, host_split_problem, with_host_query_split
 from harness.case_runner import run_case, scenario_of_step

@@ -317,7 +317,7 @@ def test_a_graph_replay_may_differ_from_the_eager_run_only_where_the_cluster_siz
 
 
 def test_the_harness_cluster_size_rule_is_the_ports():
-    from backends.flashinfer_compat import fa3_mla_cluster_size
+    from backends.flashinfer.compat import fa3_mla_cluster_size
     from harness.plan_limits.scheduler import cluster_size
 
     for rows, heads, size in [(25, 128, 25), (3, 128, 25), (25, 64, 25), (1, 65, 1), (0, 128, 0), (12, 128, 25)]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import backends.sm90_state as sm90
+import backends.flashinfer.sm90_state as sm90
 from backends.seam import StepOutcome
 from harness.builder import build_scenario, with_shared_mtp_indices
 from harness.case_runner import run_case, scenario_of_step

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import backends.sm90_state as sm90
+import backends.flashinfer.sm90_state as sm90
 from backends.seam import StepOutcome
 from harness.backend_step import executed_length_problems, selection_problems
 from harness.builder import build_scenario

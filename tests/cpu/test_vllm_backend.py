@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from backends.vllm_shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap, stand_ins_in_use
+from backends.vllm.shims import REAL_MODULES, SHIMS_BY_NAME, ShimGap, stand_ins_in_use
 from harness.backend_step import executed_length_problems, layer_config, run_step
 from harness.builder import build_scenario
 from harness.case_runner import run_case, run_sequence
@@ -103,7 +103,7 @@ def test_release_design_and_facts_are_named(vllm_backend):
 
 def test_fp8_is_planned_with_the_dtype_its_facts_name(vllm_backend, stand_in, device, monkeypatch):
     """The dtype vLLM's builder hands FlashInfer's plan() for an fp8 cache is the one the facts of
-    its release name (``backends.vllm_facts``): uint8 (the cache spec's storage dtype, which FlashInfer refuses: the
+    its release name (``backends.vllm.facts``): uint8 (the cache spec's storage dtype, which FlashInfer refuses: the
     finding docs/findings.md#vllm-fp8-planned-as-uint8) or float8_e4m3fn."""
     planned = []
     plan = stand_in.plan
@@ -183,7 +183,7 @@ def test_every_name_the_release_reads_from_a_stand_in_is_there(vllm_backend):
 
 
 def test_an_import_no_stand_in_covers_fails_by_name(vllm_backend):
-    with pytest.raises(ShimGap, match=r"vllm\.distributed\.parallel_state.*backends/vllm_shims\.py"):
+    with pytest.raises(ShimGap, match=r"vllm\.distributed\.parallel_state.*backends/vllm/shims\.py"):
         importlib.import_module("vllm.distributed.parallel_state")
     envs = importlib.import_module("vllm.envs")
     with pytest.raises(ShimGap, match=r"vllm\.envs\.VLLM_NOT_A_SETTING"):

@@ -1,4 +1,4 @@
-"""What a vLLM release is comes from the facts of its version (``backends.vllm_facts``), and its
+"""What a vLLM release is comes from the facts of its version (``backends.vllm.facts``), and its
 code is checked against them: a module that lacks a feature its release declares fails, naming
 the feature, instead of passing for an older release that lacks it (a skipped step, a new bug
 absorbed into an old finding)."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from backends.vllm_facts import RELEASES, CodeFeatures, facts_for, feature_problems, version_key
+from backends.vllm.facts import RELEASES, CodeFeatures, facts_for, feature_problems, version_key
 from mla_constants import FIRST_SLOT, SLOT_ZERO
 from scripts.vllm_planted_bugs import FEATURE_DELETIONS, planted_copy
 from tests.support.child_runs import ROOT, pytest_run
@@ -35,7 +35,7 @@ def test_every_known_release_has_its_own_row_and_the_shipped_code_matches_it():
 def test_an_unknown_release_is_judged_by_the_newest_known_release_of_its_design_and_says_so():
     judged = facts_for("0.35.0", "bounded")
     assert judged.facts.release == "0.34.0"
-    assert judged.describe() == ("vLLM 0.35.0 is not a known release (backends/vllm_facts.py): judged with the facts "
+    assert judged.describe() == ("vLLM 0.35.0 is not a known release (backends/vllm/facts.py): judged with the facts "
                                  "of 0.34.0, the newest known release of its bounded design")
     assert facts_for("0.35.0rc1", "exact").facts.release == "0.30.0"
     assert version_key("0.35.0rc1+cu130") == (0, 35, 0)
@@ -129,7 +129,7 @@ def test_the_header_says_what_the_release_is_judged_as_and_an_unknown_release_wh
     newest known release of its design, and the header says so."""
     import shutil
 
-    from backends.vllm_source import SLICE_METADATA
+    from backends.vllm.source import SLICE_METADATA
 
     unknown = tmp_path / "vllm-0.99.0"
     shutil.copytree(vllm_backend.source.root, unknown)
@@ -138,7 +138,7 @@ def test_the_header_says_what_the_release_is_judged_as_and_an_unknown_release_wh
         pytest.skip(f"{vllm_backend.source.root} is not a slice (no {SLICE_METADATA} to edit)")
     metadata.write_text(metadata.read_text().replace(f"Version: {vllm_backend.version}\n", "Version: 0.99.0\n", 1))
     for source, judged in ((vllm_backend.source.root, f"facts of vLLM {vllm_backend.version}"),
-                           (unknown, "vLLM 0.99.0 is not a known release (backends/vllm_facts.py): judged with the "
+                           (unknown, "vLLM 0.99.0 is not a known release (backends/vllm/facts.py): judged with the "
                                      f"facts of {facts_for('0.99.0', vllm_backend.design).facts.release}")):
         done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
                                f"--vllm={source}", "tests/cpu/test_vllm_facts.py", "-k", "unknown_release_is"],

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.vllm_source import (
+from backends.vllm.source import (
     MODULE_FILES,
     SLICE_METADATA,
     SLICE_MODULE_FILES,
@@ -106,7 +106,7 @@ def flip_byte(path: Path, member: str) -> None:
 
 
 def slice_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "backends.vllm_source", "slice", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "backends.vllm.source", "slice", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

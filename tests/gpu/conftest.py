@@ -14,9 +14,9 @@ from pytest_sparse_mla.keys import WARNING_KEY
 
 @pytest.fixture(scope="session")
 def features():
-    """Features of the installed FlashInfer (backends.flashinfer_compat.Features), its checks
+    """Features of the installed FlashInfer (backends.flashinfer.compat.Features), its checks
     before launch probed on this process's GPU."""
-    from backends.flashinfer_compat import detect_features
+    from backends.flashinfer.compat import detect_features
     from harness.port.launch import DEVICE
 
     return detect_features(DEVICE)
@@ -42,7 +42,7 @@ def gpu(impl, features, request, regime_log) -> GpuTest:
 @pytest.fixture(autouse=True)
 def flashinfer_warnings(request):
     """Record the warnings FlashInfer raised during the test into its report."""
-    from backends.flashinfer_compat import distinct_warnings, recorded_warnings
+    from backends.flashinfer.compat import distinct_warnings, recorded_warnings
 
     start = len(recorded_warnings())
     yield
@@ -80,11 +80,11 @@ def large_cases_give_their_memory_back(request):
 @pytest.fixture(scope="module")
 def vllm_pairing(vllm_backend) -> str | None:
     """Why the vLLM release under test cannot run on the installed FlashInfer, or None
-    (``backends.vllm_source.incompatibility``)."""
+    (``backends.vllm.source.incompatibility``)."""
     import flashinfer
 
-    from backends.flashinfer_compat import parse_version
-    from backends.vllm_source import incompatibility
+    from backends.flashinfer.compat import parse_version
+    from backends.vllm.source import incompatibility
 
     return incompatibility(vllm_backend.design, parse_version(flashinfer.__version__))
 
@@ -101,7 +101,7 @@ def vllm_on_gpu(vllm_backend, vllm_pairing):
 @pytest.fixture(scope="module")
 def flashmla_load(flashmla_source):
     """``(backend, None)``, or ``(None, why)`` where FlashMLA's kernels cannot be opened here."""
-    from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
+    from backends.vllm.flashmla import FlashMLABackend, FlashMLAUnavailable
 
     try:
         return FlashMLABackend(flashmla_source), None

@@ -2,7 +2,7 @@
 (docs/regimes.md#batch-situations), for every kv_indices layout.
 
 Each case runs through the one judge (``harness.case_runner.run_case``, the ``judge`` fixture) on the
-port under that layout (``backends.port.PortBackend("fa3", impl, layout)``): invariants and (b) ==
+port under that layout (``backends.flashinfer.port.PortBackend("fa3", impl, layout)``): invariants and (b) ==
 (a) before launch (a violation fails without launching), then plan + convert + layout + run on
 NaN-filled outputs, the state's buffers against the rehearsed layout, a bitwise rerun, and the
 kernel against the oracle within the error budget. Where the installed FlashInfer refuses the plan
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.port import PortBackend
+from backends.flashinfer.port import PortBackend
 from fast.layouts import LAYOUTS
 from harness import build_scenario
 from harness.backend_step import laid_out_step

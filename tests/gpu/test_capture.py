@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from harness import AttentionInputs, batch, build_attention_inputs, build_scenario
 from harness.port.launch import DEVICE, attention_config, launch_inputs, nan_buffers, prepared, sync
 from recording.capture import capture_mla

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.flashinfer_compat import fa3_mla_cluster_size
-from backends.port import make_attention_state
-from backends.sm90_state import PlanDuringCaptureError
+from backends.flashinfer.compat import fa3_mla_cluster_size
+from backends.flashinfer.port import make_attention_state
+from backends.flashinfer.sm90_state import PlanDuringCaptureError
 from harness import build_attention_inputs, build_scenario
 from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import covering_config, graph_replay_sequence

@@ -1,7 +1,7 @@
 """The kernel's edges (docs/edges.md): score magnitudes and stale slots.
 
 Every step runs through the one judge (``harness.judge``, the ``judge`` fixture) on the port under
-the case's kv_indices layout (``backends.port.PortBackend``): the checks before launch, the
+the case's kv_indices layout (``backends.flashinfer.port.PortBackend``): the checks before launch, the
 state's buffers against the rehearsed layout, a bitwise rerun, the kernel against the oracle.
 
 Magnitude (``edge("magnitude")``): raw scores (q . k before sm_scale) offset far below and far
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from backends.port import PortBackend
+from backends.flashinfer.port import PortBackend
 from fast.layouts import LAYOUTS
 from harness import batch, build_scenario
 from harness.backend_step import laid_out_step

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from backends.flashinfer_compat import (
+from backends.flashinfer.compat import (
     CANONICAL_MIN_VERSION,
     RELEASES_READ,
     Behaviour,
@@ -27,7 +27,7 @@ from backends.flashinfer_compat import (
     recorded_warnings,
     unsupported_reason,
 )
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import covering_config
 from harness.port.full_width_strided import outcome_problem

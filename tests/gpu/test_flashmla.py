@@ -1,4 +1,4 @@
-"""vLLM's FLASHMLA_SPARSE backend of a release (``--vllm``; ``backends.flashmla``) on FlashMLA's
+"""vLLM's FLASHMLA_SPARSE backend of a release (``--vllm``; ``backends.vllm.flashmla``) on FlashMLA's
 own kernels (the release's ``_flashmla_C``), every regime case under each configuration it serves
 for DeepSeek-V3.2 (bf16 with rope; fp8 with rope at k_scale 1 and 0.5), decode- and
 prefill-shaped batches, and steps through one layer; and the same scenarios and inputs through

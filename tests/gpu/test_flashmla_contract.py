@@ -19,8 +19,8 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from backends.flashmla import FlashMLABackend, FlashMLAUnavailable
-from backends.vllm_source import resolve
+from backends.vllm.flashmla import FlashMLABackend, FlashMLAUnavailable
+from backends.vllm.source import resolve
 from mla_constants import DEEPSEEK_V32_SM_SCALE, GPU_TIER_DEFAULT_DEVICE, KV_LORA_RANK
 from reference import sparse_mla_reference
 from reference.budget import compare_attention, compare_to_budget

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import Phase, settings
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from harness import build_attention_inputs
 from harness.case_log import note_sequence_step
 from harness.cases import case_scenario, input_space_cases

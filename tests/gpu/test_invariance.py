@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.port import make_attention_state
-from backends.sm90_state import AttentionConfig
+from backends.flashinfer.port import make_attention_state
+from backends.flashinfer.sm90_state import AttentionConfig
 from harness.cases import VARIANTS, KernelConfig
 from harness.invariance import (
     FILLERS,

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from backends.port import make_attention_state
+from backends.flashinfer.port import make_attention_state
 from harness import batch, build_attention_inputs, build_scenario
 from harness.cases import covering_config
 from harness.port.launch import (

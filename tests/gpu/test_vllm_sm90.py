@@ -13,7 +13,7 @@ rows' executed, planned and host lengths, so a comparison shows drift in what vL
 FlashInfer's schedule as well as in what the kernel returns; under ``--dump-failures`` a failing
 case is written with the release and module it ran (``pytest --replay`` runs it again). A vLLM release whose design
 cannot run on the installed FlashInfer fails one test with the reason
-(:func:`backends.vllm_source.incompatibility`); its other tests are skipped with it.
+(:func:`backends.vllm.source.incompatibility`); its other tests are skipped with it.
 """
 
 from __future__ import annotations

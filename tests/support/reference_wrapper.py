@@ -12,7 +12,7 @@ from reference import sparse_mla_reference
 
 
 class ReferenceWrapper:
-    """Stands in for backends.flashinfer_compat.MLAWrapper: plans like FlashInfer under CUDA graphs
+    """Stands in for backends.flashinfer.compat.MLAWrapper: plans like FlashInfer under CUDA graphs
     (the CSR arrays copied into the reserved buffers; kv_indices read at run) and runs the
     low-precision reference."""
 

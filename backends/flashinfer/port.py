@@ -30,14 +30,13 @@ from fast.layouts import check_layout
 from fast.layouts import indices_capacity as indices_capacity
 from mla_constants import KV_LORA_RANK
 
-from . import fa3_schedule
-from . import flashinfer_compat as compat
+from ..seam import LaidOut, LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
+from . import compat, fa3_schedule
 from . import sm90_state as sm90
-from .flashinfer_compat import MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
-from .flashinfer_compat import parse_version as parse_version
-from .flashinfer_compat import signature_features as signature_features
+from .compat import MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
+from .compat import parse_version as parse_version
+from .compat import signature_features as signature_features
 from .installed import installed_flashinfer_version
-from .seam import LaidOut, LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
 from .sm90_state import AttentionConfig as AttentionConfig
 
 #: The text of the refusal a FlashInfer that checks page counts gives a strided plan of short rows.
@@ -63,7 +62,7 @@ def plan_refused(features, layout: str, planned: torch.Tensor, width: int) -> bo
 
 def kernel_parts(state, num_rows: int, width: int) -> torch.Tensor | None:
     """``[num_rows, width]``: which of its works reads each KV position of a planned row
-    (:func:`backends.fa3_schedule.column_parts`), read from the schedule the state's last plan
+    (:func:`backends.flashinfer.fa3_schedule.column_parts`), read from the schedule the state's last plan
     left (FlashInfer's fa3 and fa2 MLA kernels share the scheduler and its plan info); None where
     the wrapper keeps no readable schedule (a stand-in)."""
     wrapper = getattr(state, "wrapper", None)
@@ -78,14 +77,14 @@ def kernel_parts(state, num_rows: int, width: int) -> torch.Tensor | None:
 
 def open_wrapper(device, *, kernel: str = "fa3", **buffers) -> MLAWrapper:
     """A wrapper with its own workspace and the reserved metadata ``buffers`` (qo_indptr,
-    kv_indptr, kv_indices, kv_len_arr): the one the port's state makes (read from ``backends.sm90_state``
+    kv_indptr, kv_indices, kv_len_arr): the one the port's state makes (read from ``backends.flashinfer.sm90_state``
     when called, so a stand-in put there is the one made)."""
     workspace = torch.empty(sm90.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return sm90.MLAWrapper(workspace, kernel=kernel, **buffers)
 
 
 def make_attention_state(impl, config: AttentionConfig, device="cuda", **kwargs):
-    """The port's SM90 attention state (:class:`backends.sm90_state.SM90AttentionState`) on the
+    """The port's SM90 attention state (:class:`backends.flashinfer.sm90_state.SM90AttentionState`) on the
     host stages of ``impl``; an ``impl`` with a ``make_attention_state(config, device, **kwargs)``
     of its own makes the state itself (a planted bug in the state, a user's own state)."""
     own = getattr(impl, "make_attention_state", None)
@@ -137,7 +136,7 @@ class PortBackend:
 
     def unsupported(self, config: LayerConfig) -> str | None:
         """A cache whose blocks lie apart (what FlashInfer refuses is probed at plan:
-        ``backends.flashinfer_compat.unsupported_reason``)."""
+        ``backends.flashinfer.compat.unsupported_reason``)."""
         return READS_CONTIGUOUS_BLOCKS if config.blocks_apart else None
 
     def open_layer(self, config: LayerConfig, device) -> PortLayer:

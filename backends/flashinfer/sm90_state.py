@@ -29,8 +29,8 @@ import torch
 from fast.layouts import check_layout, indices_capacity
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
-from .flashinfer_compat import MLA_KERNELS, Features, MLAWrapper, planning_kv_dtype
-from .flashinfer_compat import WORKSPACE_BYTES as WORKSPACE_BYTES  # re-exported: the state allocates it
+from .compat import MLA_KERNELS, Features, MLAWrapper, planning_kv_dtype
+from .compat import WORKSPACE_BYTES as WORKSPACE_BYTES  # re-exported: the state allocates it
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ PATH is one of
 - ``installed``: the ``vllm`` package the interpreter would import.
 
 A wheel is 240-340 MB and a GPU runner may receive only a few tens of MB, so
-``python3 -m backends.vllm_source slice WHEEL -o DIR`` writes the slice: the modules the SM90
+``python3 -m backends.vllm.source slice WHEEL -o DIR`` writes the slice: the modules the SM90
 backend's code under test is read from (:data:`MODULE_FILES`), those of the FLASHMLA_SPARSE
 backend and FlashMLA's Python interface (:data:`FLASHMLA_MODULE_FILES`), FlashMLA's compiled
 kernels when the wheel has them (:data:`OPTIONAL_FILES`, left out by ``--modules-only``), and the
@@ -49,8 +49,8 @@ MODULE_FILES = (
     "vllm/utils/math_utils.py",
 )
 #: vLLM's FLASHMLA_SPARSE backend and the FlashMLA interface it calls, executed as they ship by
-#: the ``flashmla`` backend (``backends.flashmla``); ``backends/utils.py`` lends the backend its
-#: batch-reshaping and prefill-chunking functions (``backends.vllm_shims.release_functions``).
+#: the ``flashmla`` backend (``backends.vllm.flashmla``); ``backends/utils.py`` lends the backend its
+#: batch-reshaping and prefill-chunking functions (``backends.vllm.shims.release_functions``).
 FLASHMLA_MODULE_FILES = (
     "vllm/v1/attention/backends/mla/flashmla_sparse.py",
     "vllm/v1/attention/ops/flashmla.py",
@@ -63,7 +63,7 @@ OPTIONAL_FILES = ("vllm/_flashmla_C.abi3.so", "vllm/_flashmla_extension_C.abi3.s
 SLICE_MODULE_FILES = MODULE_FILES + FLASHMLA_MODULE_FILES
 SLICE_FILES = SLICE_MODULE_FILES + OPTIONAL_FILES
 #: The command that writes a slice with FlashMLA's kernels (named where they are missing).
-SLICE_COMMAND = "python -m backends.vllm_source slice WHEEL -o DIR"
+SLICE_COMMAND = "python -m backends.vllm.source slice WHEEL -o DIR"
 #: The file a slice keeps the release's version in (the wheel's METADATA, unchanged).
 SLICE_METADATA = "vllm-slice.METADATA"
 #: The slice's manifest: each file it was written with and the hash the wheel's RECORD gives it
@@ -485,7 +485,7 @@ def resolve(spec: str) -> VllmSource:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m backends.vllm_source", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m backends.vllm.source", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     cut = sub.add_parser("slice", help="write the files a GPU runner needs from a vLLM wheel")
     cut.add_argument("wheel")

@@ -13,10 +13,10 @@ step is what the engine does each forward:
    its layout of kv_indices, FlashInfer's ``run``).
 
 :meth:`VllmLayer.schedule` reads FlashInfer's schedule back after ``build`` (what the kernel
-executes; ``backends.fa3_schedule``). Two designs ship: ``exact`` (0.30: exact host lengths,
+executes; ``backends.flashinfer.fa3_schedule``). Two designs ship: ``exact`` (0.30: exact host lengths,
 a plan every step, the strided layout) and ``bounded`` (0.31 to 0.34: host upper bounds plus
 32 tokens of slack, a plan kept while the bounds fit, the device clamp, packed indices). What
-differs between releases comes from the facts of the release's version (``backends.vllm_facts``:
+differs between releases comes from the facts of the release's version (``backends.vllm.facts``:
 the design, the dtype an fp8 cache is planned with, whether ``forward_mqa`` reads the cache's
 block stride, whether the builder reads adaptive verification, what a -1 inside a row's planned
 length is packed as), never from its code, which is checked against them
@@ -33,8 +33,8 @@ import torch
 
 from mla_constants import FIRST_SLOT, KV_LORA_RANK, SLOT_ZERO
 
-from . import fa3_schedule
-from .seam import (
+from ..flashinfer import fa3_schedule
+from ..seam import (
     LayerConfig,
     StepInput,
     StepOutcome,
@@ -43,9 +43,9 @@ from .seam import (
     slots_of_cache_rows,
     spans_selection,
 )
-from .vllm_facts import CodeFeatures, facts_for, feature_problems
-from .vllm_shims import load_sm90_module, stand_ins_in_use
-from .vllm_source import VllmSource, design_of, flashinfer_pin, sm90_module_sha256
+from .facts import CodeFeatures, facts_for, feature_problems
+from .shims import load_sm90_module, stand_ins_in_use
+from .source import VllmSource, design_of, flashinfer_pin, sm90_module_sha256
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
 #: kv_indices entries FlashInfer's fa3 MLA kernel loads per KV tile (``CTA_TILE_KV`` of its
@@ -127,7 +127,7 @@ class VllmSM90Backend:
         self.module = load_sm90_module(source)
         self.version = source.version
         self.name = f"vllm-{source.version}"
-        # What the release is comes from the facts of its version (backends.vllm_facts), not from
+        # What the release is comes from the facts of its version (backends.vllm.facts), not from
         # its code; the code is checked against them (code_features, feature_problems).
         self.judged = facts_for(source.version, design_of(source))
         facts = self.judged.facts
@@ -168,7 +168,7 @@ class VllmSM90Backend:
 
     def code_features(self, device=None) -> CodeFeatures:
         """What the release's code shows of each of its facts (the filler probed on ``device``
-        where one is given): what :func:`backends.vllm_facts.feature_problems` checks."""
+        where one is given): what :func:`backends.vllm.facts.feature_problems` checks."""
         builder_init = inspect.getsource(self.module.FlashInferMLASparseSM90Builder.__init__)
         forward = inspect.getsource(self.module.FlashInferMLASparseSM90Impl.forward_mqa)
         backend_class = self.module.FlashInferMLASparseSM90Backend

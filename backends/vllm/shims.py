@@ -1,7 +1,7 @@
 """Loading vLLM's SM90 sparse-MLA backend from a release's files, with named stand-ins for the
 parts of vLLM it imports but the code under test does not use.
 
-The modules of :data:`backends.vllm_source.MODULE_FILES` (the backend, its convert kernel and
+The modules of :data:`backends.vllm.source.MODULE_FILES` (the backend, its convert kernel and
 the launch machinery of its Triton kernels) are executed from the release's own files, under
 their own names (``vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90``, ...). Every
 other ``vllm`` module they import is a stand-in: a small module of :data:`SHIMS`, each with
@@ -53,7 +53,7 @@ from fast.convert import request_ids
 from fast.kvlen import prefills_use_dense_mha
 from reference.flashmla_layout import upconvert
 
-from .vllm_source import MODULE_FILES, OPTIONAL_FILES, SLICE_COMMAND, VllmSource
+from .source import MODULE_FILES, OPTIONAL_FILES, SLICE_COMMAND, VllmSource
 
 ROOT = "vllm"
 SM90_MODULE = "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90"
@@ -553,7 +553,7 @@ def _make_shim(shim: Shim, source: VllmSource | None = None) -> types.ModuleType
         if attr.startswith("__"):
             raise AttributeError(attr)
         raise ShimGap(f"vLLM's code reads {shim.name}.{attr}, which the stand-in for {shim.name} "
-                      f"({shim.why}) lacks: add it in backends/vllm_shims.py")
+                      f"({shim.why}) lacks: add it in backends/vllm/shims.py")
 
     module.__getattr__ = missing
     return module
@@ -619,7 +619,7 @@ class VllmFinder(importlib.abc.MetaPathFinder):
             is_package = fullname in self.parents or fullname in SHIMS_BY_NAME or scoped
             return importlib.machinery.ModuleSpec(fullname, _Loader(self), is_package=is_package)
         raise ShimGap(f"vLLM {self.source.version}'s code imports {fullname}, which the suite neither loads from "
-                      f"the release nor stands in: add a stand-in in backends/vllm_shims.py")
+                      f"the release nor stands in: add a stand-in in backends/vllm/shims.py")
 
     def _extension_spec(self, fullname: str):
         """FlashMLA's compiled kernels from the release's ``.so`` (an ``ImportError`` naming the

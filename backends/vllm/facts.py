@@ -27,7 +27,7 @@ Each row says what the release declares of itself and what its backend does:
   0.34.0 ship one file).
 
 A release not in the table is judged with the facts of the newest known release of its design
-(the one fact read from its code, as :func:`backends.vllm_source.design_of` reads it), and the
+(the one fact read from its code, as :func:`backends.vllm.source.design_of` reads it), and the
 run's header says so.
 """
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from mla_constants import FIRST_SLOT, SLOT_ZERO
 
-FACTS_MODULE = "backends/vllm_facts.py"
+FACTS_MODULE = "backends/vllm/facts.py"
 
 
 @dataclass(frozen=True)

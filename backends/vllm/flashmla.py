@@ -1,7 +1,7 @@
 """FlashMLA's sparse kernels as vLLM's FLASHMLA_SPARSE backend drives them (the ``flashmla``
 backend of ``backends.seam``).
 
-What runs is the release's own code, loaded through ``backends.vllm_shims``: vLLM's
+What runs is the release's own code, loaded through ``backends.vllm.shims``: vLLM's
 ``flashmla_sparse.py`` (``FlashMLASparseMetadataBuilder.build`` and
 ``FlashMLASparseImpl.forward_mqa``: the choice of kernel, the convert kernel and how it is
 called, ``topk_length``, the head padding, the fp8 tile-scheduler metadata, the fp8
@@ -15,7 +15,7 @@ bf16 for the prefill kernel.
 What this module adds, and why:
 
 - the engine around one layer: the configuration objects vLLM's constructors read
-  (:func:`vllm_config`), the step's common metadata (``backends.vllm_sm90.common_metadata``: the
+  (:func:`vllm_config`), the step's common metadata (``backends.vllm.sm90.common_metadata``: the
   host's query split on the host, the device's on the device, where adaptive verification
   makes them differ), the shared top-k buffer, and the MLA layer's routing: ``forward_mqa``
   gets the step's actual tokens, or its decode tokens where the builder routes the prefills to
@@ -37,7 +37,7 @@ The decode/prefill split is the step's (``harness.spec.StepMetadata``), as for t
 backend; vLLM's builder would split with its own reorder threshold (128 or 256 on SM90) and
 uniform decode lengths, which the engine's batch reordering guarantees.
 
-Re-created rather than loaded (``backends.vllm_shims``, each because what vLLM runs is not in a
+Re-created rather than loaded (``backends.vllm.shims``, each because what vLLM runs is not in a
 release's Python files or needs the whole engine): vLLM's ``concat_mla_q`` and
 ``cp_gather_and_upconvert_fp8_kv_cache`` (kernels of its 90 MB ``_C`` library, which no slice
 carries), its workspace manager, its index group's conversion for a group of one layer (vLLM's
@@ -63,8 +63,7 @@ import torch
 from mla_constants import INVALID, KV_LORA_RANK
 from reference.flashmla_layout import pack
 
-from . import vllm_shims
-from .seam import (
+from ..seam import (
     LayerConfig,
     StepInput,
     StepOutcome,
@@ -73,7 +72,8 @@ from .seam import (
     query_rows,
     slots_of_cache_rows,
 )
-from .vllm_shims import (
+from . import shims as vllm_shims
+from .shims import (
     FLASHMLA_INTERFACE_MODULE,
     FLASHMLA_OPS_MODULE,
     FLASHMLA_REAL_MODULES,
@@ -83,8 +83,8 @@ from .vllm_shims import (
     load_flashmla_module,
     stand_ins_in_use,
 )
-from .vllm_sm90 import common_metadata
-from .vllm_source import OPTIONAL_FILES, SLICE_COMMAND, VllmSource, missing_flashmla_files
+from .sm90 import common_metadata
+from .source import OPTIONAL_FILES, SLICE_COMMAND, VllmSource, missing_flashmla_files
 
 LAYER_NAME = "model.layers.0.self_attn.attn"
 #: vLLM's kv_cache_dtype string and the torch dtype of its cache tensor for each project dtype.
