@@ -588,7 +588,7 @@ def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_ke
     import harness.pipeline
     import harness.port.scale
     from pytest_sparse_mla.impl import IMPL_SPEC
-    from tests import test_replay
+    from pytest_sparse_mla import replay_case
 
     calls = []
 
@@ -602,9 +602,9 @@ def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_ke
 
     recipe = {"spec": {}, "seed": 0, "layout": "compacted", "scale_case": "rows32768-kpool4-bf16-rope64-h16",
               "crashed_at": "convert"}
-    monkeypatch.setattr(test_replay, "rerun_unavailable_reason", lambda config: None)  # as where a kernel runs
-    monkeypatch.setattr(test_replay, "is_recipe", lambda path: True)
-    monkeypatch.setattr(test_replay, "load_recipe", lambda path: recipe)
+    monkeypatch.setattr(replay_case, "rerun_unavailable_reason", lambda config: None)  # as where a kernel runs
+    monkeypatch.setattr(replay_case, "is_recipe", lambda path: True)
+    monkeypatch.setattr(replay_case, "load_recipe", lambda path: recipe)
     monkeypatch.setattr(harness.pipeline, "run_step_in_child", stages_apart)
     monkeypatch.setattr(harness.port.scale, "run_case_in_child", whole)
     monkeypatch.setattr("harness.scenario.spec_from_dict", lambda spec: spec)
@@ -618,7 +618,7 @@ def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_ke
             return "cpu"
 
     with pytest.raises(pytest.fail.Exception, match="died at convert"):
-        test_replay.load_case(path, Request())
+        replay_case.load_case(path, Request())
     assert calls == ["stages apart"]
 
 
@@ -745,3 +745,22 @@ def test_a_recipe_replays_green_once_its_bug_is_fixed_with_the_finding_its_test_
     assert status == 0 and "1 xfailed" in out, out[-3000:]
     assert "expected finding (the plan is off on regime C rows only): regime C rows planned as a prefix under packed" \
         in out and "XFAIL" in out, out[-3000:]
+
+
+def test_a_case_written_on_a_stand_in_flashinfer_replays_on_the_stand_in_it_names(monkeypatch):
+    """The case's ``flashinfer`` field names the stand-in's wrapper as ``module:Class``: the replay
+    installs that stand-in through its module's ``install``; a case written on FlashInfer itself
+    installs nothing, and a stand-in that cannot be loaded fails in one line naming it."""
+    import sys
+
+    from pytest_sparse_mla.replay_case import install_recorded_stand_in
+    from tests import fa3_stand_in
+
+    monkeypatch.delitem(sys.modules, "flashinfer.mla", raising=False)
+    install_recorded_stand_in("flashinfer 0.7.4", monkeypatch)
+    assert "flashinfer.mla" not in sys.modules
+    install_recorded_stand_in("tests.fa3_stand_in:StandInWrapper", monkeypatch)
+    assert sys.modules["flashinfer.mla"].BatchMLAPagedAttentionWrapper is fa3_stand_in.StandInWrapper
+    with pytest.raises(pytest.fail.Exception, match=r"^the case was written on the stand-in FlashInfer "
+                       r"tests\.fa3_stand_in:NoSuchWrapper, which cannot be loaded here: .*NoSuchWrapper"):
+        install_recorded_stand_in("tests.fa3_stand_in:NoSuchWrapper", monkeypatch)

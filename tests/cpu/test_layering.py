@@ -327,7 +327,17 @@ def imports_of_test_modules(root: Path = ROOT) -> list[str]:
         is_test_module = module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_")
         return f"imports the test module {module}" if is_test_module else None
 
-    return imports_breaking(a_test_module, root)
+    def names_imported_from_tests(path: Path) -> list[tuple[int, str]]:
+        """(line, ``package.name``) of every ``from tests... import name``: the name may be a module."""
+        tree = ast.parse(path.read_text(), filename=str(path))
+        return [(node.lineno, f"{node.module}.{alias.name}") for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                and node.module.split(".")[0] == "tests" for alias in node.names]
+
+    by_name = [f"{path.relative_to(root)}:{line}: {problem}" for path in project_modules(root)
+               for line, module in names_imported_from_tests(path)
+               for problem in [a_test_module(path, module)] if problem]
+    return imports_breaking(a_test_module, root) + by_name
 
 
 def test_no_module_imports_a_test_module():
@@ -339,7 +349,9 @@ def test_the_test_module_check_sees_one_imported_inside_a_function(tmp_path):
     (tmp_path / "tests" / "cpu").mkdir(parents=True)
     (tmp_path / "tests" / "cpu" / "test_a.py").write_text("def f():\n    from tests.cpu.test_b import helper\n")
     (tmp_path / "tests" / "support.py").write_text("from tests.cpu import conftest\n")
-    assert [p.split(": ")[1] for p in imports_of_test_modules(tmp_path)] == ["imports the test module tests.cpu.test_b"]
+    (tmp_path / "tests" / "cpu" / "test_c.py").write_text("def g():\n    from tests import test_replay\n")
+    assert [p.split(": ")[1] for p in imports_of_test_modules(tmp_path)] == [
+        "imports the test module tests.cpu.test_b", "imports the test module tests.test_replay"]
 
 
 #: Names that single out a vendor or family of backends; the judge asks each backend's family
