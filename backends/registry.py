@@ -15,6 +15,11 @@ A spec is one of:
 A spec that cannot be opened is one :class:`BackendError` line. Names are checked without
 importing torch (:func:`name_problem`), so a run's controller can check them before it starts
 its workers; implementations are imported only when a backend is opened.
+
+The registry is the plugin's one door to backends/: besides opening backends it answers what a
+run asks of the vendor packages behind them (the vLLM release ``--vllm`` names and what it is
+judged as, whether FlashMLA can be tested from it, the installed FlashInfer and its features),
+so that the packages can change without the plugin changing.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .flashinfer.installed import PAGE_COUNT_REFUSAL as PAGE_COUNT_REFUSAL
 from .flashinfer.installed import flashinfer_import_problem as flashinfer_import_problem
 from .flashinfer.installed import flashinfer_jit_dir as flashinfer_jit_dir
 from .flashinfer.installed import flashinfer_wrapper_class as flashinfer_wrapper_class
 from .flashinfer.installed import installed_flashinfer_version as installed_flashinfer_version
+from .vllm.facts import facts_for
+from .vllm.source import SLICE_COMMAND, design_of, missing_flashmla_files, resolve
+from .vllm.source import VllmSourceError as VllmSourceError
+from .vllm.source import sm90_module_sha256 as sm90_module_sha256
 
 if TYPE_CHECKING:
     from .seam import Backend
@@ -153,3 +163,33 @@ def open_backend(spec: str, vllm_source=None, *, impl=None) -> Backend:
         raise BackendError(problem)
     family, _ = family_and_release(spec)
     return FAMILIES[family].open(vllm_source, impl)
+
+
+def resolve_vllm_source(spec: str):
+    """The vLLM release ``--vllm`` names (a wheel, a slice folder or ``installed``), as a
+    ``backends.vllm.source.VllmSource``; :class:`VllmSourceError` where it cannot be read as one."""
+    return resolve(spec)
+
+
+def flashmla_absence(source) -> str | None:
+    """Why FlashMLA's backend cannot be tested from the vLLM release ``source`` (None: its modules
+    and kernels are there)."""
+    missing = missing_flashmla_files(source)
+    if not missing:
+        return None
+    return (f"FlashMLA not under test: {source.describe()} lacks {', '.join(missing)} (a slice written with "
+            f"--modules-only; write it with `{SLICE_COMMAND}`)")
+
+
+def vllm_judged_as(source) -> str:
+    """What the vLLM release ``source`` is judged as: the facts kept of its version and design
+    (``backends.vllm.facts``), in one line."""
+    return facts_for(source.version, design_of(source)).summary()
+
+
+def flashinfer_features(device=None):
+    """The installed FlashInfer's features (``backends.flashinfer.compat.Features``), probed on
+    ``device`` where it is a CUDA device; imports torch and FlashInfer."""
+    from .flashinfer.compat import detect_features
+
+    return detect_features(device)

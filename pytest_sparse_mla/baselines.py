@@ -596,7 +596,7 @@ def vllm_judged(config) -> str | None:
     """The vLLM release ``--vllm`` put under test, the sha256 of its SM90 module and the files
     that differ from the release's (None without ``--vllm``): two runs on the same release whose
     code differs are told apart in the report."""
-    from backends.vllm.source import sm90_module_sha256
+    from backends.registry import sm90_module_sha256
     from pytest_sparse_mla.vllm import VLLM_SOURCE
 
     source = config.stash.get(VLLM_SOURCE, None)

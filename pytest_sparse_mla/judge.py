@@ -42,15 +42,16 @@ def flashinfer_checks_query_shape() -> bool:
     """Whether the FlashInfer importable as ``flashinfer.mla`` refuses q rows other than the
     planned ones at run: as a stand-in declares it (``checks_query_shape``), else probed on the
     device (``Features.run_checks_query_shape``)."""
+    from backends.registry import flashinfer_features, flashinfer_wrapper_class
+
     try:
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper as wrapper
+        wrapper = flashinfer_wrapper_class()
     except ImportError:
         return False
     if not getattr(wrapper, "__module__", "").startswith("flashinfer"):  # a stand-in says, else it does not check
         return bool(getattr(wrapper, "checks_query_shape", False))
-    from backends.flashinfer.compat import detect_features
 
-    return bool(detect_features(gpu_tier_device()).run_checks_query_shape)
+    return bool(flashinfer_features(gpu_tier_device()).run_checks_query_shape)
 
 
 def upgrade_check_active(config) -> bool:

@@ -385,9 +385,9 @@ class FailureDump:
         impl = load_impl(self.node.config.stash.get(IMPL_SPEC, None) or DEFAULT_IMPL_SPEC)
         features = None
         if note["kind"] == "attention-state":
-            from backends.flashinfer import compat as flashinfer_compat
+            from backends.registry import flashinfer_features
 
-            features = flashinfer_compat.detect_features()
+            features = flashinfer_features()
         path = write_failing_sequence(self.directory, self._safe_name(), note, impl, run_device(self.node.config),
                                       features, **{k: v for k, v in self._recipe_meta().items() if k != "name"})
         return None if path is None else str(path)

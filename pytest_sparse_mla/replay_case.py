@@ -63,7 +63,7 @@ def refused_as_strided_plans_are(fx, rerun) -> bool:
     """A fixture of the strided layout recorded where no release refused it (on the CPU tier, say),
     whose re-run the installed FlashInfer refuses with the page-count check: its kernel cannot run
     here, but its plan can still be judged."""
-    from backends.flashinfer.port import PLAN_REFUSAL
+    from backends.registry import PAGE_COUNT_REFUSAL as PLAN_REFUSAL
     from recording.replay import first_line
 
     if not rerun.refused or fx.meta.get("layout") != "strided" or PLAN_REFUSAL not in rerun.refused:
@@ -122,9 +122,9 @@ def replay_sequence(path, request, regime_log) -> None:
     features = None
     how = "its host stages, buffers carried from step to step"
     if sequence.kind == "attention-state" and rerun_unavailable_reason(request.config) is None:
-        from backends.flashinfer import compat as flashinfer_compat
+        from backends.registry import flashinfer_features
 
-        features = flashinfer_compat.detect_features()
+        features = flashinfer_features()
         how = "one attention state on the installed FlashInfer"
     elif sequence.kind == "attention-state":
         how += f" (the attention state is not re-run here: {rerun_unavailable_reason(request.config)})"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.vllm.source import VllmSourceError, resolve
+from backends.registry import VllmSourceError, flashmla_absence, open_backend, resolve_vllm_source, vllm_judged_as
 
 from .keys import GROUP, REGIME_KEY
 
@@ -56,34 +56,18 @@ def pytest_configure(config):
     if spec is None:
         return
     try:
-        config.stash[VLLM_SOURCE] = resolve(spec)
+        config.stash[VLLM_SOURCE] = resolve_vllm_source(spec)
     except VllmSourceError as exc:
         raise pytest.UsageError(str(exc)) from exc
-
-
-def flashmla_absence(source) -> str | None:
-    """Why the FlashMLA backend cannot be tested from ``source`` (None: its modules and kernels
-    are there)."""
-    from backends.vllm.source import SLICE_COMMAND, missing_flashmla_files
-
-    missing = missing_flashmla_files(source)
-    if not missing:
-        return None
-    return (f"FlashMLA not under test: {source.describe()} lacks {', '.join(missing)} (a slice written with "
-            f"--modules-only; write it with `{SLICE_COMMAND}`)")
 
 
 def pytest_report_header(config):
     source = config.stash.get(VLLM_SOURCE, None)
     if not source:
         return [NO_VLLM]
-    from backends.vllm.facts import facts_for
-    from backends.vllm.source import design_of
-
     absent = flashmla_absence(source)
     under_test = "FlashMLA under test: the release's FLASHMLA_SPARSE on its own kernels (a stand-in without CUDA)"
-    judged = facts_for(source.version, design_of(source))
-    return [f"vLLM under test: {source.describe()}", f"vLLM judged as: {judged.summary()}", absent or under_test]
+    return [f"vLLM under test: {source.describe()}", f"vLLM judged as: {vllm_judged_as(source)}", absent or under_test]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -119,9 +103,7 @@ def vllm_backend(pytestconfig):
     source = pytestconfig.stash.get(VLLM_SOURCE, None)
     if source is None:
         pytest.skip(NO_VLLM)
-    from backends.vllm.sm90 import VllmSM90Backend
-
-    return VllmSM90Backend(source)
+    return open_backend("vllm", source)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,8 @@ import torch
 
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
+from .installed import PAGE_COUNT_REFUSAL as PAGE_COUNT_REFUSAL
+
 NOPE_MIN_VERSION = (0, 6, 18)
 FP8_KV_MIN_VERSION = (0, 6, 14)
 CANONICAL_MIN_VERSION = (0, 7, 0)
@@ -56,9 +58,6 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
-#: The start of the ValueError with which a plan() that checks page counts
-#: (``plan_checks_page_counts``) refuses a row whose kv_indptr span is not ceil(kv_len / page_size).
-PAGE_COUNT_REFUSAL = "CSR metadata page counts in kv_indptr must equal ceil"
 
 @dataclass(frozen=True)
 class ProbedBehaviour:

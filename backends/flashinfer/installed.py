@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+#: The start of the ValueError with which a plan() that checks page counts
+#: (``plan_checks_page_counts``) refuses a row whose kv_indptr span is not ceil(kv_len / page_size).
+PAGE_COUNT_REFUSAL = "CSR metadata page counts in kv_indptr must equal ceil"
+
 
 def installed_flashinfer_version() -> str | None:
     """The importable FlashInfer's version, or None when it is not importable."""

@@ -587,8 +587,8 @@ def test_a_crash_recipe_of_a_scale_case_replays_its_stages_apart_even_where_a_ke
     its replay could never pass)."""
     import harness.pipeline
     import harness.port.scale
-    from pytest_sparse_mla.impl import IMPL_SPEC
     from pytest_sparse_mla import replay_case
+    from pytest_sparse_mla.impl import IMPL_SPEC
 
     calls = []
 

@@ -6,9 +6,10 @@ import each other (reference and fast in particular), and nothing outside tests/
 No module imports a test module (``tests/**/test_*.py``): what test modules share lives in
 ``tests/support/`` and ``tests/*.py``.
 
-harness/ and recording/ reach a vendor only through the backend seam: they import no vendor
-package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap one, and from backends/ only
-the seam and the registry (:data:`SEAM_MODULES`). The studies of the port's own state (its graphs,
+harness/, recording/ and the plugin (pytest_sparse_mla/) reach a vendor only through the backend
+seam: they import no vendor package (FlashInfer, vLLM, FlashMLA), none of the modules that wrap
+one, and from backends/ only the seam and the registry (:data:`SEAM_MODULES`); the registry
+answers what the plugin asks of the vendor packages. The studies of the port's own state (its graphs,
 kept plans, scale and plan limits) live in harness/port/ (:data:`PORT_WING`); they, and
 :data:`PORT_STUDIES_ELSEWHERE` (the reruns of the port's fixtures), may also import the port's API,
 ``backends.flashinfer.port``; no other module of harness/ or recording/ may.
@@ -69,6 +70,9 @@ VENDOR_OF_PACKAGE = {"backends.flashinfer": ("flashinfer",), "backends.vllm": ("
 #: What backends/ holds beside its vendor packages.
 BACKENDS_TOP = ("backends", "backends.seam", "backends.registry")
 BEHIND_THE_SEAM = ("harness", "recording")
+#: The plugin reaches backends/ only through the registry (and the seam's records): it imports no
+#: vendor package and no module of a vendor package.
+PLUGIN = "pytest_sparse_mla"
 #: Packages that import no vendor package at all.
 HOST_STAGES = ("fast",)
 SKIPPED_DIRS = {"venv", "build", "dist", "__pycache__", "node_modules", "mutants"}  # mutants: mutmut's work folder
@@ -219,17 +223,18 @@ def is_port_study(path: Path, root: Path = ROOT) -> bool:
 
 
 def vendor_imports(root: Path = ROOT) -> list[str]:
-    """One line per import in harness/ or recording/ of a vendor module, or of a backends module
-    other than the seam and the registry (the port's API allowed in the port's state studies,
-    :func:`is_port_study`); and per import in fast/ of a vendor module."""
+    """One line per import in harness/, recording/ or the plugin of a vendor module, or of a
+    backends module other than the seam and the registry (the port's API allowed in the port's
+    state studies, :func:`is_port_study`); and per import in fast/ of a vendor module."""
 
     def past_the_seam(path: Path, module: str) -> str | None:
         top = top_level_of(path, root)
-        if top not in BEHIND_THE_SEAM + HOST_STAGES:
+        if top not in BEHIND_THE_SEAM + HOST_STAGES + (PLUGIN,):
             return None
         allowed = SEAM_MODULES + ((PORT_API,) if is_port_study(path, root) else ())
-        vendor = any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
-        past_seam = top in BEHIND_THE_SEAM and module.startswith("backends") and module not in allowed
+        vendor = (any(module == v or module.startswith(v + ".") for v in VENDOR_MODULES)
+                  or (vendor_package_of(module) is not None and module not in allowed))
+        past_seam = top in BEHIND_THE_SEAM + (PLUGIN,) and module.startswith("backends") and module not in allowed
         return f"imports {module} (reach it through backends.seam)" if vendor or past_seam else None
 
     return imports_breaking(past_the_seam, root)
@@ -247,6 +252,17 @@ def test_the_seam_check_sees_a_vendor_import(tmp_path):
     found = vendor_imports(tmp_path)
     assert [p.split(": ")[1] for p in found] == ["imports flashinfer.mla (reach it through backends.seam)",
                                                  "imports backends.vllm.sm90 (reach it through backends.seam)"]
+
+
+def test_the_seam_check_sees_the_plugin_reach_past_the_registry(tmp_path):
+    (tmp_path / "pytest_sparse_mla").mkdir()
+    (tmp_path / "pytest_sparse_mla" / "x.py").write_text(
+        "from backends.registry import open_backend\nfrom backends.vllm.source import resolve\n"
+        "def f():\n    from flashinfer.mla import W\n    from backends.flashinfer import port\n")
+    assert [p.split(": ")[1] for p in vendor_imports(tmp_path)] == [
+        "imports backends.vllm.source (reach it through backends.seam)",
+        "imports flashinfer.mla (reach it through backends.seam)",
+        "imports backends.flashinfer (reach it through backends.seam)"]
 
 
 def test_the_seam_check_sees_a_vendor_import_in_the_host_stages(tmp_path):
