@@ -47,7 +47,8 @@ from reference.oracle import LOG2_E
 from tests.support.reference_wrapper import ReferenceWrapper
 
 FEATURES = SimpleNamespace(version="simulated-sm90", plan_checks_page_counts=False, run_checks_cache_coverage=False,
-                           run_checks_query_shape=False, describe=lambda: "simulated SM90 (reference stand-in)")
+                           coverage_from_plan_slots=False, run_checks_query_shape=False,
+                           describe=lambda: "simulated SM90 (reference stand-in)")
 
 #: Modules that read the device at import (``harness.port.launch.DEVICE``, and the GPU tier's tests
 #: that import it by name): imported afresh by a nested session on the simulated machine.

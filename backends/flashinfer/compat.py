@@ -93,6 +93,14 @@ PROBED_BEHAVIOURS = (
         frozenset({"0.7.4"}),
     ),
     ProbedBehaviour(
+        "coverage_from_plan_slots",
+        "run()'s coverage check judges the slot ids kv_indices held at plan(), not those it reads at run()",
+        "plan with kv_indices holding a slot past the cache, write the planned slot into it, then run on a cache "
+        "that covers the planned slot (a release that reads the slots at run launches on them)",
+        "`_plan_generated_fa`: `torch.aminmax(kv_indices[page_start:page_end])`",
+        frozenset({"0.7.4"}),
+    ),
+    ProbedBehaviour(
         "run_checks_query_shape",
         "run() refuses q rows other than the planned rows",
         "run with 2 q rows for the 1 planned row (the kernel reads the planned row only)",
@@ -410,6 +418,10 @@ class MLAWrapper:
 #: compiles nothing of its own.
 PROBE_HEADS = 16
 PROBE_SLOT = 1
+#: The slot kv_indices holds when the stale-slot probe plans: past the probe's cache of
+#: PROBE_SLOT + 1 slots, as a step's buffer holds the previous step's slots when it is planned
+#: before its own are written.
+STALE_SLOT = PROBE_SLOT + 2
 
 
 class ProbeError(RuntimeError):
@@ -450,7 +462,10 @@ def probe_behaviour(device, *, features: Features | None = None, make_wrapper=No
       refused, or launched, reading the slot that the view leaves out but the allocation holds
       (memory-safe either way);
     - run with 2 q rows for the 1 planned row: refused, or launched (the kernel reads the
-      planned row only).
+      planned row only);
+    - plan while kv_indices holds ``STALE_SLOT`` (past the cache), write ``PROBE_SLOT`` into it,
+      and run on the cache that covers it: refused where run() judges coverage by the slots
+      kv_indices held at plan, launched on ``PROBE_SLOT`` where the slots are read at run.
 
     ``make_wrapper`` defaults to :class:`MLAWrapper` (tests pass a fake)."""
     dev = torch.device(device)
@@ -492,8 +507,12 @@ def probe_behaviour(device, *, features: Features | None = None, make_wrapper=No
     if refused is not None:
         raise ProbeError(f"the control run (a cache that covers the planned slot) was refused: {refused}")
     classify_run("the control run", refused, wrote)
-    return Behaviour.of(
-        plan_checks_page_counts=plan_checks,
-        run_checks_cache_coverage=classify_run("the run on a cache short of the planned slot", *run(1, PROBE_SLOT)),
-        run_checks_query_shape=classify_run("the run with more q rows than planned", *run(2, PROBE_SLOT + 1)),
-    )
+    coverage = classify_run("the run on a cache short of the planned slot", *run(1, PROBE_SLOT))
+    query_shape = classify_run("the run with more q rows than planned", *run(2, PROBE_SLOT + 1))
+    kv_indices.fill_(STALE_SLOT)
+    plan(1)
+    kv_indices.fill_(PROBE_SLOT)
+    from_plan = classify_run("the run planned on a stale slot", *run(1, PROBE_SLOT + 1))
+    plan(1)  # the wrapper is left planned for its one row on the slot kv_indices holds
+    return Behaviour.of(plan_checks_page_counts=plan_checks, run_checks_cache_coverage=coverage,
+                        coverage_from_plan_slots=from_plan, run_checks_query_shape=query_shape)

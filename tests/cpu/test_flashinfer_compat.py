@@ -117,10 +117,11 @@ def test_signatures_alone_probe_nothing():
 def test_describe_names_each_probed_behaviour():
     f = features_from("0.7.2.post1", FLAT_PLAN, FLAT_RUN, has_plan_metadata=False)
     f = dataclasses.replace(f, behaviour=Behaviour.of(plan_checks_page_counts=True, run_checks_cache_coverage=False,
-                                                      run_checks_query_shape=False))
+                                                      coverage_from_plan_slots=False, run_checks_query_shape=False))
     assert f.probed and f.plan_checks_page_counts is True and f.run_checks_query_shape is False
     assert f.describe().endswith(
-        "probed: plan_checks_page_counts yes, run_checks_cache_coverage no, run_checks_query_shape no"
+        "probed: plan_checks_page_counts yes, run_checks_cache_coverage no, coverage_from_plan_slots no, "
+        "run_checks_query_shape no"
     ), f.describe()
 
 
@@ -129,9 +130,10 @@ def test_describe_names_each_probed_behaviour():
 
 class FakeRelease:
     """Stands in for backends.flashinfer.compat.MLAWrapper on a release that does (or does not)
-    check page counts at plan, cache coverage and q rows at run. A launch writes zeros into the
-    planned rows of ``out`` after reading the planned slots from the storage under the cache
-    view (as the kernel would)."""
+    check page counts at plan, cache coverage (of the slots kv_indices held at plan, or of those
+    it holds at run) and q rows at run. A launch writes zeros into the planned rows of ``out``
+    after reading the slots kv_indices holds from the storage under the cache view (as the
+    kernel would)."""
 
     checks = Behaviour.in_source("0.6.18.post1")
     run_error: Exception | None = None
@@ -154,10 +156,12 @@ class FakeRelease:
             raise self.run_error
         if self.checks.run_checks_query_shape and q_nope.shape[0] != self.planned_rows:
             raise ValueError("q_nope rows and heads must match the planned query shape.")
-        if self.checks.run_checks_cache_coverage and ckv.shape[0] < max(self.planned_slots) + 1:
+        read = self.kv_indices[: len(self.planned_slots)].tolist()  # what the kernel reads: the slots at run
+        judged = self.planned_slots if self.checks.coverage_from_plan_slots else read
+        if self.checks.run_checks_cache_coverage and ckv.shape[0] < max(judged) + 1:
             raise ValueError("KV cache does not cover the planned CSR page indices.")
         storage = ckv.untyped_storage().nbytes() // (ckv.element_size() * ckv[0].numel())
-        assert max(self.planned_slots) < storage, "the probe let the kernel read past the allocation"
+        assert max(read) < storage, "the probe let the kernel read past the allocation"
         self.launches += 1
         out[: self.planned_rows] = 0
         lse[: self.planned_rows] = 0
@@ -172,8 +176,9 @@ EVERY_CHECK = Behaviour.of(**{name: True for name in PROBED_NAMES})
 
 @pytest.mark.parametrize("checks", [
     *(Behaviour.in_source(r) for r in RELEASES_READ),  # as each release's source reads
-    Behaviour.of(plan_checks_page_counts=False, run_checks_cache_coverage=True, run_checks_query_shape=False),
-], ids=[*RELEASES_READ, "cache-coverage-only"])
+    Behaviour.of(plan_checks_page_counts=False, run_checks_cache_coverage=True, coverage_from_plan_slots=False,
+                 run_checks_query_shape=False),
+], ids=[*RELEASES_READ, "cache-coverage-at-run-only"])
 def test_probe_finds_what_the_release_checks(checks):
     made = []
 
@@ -183,13 +188,14 @@ def test_probe_finds_what_the_release_checks(checks):
 
     assert probe_behaviour("cpu", make_wrapper=make) == checks
     assert made[0].planned_slots == [PROBE_SLOT], "the probe must leave the wrapper planned for its one row"
-    assert made[0].launches == 1 + (not checks.run_checks_cache_coverage) + (not checks.run_checks_query_shape)
+    assert made[0].launches == (1 + (not checks.run_checks_cache_coverage) + (not checks.run_checks_query_shape)
+                                + (not checks.coverage_from_plan_slots))
 
 
 def test_a_behaviour_is_read_by_the_declared_names_only():
     b = Behaviour.in_source("0.7.2.post1")
     assert b.items() == [("plan_checks_page_counts", True), ("run_checks_cache_coverage", False),
-                         ("run_checks_query_shape", False)]
+                         ("coverage_from_plan_slots", False), ("run_checks_query_shape", False)]
     with pytest.raises(AttributeError, match="plan_checks_pages"):
         _ = b.plan_checks_pages
     with pytest.raises(ValueError, match="exactly"):
