@@ -3,10 +3,10 @@
 A run is as fast as its busiest worker, not as the sum of all tests divided by the workers.
 xdist's load scheduling hands each worker a first block of consecutive tests, then more, in
 collection order, as each runs short. So the tests expected to take seconds (the durations of
-a recorded run, ``durations.json`` beside this module) go first, heaviest first, one at the head
-of each worker's first block and the rest in the same rhythm; a test the file does not know
-counts as slow when it is marked ``gpu_large`` or ``suite_self_test`` or runs a nested pytest
-session.
+a recorded run, ``durations.json`` beside this module) go into the workers' first blocks,
+heaviest first, each to the block expected to end first, and the short tests follow; a test the
+file does not know counts as slow when it is marked ``gpu_large`` or ``suite_self_test`` or runs
+a nested pytest session.
 
     python3 -m pytest_sparse_mla.worker_load JUNIT [JUNIT ...]
 
@@ -73,28 +73,43 @@ def first_block(num_items: int, workers: int) -> int:
     return max(1, num_items // 4 // max(workers, 1))
 
 
-def spread(items: list, slow: list[bool], stride: int) -> list:
-    """``items`` with the slow ones placed ``stride`` apart (one at the head of each worker's
-    first block, the rest in the same rhythm), the others in their order between them."""
-    slow_items = [item for item, s in zip(items, slow, strict=True) if s]
-    fast_items = [item for item, s in zip(items, slow, strict=True) if not s]
-    between = max(stride - 1, 1)
-    out: list = []
-    while slow_items:
-        out.append(slow_items.pop(0))
-        out.extend(fast_items[:between])
-        del fast_items[:between]
-    return out + fast_items
+def first_blocks(slow: list[int], seconds: list[float], workers: int, block: int) -> tuple[list[list[int]], list[int]]:
+    """The slow tests (heaviest first) dealt into the workers' first blocks, each to the block
+    with the fewest expected seconds that has room (longest processing time first), and those
+    that find no room."""
+    blocks: list[list[int]] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    left: list[int] = []
+    for i in slow:
+        open_blocks = [w for w in range(workers) if len(blocks[w]) < block]
+        if not open_blocks:
+            left.append(i)
+            continue
+        w = min(open_blocks, key=lambda k: (loads[k], k))
+        blocks[w].append(i)
+        loads[w] += seconds[i]
+    return blocks, left
 
 
 def deal_order(items: list, seconds: list[float], workers: int) -> list:
-    """``items`` in the order to deal them to ``workers``: those expected to take ``SLOW_S`` or
-    more first, heaviest first, spread one per worker's first block; the others after, in their
-    own order."""
-    slow = sorted((i for i, s in enumerate(seconds) if s >= SLOW_S), key=lambda i: -seconds[i])
+    """``items`` in the order to deal them to ``workers``: every test expected to take
+    ``SLOW_S`` or more goes into a worker's first block (xdist hands block k to worker k),
+    heaviest first, each to the block with the fewest expected seconds; the blocks are filled to
+    their size with the others, in their own order; then any slow test that found no room,
+    heaviest first, and the other tests. What xdist deals out after the first blocks is then
+    short tests, in chunks that shrink as the run ends, so no worker is left with a queue of long
+    ones while another idles."""
+    block = first_block(len(items), workers)
+    slow = sorted((i for i, s in enumerate(seconds) if s >= SLOW_S), key=lambda i: (-seconds[i], i))
     fast = [i for i, s in enumerate(seconds) if s < SLOW_S]
-    ordered = [items[i] for i in slow + fast]
-    return spread(ordered, [True] * len(slow) + [False] * len(fast), first_block(len(items), workers))
+    blocks, left = first_blocks(slow, seconds, workers, block)
+    rest = left + fast
+    order: list[int] = []
+    for dealt in blocks:  # each block filled to its size, so that block k stays worker k's
+        filler = block - len(dealt)
+        order += dealt + rest[:filler]
+        del rest[:filler]
+    return [items[i] for i in order + rest]
 
 
 @pytest.hookimpl(trylast=True)
