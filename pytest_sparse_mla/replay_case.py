@@ -27,6 +27,16 @@ from recording.replay import replay
 from recording.sequence import is_sequence
 
 
+def loaded_or_failed(load, *args):
+    """``load(*args)``; a case file it refuses (``FixtureError``) fails the test with the
+    message alone, raised outside the handler so that the error it came from is not chained."""
+    try:
+        return load(*args)
+    except FixtureError as exc:
+        problem = str(exc)
+    pytest.fail(problem, pytrace=False)
+
+
 def rerun_on_installed(request, fx):
     """(the fixture re-run on the installed FlashInfer, None) or, where no kernel re-runs it,
     (the host stages re-run through the implementation under test, why) where there is no SM90
@@ -111,14 +121,7 @@ def replay_sequence(path, request, regime_log) -> None:
     from harness.port.sequence import first_failure, run_recorded_sequence
     from recording.sequence import load_sequence
 
-    try:
-        sequence, recipe = load_sequence(path)
-    except FixtureError as exc:
-        problem = str(exc)
-    else:
-        problem = None
-    if problem:  # failed outside the handler: the message alone, not the error it was raised from
-        pytest.fail(problem, pytrace=False)
+    sequence, recipe = loaded_or_failed(load_sequence, path)
     features = None
     how = "its host stages, buffers carried from step to step"
     if sequence.kind == "attention-state" and rerun_unavailable_reason(request.config) is None:
@@ -152,14 +155,7 @@ def replay_case_through_backend(path, request) -> None:
     from pytest_sparse_mla.judge import replay_backend_case
     from recording.backend_case import load_backend_case
 
-    try:
-        record = load_backend_case(path)
-    except FixtureError as exc:
-        problem = str(exc)
-    else:
-        problem = None
-    if problem:
-        pytest.fail(problem, pytrace=False)
+    record = loaded_or_failed(load_backend_case, path)
     if rerun_unavailable_reason(request.config) is not None:
         install_recorded_stand_in(record.get("flashinfer", ""), request.getfixturevalue("monkeypatch"))
     replay_backend_case(path, request, record)
@@ -211,14 +207,7 @@ def replay_written_case(fixture_path, request, regime_log) -> None:
         replay_case_through_backend(fixture_path, request)
         return
     clock = StageClock()
-    try:
-        fx = clock.timed("load", load_case, fixture_path, request)
-    except FixtureError as exc:
-        problem = str(exc)
-    else:
-        problem = None
-    if problem:  # failed outside the handler: the message alone, not the error it was raised from
-        pytest.fail(problem, pytrace=False)
+    fx = loaded_or_failed(clock.timed, "load", load_case, fixture_path, request)
     rerun, not_rerun = clock.timed("re-run", rerun_on_installed, request, fx)
     report = clock.timed("judge", replay, fx, rerun=rerun)
     # A host-stage re-run ran no kernel: the upgrade check records it as not re-run.
