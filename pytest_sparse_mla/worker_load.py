@@ -10,10 +10,10 @@ a nested pytest session.
 
     python3 -m pytest_sparse_mla.worker_load JUNIT [JUNIT ...]
 
-rewrites the file from the junit xml of a warm run of the main job on a GPU runner
-(``scripts/gpu_runner.py`` keeps one per release and phase) and of a run on a CPU machine; a
-test's seconds are its longest of those given, so that each machine deals its own heaviest
-tests first.
+rewrites one device type's table from the junit xml of runs on it: ``--device cuda`` from warm
+runs on a GPU runner (``scripts/gpu_runner.py`` keeps one per release and phase), ``--device cpu``
+from CI's three steps on a CPU machine; a test's seconds are its longest of those given. A run
+deals by the table of the device its tests run on (``--device``, resolved).
 
 At the end of every run with two or more workers the "xdist workers" section says, per worker,
 the seconds its tests took, when its first test started and its last one ended, and its
@@ -34,8 +34,14 @@ from pathlib import Path
 
 import pytest
 
-#: Recorded seconds per test id (setup + call + teardown), from a warm run of the main job.
+#: Recorded seconds per test id (setup + call + teardown), one table per kind of device the
+#: tests run on (``cuda``: warm runs on a GPU runner; ``cpu``: CI's three steps on a CPU machine,
+#: the simulated SM90 machine's included), since a test's cost differs by orders of magnitude
+#: between the two (the GPU tier's cases on the simulated machine run their kernels' stand-ins
+#: and references on the CPU).
 DURATIONS_FILE = Path(__file__).with_name("durations.json")
+#: The device types a table is kept for.
+DEVICE_TYPES = ("cuda", "cpu")
 #: Tests expected to take at least this long are dealt out first.
 SLOW_S = 0.5
 #: What an unrecorded test marked slow (or running a nested session) is expected to take.
@@ -46,12 +52,19 @@ SLOW_MARKERS = ("gpu_large", "suite_self_test")
 # --- dealing the tests out ----------------------------------------------------------------------
 
 
-def read_durations(path: Path = DURATIONS_FILE) -> dict[str, float]:
-    """The recorded seconds per test id; none where the file is missing."""
+def read_tables(path: Path = DURATIONS_FILE) -> dict[str, dict]:
+    """Every device type's table (``{"from": [...], "seconds": {...}}``); none where the file is
+    missing."""
     try:
-        return json.loads(path.read_text())["seconds"]
+        return json.loads(path.read_text())["devices"]
     except FileNotFoundError:
         return {}
+
+
+def read_durations(device_type: str, path: Path = DURATIONS_FILE) -> dict[str, float]:
+    """The seconds recorded per test id on ``device_type`` (``cuda`` or ``cpu``); none where the
+    file or its table is missing."""
+    return read_tables(path).get(device_type, {}).get("seconds", {})
 
 
 def marked_slow(item) -> bool:
@@ -118,7 +131,9 @@ def pytest_collection_modifyitems(config, items):
     workers = (getattr(config, "workerinput", None) or {}).get("workercount")
     if not workers or workers < 2:
         return
-    recorded = read_durations()
+    from .impl import run_device
+
+    recorded = read_durations(run_device(config).type)  # the same on every worker of a run
     seconds = [expected_seconds(item.nodeid, marked_slow(item), recorded) for item in items]
     items[:] = deal_order(items, seconds, workers)
 
@@ -249,9 +264,12 @@ def merged(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite ``durations.json`` (or ``-o``) from junit xml files."""
+    """Rewrite one device type's table of ``durations.json`` (or ``-o``) from junit xml files,
+    keeping the other's."""
     parser = argparse.ArgumentParser(prog="python3 -m pytest_sparse_mla.worker_load",
-                                     description="Record each test's seconds from a run's junit xml.")
+                                     description="Record each test's seconds from runs' junit xml.")
+    parser.add_argument("--device", required=True, choices=DEVICE_TYPES,
+                        help="the device type the runs' tests ran on (cuda: a GPU runner; cpu: a CPU machine)")
     parser.add_argument("junit", nargs="+", type=Path)
     parser.add_argument("-o", "--out", type=Path, default=DURATIONS_FILE)
     args = parser.parse_args(argv)
@@ -261,9 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         return (root / path).is_file()
 
     seconds = merged([junit_seconds(p.read_text(), is_file) for p in args.junit])
-    args.out.write_text(json.dumps({"from": [p.name for p in args.junit], "seconds": seconds}, indent=0) + "\n")
+    tables = read_tables(args.out)
+    tables[args.device] = {"from": [p.name for p in args.junit], "seconds": seconds}
+    args.out.write_text(json.dumps({"devices": tables}, indent=0) + "\n")
     slow = sum(s >= SLOW_S for s in seconds.values())
-    print(f"{args.out}: {len(seconds)} tests, {slow} of them {SLOW_S} s or more, {sum(seconds.values()):.0f} s in all")
+    print(f"{args.out} ({args.device}): {len(seconds)} tests, {slow} of them {SLOW_S} s or more, "
+          f"{sum(seconds.values()):.0f} s in all")
     return 0
 
 

@@ -15,6 +15,7 @@ from pytest_sparse_mla.worker_load import (
     first_block,
     junit_seconds,
     load_lines,
+    main,
     merged,
     node_id,
     read_durations,
@@ -172,17 +173,34 @@ def defines_test(nodeid: str) -> bool:
     return text is not None and re.search(rf"^\s*def {re.escape(name)}\(", text, re.M) is not None
 
 
-def test_the_checked_in_durations_name_tests_of_this_suite():
-    """Most recorded ids name a test function of this suite, whatever part of it this run
-    collected (read from the test files, not from the run's own selection)."""
-    recorded = read_durations()
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_the_checked_in_durations_name_tests_of_this_suite(device_type):
+    """Each device type's table holds most of the suite, and most recorded ids name a test
+    function of it, whatever part of it this run collected (read from the test files, not from
+    the run's own selection)."""
+    recorded = read_durations(device_type)
     assert len(recorded) > 500 and all(s >= 0 for s in recorded.values())
     stale = [nodeid for nodeid in recorded if not defines_test(nodeid)]
     assert len(stale) < 0.2 * len(recorded), stale[:20]
 
 
-def test_a_missing_durations_file_deals_by_kind(tmp_path):
-    assert read_durations(tmp_path / "none.json") == {}
+def test_a_missing_durations_file_or_table_deals_by_kind(tmp_path):
+    assert read_durations("cpu", tmp_path / "none.json") == {}
+    (tmp_path / "d.json").write_text('{"devices": {"cuda": {"from": [], "seconds": {"t::a": 2.0}}}}')
+    assert read_durations("cpu", tmp_path / "d.json") == {}
+    assert read_durations("cuda", tmp_path / "d.json") == {"t::a": 2.0}
+
+
+def test_recording_one_device_keeps_the_others_table(tmp_path):
+    out = tmp_path / "d.json"
+    out.write_text('{"devices": {"cuda": {"from": ["gpu.xml"], "seconds": {"t::a": 2.0}}}}')
+    junit = tmp_path / "cpu.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.cpu.test_worker_load" '
+                     'name="test_merged_runs_keep_each_tests_longest_time" time="0.5"/></testsuite></testsuites>')
+    assert main(["--device", "cpu", str(junit), "-o", str(out)]) == 0
+    assert read_durations("cuda", out) == {"t::a": 2.0}
+    recorded = "tests/cpu/test_worker_load.py::test_merged_runs_keep_each_tests_longest_time"
+    assert read_durations("cpu", out) == {recorded: 0.5}
 
 
 JUNIT = """<testsuites><testsuite>
