@@ -214,6 +214,10 @@ class Layer(Protocol):
       metadata from that the step does not write first (FlashInfer's float workspace, FlashMLA's
       scheduler buffers): a test fills every byte with :data:`POISON_BYTE` before a step's kernel
       and no output may change;
+    - ``unread_rows(step) -> list[torch.Tensor]``: the rows of the layer's persistent input buffers
+      that ``step`` must not read (vLLM's top-k buffer past the rows the step's metadata counts:
+      a piecewise graph's padded rows, what a larger step left): a test fills them with
+      :data:`UNREAD_ROW_TOKEN` after the step's inputs are staged and no output may change;
     - ``plan_step(step) -> StepOutcome``, ``launch(step, outcome)``, ``finish(step, outcome) ->
       StepOutcome``: ``step`` in three parts. ``plan_step`` runs the host part (build, plan) and
       stages the step's inputs in the layer's own device buffers; ``launch`` runs the device part
@@ -253,6 +257,24 @@ def poison(buffers: list[torch.Tensor]) -> None:
     """Every byte of ``buffers`` set to :data:`POISON_BYTE`."""
     for buffer in buffers:
         buffer.view(torch.uint8).fill_(POISON_BYTE)
+
+
+#: What a poisoned step plants in the rows a layer's step must not read (``Layer.unread_rows``):
+#: token 0, which every request holds, so that a row read by mistake attends a real token (a -1
+#: would read as an invalid entry and change nothing).
+UNREAD_ROW_TOKEN = 0
+
+
+def unread_rows(layer, step) -> list[torch.Tensor]:
+    """The layer's ``unread_rows(step)``, or none where the layer has no such member."""
+    member = getattr(layer, "unread_rows", None)
+    return list(member(step)) if callable(member) else []
+
+
+def plant_in_unread_rows(layer, step) -> None:
+    """Every entry of the rows ``step`` must not read set to :data:`UNREAD_ROW_TOKEN`."""
+    for rows in unread_rows(layer, step):
+        rows.fill_(UNREAD_ROW_TOKEN)
 
 
 def planned_then_run(layer, step: StepInput) -> StepOutcome:

@@ -2,7 +2,8 @@
 (docs/input-space.md#plan-history-poisoned-workspaces-graph-against-eager):
 
 - ``plain``: the layer as the backend opens it;
-- ``poisoned``: every byte of the layer's float workspaces :data:`backends.seam.POISON_BYTE`
+- ``poisoned``: every byte of the layer's float workspaces :data:`backends.seam.POISON_BYTE`,
+  and the rows of its input buffers the step must not read :data:`backends.seam.UNREAD_ROW_TOKEN`,
   after its plan, before its kernel (:class:`PoisonedLayer`), set beside a clean layer of the same
   configuration that runs the same steps: output and LSE bit for bit the clean run's;
 - ``graphed``: each step's forward run eagerly, then captured in a CUDA graph and replayed on the
@@ -24,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from backends.seam import StepOutcome, float_workspaces, poison, split_step_missing
+from backends.seam import StepOutcome, float_workspaces, plant_in_unread_rows, poison, split_step_missing
 
 from .bits import bitwise_equal, ulp_distance_bf16
 
@@ -148,10 +149,11 @@ class ModeLayer(WrappedLayer):
 
 
 class PoisonedLayer(ModeLayer):
-    """Every byte of the layer's float workspaces poisoned after its plan, before its kernel
-    (before the whole step where the layer has no plan/launch split); a clean layer of the same
-    configuration runs the same steps beside it, and each poisoned step must be the clean one
-    bit for bit."""
+    """Every byte of the layer's float workspaces poisoned, and token 0 planted in the rows of its
+    input buffers the step must not read (``backends.seam.Layer.unread_rows``), after its plan,
+    before its kernel (before the whole step where the layer has no plan/launch split); a clean
+    layer of the same configuration runs the same steps beside it, and each poisoned step must be
+    the clean one bit for bit."""
 
     def __init__(self, layer, reopen):
         super().__init__(layer, reopen)
@@ -166,11 +168,13 @@ class PoisonedLayer(ModeLayer):
     def poisoned_step(self, step):
         if split_step_missing(self.layer):
             poison(float_workspaces(self.layer))
+            plant_in_unread_rows(self.layer, step)
             return self.layer.step(step)
         outcome = self.layer.plan_step(step)
         if not step.runs_kernel or outcome.refusal is not None:
             return outcome
         poison(float_workspaces(self.layer))
+        plant_in_unread_rows(self.layer, step)
         self.layer.launch(step, outcome)
         return self.layer.finish(step, outcome)
 

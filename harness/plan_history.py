@@ -12,6 +12,8 @@ target is planned again).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .bits import bitwise_equal
@@ -116,11 +118,26 @@ def check_plan_history(judge, backend, device) -> dict:
     return {k: v[0] for k, v in runs.items()}
 
 
+#: Rows of CUDA-graph padding past the padded history's target (a piecewise graph: the step's
+#: metadata does not count them).
+PIECEWISE_PADDED_ROWS = 4
+
+
+def padded_history(config: KernelConfig = BF16) -> list:
+    """A step of more rows (it leaves its rows in a layer's persistent top-k buffer), then the
+    target step under a piecewise graph's padding: rows the target must not read, past the ones
+    its metadata counts."""
+    target_spec, seed = decode_step(TARGET_CONTEXTS, TARGET_SEED, config)
+    larger = decode_step([*TARGET_CONTEXTS, *(c + 7 for c in TARGET_CONTEXTS)], 3, config)
+    return [larger, (dataclasses.replace(target_spec, padded_rows=PIECEWISE_PADDED_ROWS), seed)]
+
+
 def check_poisoned_workspaces(judge, backend, device) -> None:
-    """Each history with the layer's float workspaces poisoned before every kernel (the
-    ``poisoned`` mode, judged): each step the clean run's output and LSE, bit for bit (the kept
-    history clamps works of the kept plan short)."""
-    for name, steps in histories().items():
+    """Each history, and :func:`padded_history`, with the layer's float workspaces poisoned and
+    token 0 planted in the rows of its input buffers the step must not read, before every kernel
+    (the ``poisoned`` mode, judged): each step the clean run's output and LSE, bit for bit (the
+    kept history clamps works of the kept plan short)."""
+    for name, steps in {**histories(), "padded": padded_history()}.items():
         history_run(judge, backend, name, steps, device, "poisoned")
 
 

@@ -512,6 +512,10 @@ class FlashMLALayer:
         names = ("tile_scheduler_metadata_buffer", "num_splits_buffer")
         return [b for b in (getattr(self.builder, name, None) for name in names) if isinstance(b, torch.Tensor)]
 
+    def unread_rows(self, step: StepInput) -> list[torch.Tensor]:
+        """The top-k buffer's rows past those the step's metadata counts (``num_actual_tokens``)."""
+        return [self.topk_indices_buffer[step.meta.num_actual_tokens:]]
+
     @contextlib.contextmanager
     def engine(self):
         """This layer's configuration in force and the engine's workspace on its device."""

@@ -333,6 +333,11 @@ class VllmLayer:
         """The float workspace vLLM's state hands FlashInfer's wrapper (split partials are written there at run)."""
         return [self.state.workspace]
 
+    def unread_rows(self, step: StepInput) -> list[torch.Tensor]:
+        """The top-k buffer's rows past those the step's metadata counts (``num_actual_tokens``:
+        a piecewise graph's padded rows and beyond; a FULL graph's metadata counts its padded rows)."""
+        return [self.topk_indices_buffer[step.meta.num_actual_tokens:]]
+
     def step(self, step: StepInput) -> StepOutcome:
         """build (plan, clamp), the schedule read back, then forward when the step has queries."""
         return planned_then_run(self, step)

@@ -17,7 +17,7 @@ import torch
 
 import backends.flashinfer.sm90_state as sm90
 from backends.registry import open_backend
-from backends.seam import float_workspaces
+from backends.seam import float_workspaces, planned_then_run
 from harness.bits import ulp_distance_bf16
 from harness.layer_modes import WrappedBackend, WrappedLayer, capture_problem
 from harness.plan_history import (
@@ -27,7 +27,9 @@ from harness.plan_history import (
     check_plan_history,
     check_poisoned_workspaces,
     histories,
+    history_run,
     keeps_plans,
+    padded_history,
 )
 from pytest_sparse_mla.backend import open_run_backend
 from tests import simulated_sm90
@@ -189,6 +191,39 @@ def test_poisoned_workspaces_catch_a_read_of_stale_partials(reference_wrapper, d
                                              r"\(\d+ elements differ, max \d+ bf16 ULPs, non-finite: [1-9]"):
         check_poisoned_workspaces(judge.raising_findings(), WrappedBackend(open_backend("port-fa3"),
                                                                            ReadsStalePartials), device)
+
+
+class ReadsPastItsRows(WrappedLayer):
+    """vLLM's layer with a convert that reads its last counted row from the row past it wherever
+    that row holds an entry (the top-k buffer read one row too far). In a plain run what a step
+    leaves past its rows is -1, never a token, so no output changes."""
+
+    def step(self, step):
+        return planned_then_run(self, step)
+
+    def plan_step(self, step):
+        return self.layer.plan_step(step)
+
+    def finish(self, step, outcome):
+        return self.layer.finish(step, outcome)
+
+    def launch(self, step, outcome):
+        n, buffer = step.meta.num_actual_tokens, self.layer.topk_indices_buffer
+        if 0 < n < buffer.shape[0]:
+            buffer[n - 1] = torch.where(buffer[n] >= 0, buffer[n], buffer[n - 1])
+        self.layer.launch(step, outcome)
+
+
+@pytest.mark.vllm
+def test_poisoned_rows_catch_a_read_of_the_top_k_buffer_past_the_steps_rows(vllm_on_stand_in, device, judge):
+    """Plain, the histories and the piecewise-padded one pass under the fault; with token 0
+    planted in the rows past those each step's metadata counts, the judge finds the output other
+    than the clean run's."""
+    backend = WrappedBackend(vllm_on_stand_in, ReadsPastItsRows)
+    for name, steps in {**histories(), "padded": padded_history()}.items():
+        history_run(judge, backend, name, steps, device, "plain")
+    with pytest.raises(AssertionError, match=r"the poisoned run's output is not the clean run's bit for bit"):
+        check_poisoned_workspaces(judge.raising_findings(), backend, device)
 
 
 @pytest.mark.vllm
