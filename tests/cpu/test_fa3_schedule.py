@@ -171,7 +171,17 @@ def test_column_parts_number_each_rows_works_in_kv_order():
     schedule = Schedule(row=torch.tensor([0, 1, 0, 0, 0, 5]), kv_start=torch.tensor([6, 0, 0, 3, 7, 0]),
                         kv_end=torch.tensor([7, 4, 3, 6, 7, 9]), capacity=8)
     parts = column_parts(schedule, 3, 8)
+    assert parts.dtype == torch.int64
     assert parts.tolist() == [[0, 0, 0, 1, 1, 1, 2, 2], [0] * 8, [0] * 8]
+
+
+def test_column_parts_leave_out_works_of_rows_outside_the_planned_ones():
+    """A work naming the first row past the planned ones, or a negative row, splits no row."""
+    from backends.flashinfer.fa3_schedule import Schedule, column_parts
+
+    schedule = Schedule(row=torch.tensor([0, 2, -1, 1]), kv_start=torch.tensor([0, 2, 3, 0]),
+                        kv_end=torch.tensor([4, 4, 4, 4]), capacity=4)
+    assert column_parts(schedule, 2, 4).tolist() == [[0] * 4, [0] * 4]
 
 
 def test_parts_follow_the_slots_into_the_selections_order():
