@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from .oracle_fast import DEFAULT_MEMORY_BUDGET_BYTES, rows_per_chunk, sparse_mla_working_precision
+from .oracle_fast import DEFAULT_MEMORY_BUDGET_BYTES, chunk_budget_bytes, rows_per_chunk, sparse_mla_working_precision
 from .oracle_inputs import check_inputs, check_selection, flatten_slots_view, gather_index, selection_mask
 
 ComputeMode = Literal["float64", "float32", "lowp"]
@@ -92,7 +92,8 @@ def sparse_mla_reference(
     is the first ``lens[t]`` columns of row t, or the True entries of ``mask``; unselected
     entries may hold anything (-1 included). Returns ``out [T,H,512]`` (float64, float32 or
     bf16 by mode) and natural-log ``lse [T,H]`` (float64 or float32). Rows are computed in
-    chunks so that the extra memory stays under ``memory_budget_bytes`` whatever their number.
+    chunks so that the extra memory stays under ``memory_budget_bytes`` whatever their number
+    (on a CPU, under ``CPU_CHUNK_BYTES`` too: see ``reference/oracle_fast.py``).
 
     ``parts [T,K]`` (``"lowp"`` only; integer, ignored on unselected columns): the work item of
     the kernel that reads each column, numbered from 0 per row. A row read in several parts is
@@ -120,7 +121,8 @@ def sparse_mla_reference(
         return sparse_mla_working_precision(q_nope, q_pe, ckv, kpe, slots, mask, facts, sm_scale=sm_scale,
                                             k_scale=k_scale, mode=mode, memory_budget_bytes=memory_budget_bytes,
                                             parts=None if parts is None else torch.where(mask, parts.long(), -1))
-    chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes)
+    chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode,
+                           chunk_budget_bytes(memory_budget_bytes, q_nope.device))
     for start in range(0, t, chunk):
         rows = slice(start, min(t, start + chunk))
         out[rows], lse[rows] = sparse_mla_float64(q_nope[rows], q_pe[rows], ckv, kpe, slots[rows], mask[rows],

@@ -26,6 +26,20 @@ from .oracle_inputs import SelectionFacts, gather_index
 
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
+# On a CPU the chunks are kept this small whatever the budget: glibc's malloc hands a freed block
+# of up to 32 MiB out again from its heap, while a larger one is mapped afresh and zero-filled by
+# the kernel at each allocation. On 2 cores at 66 rows x topk 2176 the CPU time of a call falls,
+# against one 1 GiB chunk, from 0.87 s to 0.42 s (float64, H 16), 1.73 s to 1.53 s (float64,
+# H 128) and 1.00 s to 0.68 s ("lowp", H 128): ``python3 -m bench.reference_profile --rows 66
+# --heads 16 --topk 2176 --mode float64 --cpu-chunk-mib 1024`` (and 32, the default).
+CPU_CHUNK_BYTES = 32 << 20
+
+
+def chunk_budget_bytes(memory_budget_bytes: int, device: torch.device) -> int:
+    """The bytes one chunk of rows may use on ``device``: the memory budget, and on a CPU no more
+    than :data:`CPU_CHUNK_BYTES`."""
+    return memory_budget_bytes if torch.device(device).type != "cpu" else min(memory_budget_bytes, CPU_CHUNK_BYTES)
+
 
 def _row_bytes(num_heads: int, width: int, d_ckv: int, d_pe: int, elem: int, operand: int | None = None) -> int:
     """Working bytes of one row of a chunk: ``elem`` is the working precision (8, 4), ``operand``
@@ -287,7 +301,8 @@ def sparse_mla_working_precision(q_nope, q_pe, ckv, kpe, slots, mask, facts: Sel
     lse = torch.empty((t, h), dtype=torch.float32, device=q_nope.device)
     bf16_products = mode == "float32" and float32_uses_bf16_products(q_nope, q_pe, ckv, kpe)
     operand = torch.bfloat16 if bf16_products else out_dtype
-    chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode, memory_budget_bytes, bf16_products)
+    chunk = rows_per_chunk(h, slots.shape[1], d_ckv, kpe.shape[1], mode,
+                           chunk_budget_bytes(memory_budget_bytes, q_nope.device), bf16_products)
     # once for all rows: q and cache as joined views where they can be, the slots to gather
     q_parts, cache_parts = joined_parts(q_nope, q_pe), joined_parts(ckv, kpe)
     idx = slots.long() if facts.all_selected else gather_index(slots, mask)

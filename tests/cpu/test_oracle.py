@@ -32,7 +32,7 @@ from reference.oracle import (
     sparse_mla_float64,
     sparse_mla_reference,
 )
-from reference.oracle_fast import _row_bytes, joined_parts, rows_per_chunk
+from reference.oracle_fast import CPU_CHUNK_BYTES, _row_bytes, chunk_budget_bytes, joined_parts, rows_per_chunk
 from reference.oracle_inputs import SelectionFacts, check_selection, selection_mask
 
 D = KV_LORA_RANK
@@ -576,6 +576,41 @@ def test_gpu_sized_problem_chunks_fit_the_default_budget(mode):
 def test_budget_smaller_than_one_row_still_makes_progress():
     assert rows_per_chunk(128, 2048, D, ROPE, "float64", 1) == 1
     assert rows_per_chunk(128, 2048, D, ROPE, "float64", 0) == 1
+
+
+def test_cpu_chunks_stay_within_the_allocators_reused_blocks_and_a_gpus_use_the_budget():
+    """On a CPU a chunk gets at most CPU_CHUNK_BYTES (a smaller budget still wins); on a GPU the
+    whole budget."""
+    assert chunk_budget_bytes(DEFAULT_MEMORY_BUDGET_BYTES, torch.device("cpu")) == CPU_CHUNK_BYTES
+    assert chunk_budget_bytes(CPU_CHUNK_BYTES // 4, torch.device("cpu")) == CPU_CHUNK_BYTES // 4
+    assert chunk_budget_bytes(DEFAULT_MEMORY_BUDGET_BYTES, torch.device("cuda", 0)) == DEFAULT_MEMORY_BUDGET_BYTES
+    assert CPU_CHUNK_BYTES < DEFAULT_MEMORY_BUDGET_BYTES
+
+
+@pytest.mark.parametrize("mode", COMPUTE_MODES)
+def test_a_cpu_call_computes_its_rows_in_chunks_under_the_cpu_cap(mode, monkeypatch):
+    """A call on the CPU with the default budget chunks its rows as CPU_CHUNK_BYTES allows, with
+    the answer of one chunk holding every row."""
+    g = torch.Generator().manual_seed(7)
+    t, h, k, n = 6, 4, 64, 256
+    q_nope, q_pe = torch.randn(t, h, D, generator=g).bfloat16(), torch.randn(t, h, ROPE, generator=g).bfloat16()
+    ckv, kpe = torch.randn(n, D, generator=g).bfloat16(), torch.randn(n, ROPE, generator=g).bfloat16()
+    slots, lens = torch.randint(0, n, (t, k), generator=g), torch.randint(1, k + 1, (t,), generator=g)
+    whole = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots, lens=lens, sm_scale=SM_SCALE, mode=mode)
+    per_row = _row_bytes(h, k, D, ROPE, 8 if mode == "float64" else 4)
+    monkeypatch.setattr("reference.oracle_fast.CPU_CHUNK_BYTES", 2 * per_row)  # two rows a chunk
+    chunk_rows = []
+
+    def recorded_rows_per_chunk(*args):
+        chunk_rows.append(rows_per_chunk(*args))
+        return chunk_rows[-1]
+
+    monkeypatch.setattr("reference.oracle.rows_per_chunk", recorded_rows_per_chunk)
+    monkeypatch.setattr("reference.oracle_fast.rows_per_chunk", recorded_rows_per_chunk)
+    chunked = sparse_mla_reference(q_nope, q_pe, ckv, kpe, slots, lens=lens, sm_scale=SM_SCALE, mode=mode)
+    assert chunk_rows == [2]
+    assert_same(chunked[0], whole[0], f"{mode} out in chunks of two rows")
+    assert_same(chunked[1], whole[1], f"{mode} lse in chunks of two rows")
 
 
 # --- bad input -----------------------------------------------------------------------------
