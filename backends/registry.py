@@ -187,6 +187,14 @@ def vllm_judged_as(source) -> str:
     return facts_for(source.version, design_of(source)).summary()
 
 
+def vllm_v2_runner(source):
+    """The vLLM release ``source``'s V2 model runner, building a step's attention metadata from the
+    release's own files (``backends.vllm.v2_runner.load_runner``); imports torch and Triton."""
+    from .vllm.v2_runner import load_runner
+
+    return load_runner(source)
+
+
 def flashinfer_features(device=None):
     """The installed FlashInfer's features (``backends.flashinfer.compat.Features``), probed on
     ``device`` where it is a CUDA device; imports torch and FlashInfer."""

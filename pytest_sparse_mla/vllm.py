@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import pytest
 
-from backends.registry import VllmSourceError, flashmla_absence, open_backend, resolve_vllm_source, vllm_judged_as
+from backends.registry import (
+    VllmSourceError,
+    flashmla_absence,
+    open_backend,
+    resolve_vllm_source,
+    vllm_judged_as,
+    vllm_v2_runner,
+)
 
 from .keys import GROUP, REGIME_KEY
 
@@ -42,8 +49,8 @@ def pytest_addoption(parser):
 #: ``-m vllm`` selects every test that depends on the vLLM release, and ``-m "not flashmla"`` every
 #: one that does not drive FlashMLA's kernels): a test that opens them unmarked fails.
 MARKED_FIXTURES = {
-    "vllm": {"vllm_backend", "vllm_pairing", "vllm_on_gpu", "vllm_on_stand_in", "flashmla_source", "flashmla_load",
-             "flashmla_on_gpu", "flashmla_backend", "flashmla_on_stand_in"},
+    "vllm": {"vllm_backend", "vllm_runner", "vllm_pairing", "vllm_on_gpu", "vllm_on_stand_in", "flashmla_source",
+             "flashmla_load", "flashmla_on_gpu", "flashmla_backend", "flashmla_on_stand_in"},
     "flashmla": {"flashmla_source", "flashmla_load", "flashmla_on_gpu", "flashmla_backend", "flashmla_on_stand_in"},
 }
 
@@ -104,6 +111,16 @@ def vllm_backend(pytestconfig):
     if source is None:
         pytest.skip(NO_VLLM)
     return open_backend("vllm", source)
+
+
+@pytest.fixture(scope="session")
+def vllm_runner(pytestconfig):
+    """The vLLM release's V2 model runner, building a step's attention metadata from its own files
+    (``backends.vllm.v2_runner``; loaded once per test process)."""
+    source = pytestconfig.stash.get(VLLM_SOURCE, None)
+    if source is None:
+        pytest.skip(NO_VLLM)
+    return vllm_v2_runner(source)
 
 
 @pytest.fixture(scope="session")

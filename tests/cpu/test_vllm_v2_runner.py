@@ -1,0 +1,132 @@
+"""The suite's model of vLLM's runner (``harness.builder``) against the release's own V2 runner
+code (``backends.vllm.v2_runner``: ``GPUModelRunner.prepare_inputs`` and
+``DefaultModelState.prepare_attn`` from the wheel): the counts, ``query_start_loc``, ``seq_lens``,
+the host bound and the positions each graph mode hands the attention builders, field by field.
+The padded FULL-graph finding's premise is read from the runner's own metadata here."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from backends.vllm.source import V2_RUNNER_FILES, VllmSource
+from backends.vllm.v2_runner import RunnerGap, field_differences, load_runner, runner_step
+from harness.builder import build_scenario
+from harness.cases import KernelConfig
+from harness.spec import batch, graph_padded
+from mla_constants import TOPK
+
+pytestmark = pytest.mark.vllm
+
+BF16 = KernelConfig("bfloat16", True, 16)
+
+#: Uniform decode batches, the FULL graph sizes they are padded to (contexts around topk) and the
+#: decode threshold (2: MTP's one draft token).
+FULL_GRAPH_STEPS = {
+    "3-decodes-in-4": (((TOPK - 1, 1), (TOPK + 6, 1), (300, 1)), 4, 1),
+    "1-decode-in-8": (((TOPK + 1, 1),), 8, 1),
+    "5-decodes-in-8": (((1, 1), (2, 1), (TOPK, 1), (3 * TOPK, 1), (17, 1)), 8, 1),
+    "mtp-2-decodes-of-2-in-6": (((TOPK - 1, 2), (5000, 2)), 6, 2),
+}
+#: Mixed batches run eager or under piecewise graphs (decodes first, then prefills, as vLLM orders
+#: them), with their decode threshold.
+EAGER_STEPS = {
+    "decodes-and-a-chunked-prefill": (((TOPK + 6, 1), (300, 1), (4000, 37)), 1),
+    "one-prefill-from-empty": (((64, 64),), 1),
+    "mtp-decodes-and-a-prefill": (((TOPK - 1, 2), (9, 2), (2500, 300)), 2),
+}
+
+
+def runner_inputs(scenario):
+    """The live requests of ``scenario`` as the runner's request state holds them: query tokens,
+    context after the step, prompt length (a prefill's prompt reaches past this step's chunk)."""
+    meta = scenario.meta
+    qsl = meta.query_start_loc_cpu.tolist()
+    q_lens = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
+    live = [i for i, q in enumerate(q_lens) if q]
+    threshold = scenario.spec.decode_threshold
+    seq_lens = [int(meta.seq_lens[i]) for i in live]
+    prompts = [seq_lens[j] if q_lens[i] > threshold else 1 for j, i in enumerate(live)]
+    return [q_lens[i] for i in live], seq_lens, prompts
+
+
+def step_of(runner, scenario, mode, graph_tokens=None, graph_reqs=None):
+    q_lens, seq_lens, prompts = runner_inputs(scenario)
+    return runner_step(runner, q_lens, seq_lens, prompts, mode=mode, graph_tokens=graph_tokens,
+                       graph_reqs=graph_reqs)
+
+
+def full_graph_scenario(name):
+    requests, capture, threshold = FULL_GRAPH_STEPS[name]
+    return build_scenario(graph_padded(BF16.apply(batch(*requests, kpool=4, decode_threshold=threshold)), capture), 0)
+
+
+@pytest.mark.parametrize("name", list(FULL_GRAPH_STEPS))
+def test_a_full_graph_step_is_built_as_the_releases_runner_builds_it(vllm_runner, name):
+    scenario = full_graph_scenario(name)
+    meta = scenario.meta
+    step = step_of(vllm_runner, scenario, "FULL", meta.num_actual_tokens, meta.num_reqs)
+    assert field_differences(meta, step) == [], f"vLLM {vllm_runner.version}, {name}"
+    live_rows = scenario.num_rows
+    assert torch.equal(step.positions[:live_rows], meta.positions[:live_rows])
+
+
+@pytest.mark.parametrize("name", list(FULL_GRAPH_STEPS))
+def test_the_releases_full_graph_step_hands_the_builder_more_tokens_than_query_start_loc_ends_at(vllm_runner, name):
+    """The padded FULL-graph finding's premise, from the runner's own metadata: the builder is handed
+    the padded token count while ``query_start_loc`` ends at the live rows (flat past them), so a
+    builder that plans ``query_start_loc[-1]`` rows plans fewer rows than ``forward_mqa`` runs."""
+    scenario = full_graph_scenario(name)
+    meta = scenario.meta
+    step = step_of(vllm_runner, scenario, "FULL", meta.num_actual_tokens, meta.num_reqs)
+    live = len(runner_inputs(scenario)[0])
+    assert int(step.query_start_loc_cpu[-1]) == scenario.num_rows < step.num_actual_tokens
+    assert step.query_start_loc_cpu[live:].unique().tolist() == [scenario.num_rows]
+    assert step.seq_lens[live:].tolist() == [0] * (step.num_reqs - live)
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE"])
+@pytest.mark.parametrize("name", list(EAGER_STEPS))
+def test_an_eager_or_piecewise_step_is_built_as_the_releases_runner_builds_it(vllm_runner, name, mode):
+    """Piecewise graphs pad the tokens (here by 5) but hand the builders the live counts, as eager
+    steps do."""
+    requests, threshold = EAGER_STEPS[name]
+    scenario = build_scenario(BF16.apply(batch(*requests, kpool=4, decode_threshold=threshold)), 0)
+    meta = scenario.meta
+    padded_tokens = meta.num_actual_tokens + 5 if mode == "PIECEWISE" else None
+    step = step_of(vllm_runner, scenario, mode, padded_tokens)
+    assert field_differences(meta, step) == [], f"vLLM {vllm_runner.version}, {name}, {mode}"
+    assert torch.equal(step.positions[:scenario.num_rows], meta.positions[:scenario.num_rows])
+
+
+def test_a_model_that_leaves_out_the_padding_is_named_field_by_field(vllm_runner):
+    """A model of the FULL step with the live counts only (as eager would give them) differs from the
+    release's runner in the counts, ``query_start_loc`` and ``seq_lens``, each named with both values."""
+    scenario = full_graph_scenario("3-decodes-in-4")
+    meta = scenario.meta
+    step = step_of(vllm_runner, scenario, "FULL", meta.num_actual_tokens, meta.num_reqs)
+    eager = step_of(vllm_runner, scenario, "NONE")
+    lines = field_differences(eager, step)
+    assert [line.split(":")[0] for line in lines] == ["num_reqs", "num_actual_tokens", "query_start_loc_cpu",
+                                                      "seq_lens", "seq_lens_cpu_upper_bound"]
+    assert "the suite's model [0, 1, 2, 3], vLLM's FULL runner [0, 1, 2, 3, 3]" in lines[2]
+
+
+def test_release_files_without_the_runners_method_are_named(vllm_runner, pytestconfig, tmp_path):
+    """A release whose model state has no ``prepare_attn`` (renamed here) is refused naming it."""
+    from pytest_sparse_mla.vllm import VLLM_SOURCE
+
+    source = pytestconfig.stash[VLLM_SOURCE]
+    for relative in V2_RUNNER_FILES:
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source.path_of(relative), tmp_path / relative)
+    state = tmp_path / V2_RUNNER_FILES[2]
+    state.write_text(state.read_text().replace("def prepare_attn(", "def prepare_attention("))
+    edited = VllmSource(root=tmp_path, version=source.version, origin="an edited copy")
+    with pytest.raises(RunnerGap, match="no DefaultModelState.prepare_attn"):
+        load_runner(edited)
+    (tmp_path / V2_RUNNER_FILES[1]).unlink()
+    with pytest.raises(RunnerGap, match=r"has no vllm/v1/worker/gpu/model_runner\.py: a slice written before"):
+        load_runner(edited)
