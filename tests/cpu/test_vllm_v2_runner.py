@@ -15,8 +15,10 @@ from backends.vllm.source import V2_RUNNER_FILES, VllmSource
 from backends.vllm.v2_runner import RunnerGap, field_differences, load_runner, runner_step
 from harness.builder import build_scenario
 from harness.cases import KernelConfig
+from harness.input_space import covering_cases
 from harness.spec import batch, graph_padded
 from mla_constants import TOPK
+from pytest_sparse_mla.hypothesis_profiles import covering_strength
 
 pytestmark = pytest.mark.vllm
 
@@ -130,3 +132,41 @@ def test_release_files_without_the_runners_method_are_named(vllm_runner, pytestc
     (tmp_path / V2_RUNNER_FILES[1]).unlink()
     with pytest.raises(RunnerGap, match=r"has no vllm/v1/worker/gpu/model_runner\.py: a slice written before"):
         load_runner(edited)
+
+
+def as_the_runner_builds_it(spec):
+    """``spec`` as vLLM's V2 runner would build its step, or None where it builds none (no request
+    has query rows): the host bound and the positions held, the bound exact (the stand-in runner
+    schedules no drafts, so none is pending), requests without query rows left out of the batch
+    except a FULL graph's trailing padding. The input space reaches past that on purpose (other
+    context sources, requests without rows mid-batch) for the builders' own rules."""
+    live = tuple(r for r in spec.requests if r.q_len)
+    if not live:
+        return None
+    requests = spec.requests if spec.full_graph else live
+    return spec.replace(requests=requests, with_host_bound=True, with_positions=True, host_bound_slack=0)
+
+
+def test_the_covering_designs_steps_match_the_releases_runner(vllm_runner):
+    """Every case of the input space's covering design with query rows (block sizes, batch
+    compositions, MTP rows, FULL graph padding, kpool and topk, variants), as the release's
+    runner would build it, eager and under a piecewise graph (or the FULL graph it is padded
+    to): the suite's metadata is the release's, field by field."""
+    cases = covering_cases(covering_strength())
+    built = [(case, as_the_runner_builds_it(case.spec)) for case in cases]
+    built = [(case, spec) for case, spec in built if spec is not None]
+    assert len(built) >= len(cases) - sum(1 for c in cases if dict(c.assignment)["batch"] == "empty")
+    graph_modes = set()
+    for case, spec in built:
+        scenario = build_scenario(spec, 0)
+        meta = scenario.meta
+        if spec.full_graph:
+            runs = [("FULL", meta.num_actual_tokens, meta.num_reqs)]
+        else:  # a piecewise graph pads the tokens (by the case's padded rows, or 5) and hands the live counts
+            runs = [("NONE", None, None), ("PIECEWISE", scenario.num_rows + (spec.padded_rows or 5), None)]
+        for mode, tokens, reqs in runs:
+            graph_modes.add(mode)
+            step = step_of(vllm_runner, scenario, mode, tokens, reqs)
+            assert field_differences(meta, step) == [], f"vLLM {vllm_runner.version}, {mode}, case {case.id}"
+            assert torch.equal(step.positions[:scenario.num_rows], meta.positions[:scenario.num_rows]), case.id
+    assert graph_modes == {"NONE", "PIECEWISE", "FULL"}, f"the cases reach {sorted(graph_modes)}"
