@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 
 import torch
 
@@ -161,8 +162,55 @@ def intended_references(outcome: StepOutcome, scenario: Scenario, inputs: Attent
         parts = parts_in_selection_order(slots, mask, *outcome.executed_slots, outcome.executed_parts).to(device)
     args = (inputs.q_nope[:n], inputs.q_pe[:n], inputs.ckv, inputs.kpe, slots.to(device))
     kw = dict(mask=mask.to(device), sm_scale=spec.sm_scale, k_scale=spec.k_scale)
-    return sparse_mla_reference(*args, mode="float64", **kw), sparse_mla_reference(*args, mode="lowp", parts=parts,
-                                                                                    **kw)
+    truth = _KEPT_TRUTH.get(inputs, slots, mask, kw)
+    if truth is None:
+        truth = sparse_mla_reference(*args, mode="float64", **kw)
+        _KEPT_TRUTH.keep(inputs, slots, mask, kw, truth)
+    return truth, sparse_mla_reference(*args, mode="lowp", parts=parts, **kw)
+
+
+class KeptTruth:
+    """The float64 truth of the last selection judged, for the next backend judged on the same
+    inputs (a case judged on several backends computes it once). It serves only the same inputs
+    object, while it lives, with its tensors unchanged since (their version counters), for the
+    same selection (compared by value) and scales; a truth of more than ``max_bytes``, or of inputs
+    that cannot be referenced weakly, is not kept."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self._kept = None  # (weakref to the inputs, versions, slots, mask, scales, truth)
+
+    @staticmethod
+    def _versions(inputs: AttentionInputs) -> tuple[int, ...]:
+        """The version counters of the inputs' tensors: the cache's (its ``ckv``/``kpe`` may be
+        copies made at each read), or the parts' where the inputs hold only those."""
+        cache = (inputs.kv_cache,) if hasattr(inputs, "kv_cache") else (inputs.ckv, inputs.kpe)
+        return tuple(t._version for t in (inputs.q_nope, inputs.q_pe, *cache))
+
+    def get(self, inputs: AttentionInputs, slots: torch.Tensor, mask: torch.Tensor, kw: dict):
+        if self._kept is None:
+            return None
+        ref, versions, kept_slots, kept_mask, scales, truth = self._kept
+        same = (ref() is inputs and versions == self._versions(inputs) and scales == (kw["sm_scale"], kw["k_scale"])
+                and kept_slots.shape == slots.shape and torch.equal(kept_slots, slots) and torch.equal(kept_mask, mask))
+        return truth if same else None
+
+    def keep(self, inputs: AttentionInputs, slots: torch.Tensor, mask: torch.Tensor, kw: dict, truth) -> None:
+        self._kept = None
+        if sum(t.numel() * t.element_size() for t in truth) > self.max_bytes:
+            return
+        try:
+            ref = weakref.ref(inputs, self._forget_if_kept)
+        except TypeError:  # inputs that cannot be referenced weakly (a SimpleNamespace): not kept
+            return
+        self._kept = (ref, self._versions(inputs), slots.clone(), mask.clone(), (kw["sm_scale"], kw["k_scale"]), truth)
+
+    def _forget_if_kept(self, dead: weakref.ReferenceType) -> None:
+        if self._kept is not None and self._kept[0] is dead:
+            self._kept = None
+
+
+_KEPT_TRUTH = KeptTruth()
 
 
 def output_comparisons(outcome: StepOutcome, scenario: Scenario, inputs: AttentionInputs,

@@ -169,17 +169,19 @@ def run_case(reporter: Reporter, backend, spec, device, *, seed: int = 0, twin: 
              compare: bool = True, adaptive_verification: bool = False, holes: TopkHoles | None = None,
              host_q_lens: list[int] | None = None, rejected_drafts: int = 0, kv_block_stride: int | None = None,
              mtp_draft_step: int = 0, scenario: Scenario | None = None, label: str = "",
-             what: str = "") -> StepOutcome:
+             what: str = "", inputs: AttentionInputs | None = None) -> StepOutcome:
     """One step of ``spec`` (built with ``seed``, its top-k written with ``holes`` where given, the
     host holding the query split ``host_q_lens`` where given; or ``scenario`` as given, built from
     them and changed by the test) through a fresh layer of ``backend``, judged
     (``rejected_drafts``, ``kv_block_stride`` and ``mtp_draft_step``: as :func:`run_sequence` takes them; ``label``:
-    what the step's reports are named with; ``what``: leads its failure message)."""
+    what the step's reports are named with; ``what``: leads its failure message; ``inputs``: the
+    step's q and cache as :func:`harness.device_inputs.build_attention_inputs` built them for
+    another backend's run of the same step, shared so that its float64 truth is computed once)."""
     step = (spec, seed, holes, host_q_lens) if scenario is None else scenario
     return run_sequence(reporter, backend, [step], device, twin=twin, compare=compare, kind="step",
                         adaptive_verification=adaptive_verification, rejected_drafts=rejected_drafts,
                         kv_block_stride=kv_block_stride, mtp_draft_step=mtp_draft_step, label=label,
-                        what=what)[1][0]
+                        what=what, step_inputs=inputs)[1][0]
 
 
 def case_rebuilds(steps, after_step: Callable | None) -> bool:
@@ -203,7 +205,8 @@ def scenario_of(step, rejected_drafts: int, mtp_draft_step: int = 0) -> Scenario
 def run_sequence(reporter: Reporter, backend, steps, device, *, with_inputs: bool = True, twin: Twin | None = None,
                  compare: bool = True, kind: str = "sequence", adaptive_verification: bool = False,
                  rejected_drafts: int = 0, kv_block_stride: int | None = None, mtp_draft_step: int = 0,
-                 label: str = "", after_step: Callable | None = None, what: str = ""):
+                 label: str = "", after_step: Callable | None = None, what: str = "",
+                 step_inputs: AttentionInputs | None = None):
     """``steps`` (``(spec, seed)``, ``(spec, seed, holes)`` or ``(spec, seed, holes, host_q_lens)``:
     :func:`scenario_of_step`'s arguments, in order; or a scenario a test changed, which a written
     case cannot rebuild) through one layer and, with ``with_inputs``, one KV cache they share; each
@@ -216,7 +219,10 @@ def run_sequence(reporter: Reporter, backend, steps, device, *, with_inputs: boo
     of MTP with shared top-k indices (``harness.builder.with_shared_mtp_indices``). A step whose
     plan the release refused as it is expected to (``StepOutcome.refusal``) ends the sequence.
     ``after_step(index, layer, scenario, inputs, outcome)``: called after each judged step that ran;
-    ``what``: leads every failure message (the test's family). Returns ``(layer, outcomes)``."""
+    ``what``: leads every failure message (the test's family); ``step_inputs``: a one-step
+    sequence's inputs built already (:func:`run_case`). Returns ``(layer, outcomes)``."""
+    if step_inputs is not None and (len(steps) != 1 or kind != "step"):
+        raise ValueError("step_inputs: for a single step (run_case) only")
     scenarios = [scenario_of(step, rejected_drafts, mtp_draft_step) for step in steps]
     rebuilds = case_rebuilds(steps, after_step)
     specs = [s.spec for s in scenarios]
@@ -246,7 +252,7 @@ def run_sequence(reporter: Reporter, backend, steps, device, *, with_inputs: boo
         inputs = None
         past_selection = holes is not None or scenario.extra.get("mtp_draft_step") is not None
         if with_inputs and not (past_selection and kernel_reads_a_hole(backend)):
-            inputs = build_attention_inputs(scenario, device)
+            inputs = step_inputs if step_inputs is not None else build_attention_inputs(scenario, device)
             inputs = in_one_cache(inputs, cache) if cache is not None else inputs
             inputs = with_blocks_apart(inputs, kv_block_stride) if kv_block_stride is not None else inputs
         named, of = (f"_step{i}", f"step {i} of the sequence's {len(scenarios)}") if kind == "sequence" else ("", "")

@@ -47,8 +47,8 @@ def test_flashmla_and_fa3_against_the_oracle(flashmla_on_gpu, judge, case, confi
     """FlashMLA (through vLLM's FLASHMLA_SPARSE, on the one launch path: a failing step is written
     as a case under ``--dump-failures``) and FA3 (through the project's path) on one scenario and
     one set of inputs, each against the float64 oracle over (a): where they differ beyond the
-    budget, the oracle names the kernel that is off. The case's errors of both go to the table
-    (``scripts/flashmla_table.py``)."""
+    budget, the oracle names the kernel that is off (the two share the inputs, and so the float64
+    truth, computed once). The case's errors of both go to the table (``scripts/flashmla_table.py``)."""
     spec = config.apply(case.spec)
     scenario = build_scenario(spec, 0)
     inputs = build_attention_inputs(scenario, DEVICE)
@@ -57,7 +57,7 @@ def test_flashmla_and_fa3_against_the_oracle(flashmla_on_gpu, judge, case, confi
     port = open_backend("port-fa3")
     fa3 = judge.verdict(port, port.open_layer(config_of_layer, DEVICE), scenario, inputs)
     try:
-        ours = run_case(judge, flashmla_on_gpu, spec, DEVICE)
+        ours = run_case(judge, flashmla_on_gpu, spec, DEVICE, inputs=inputs)
     except AssertionError as exc:
         if fa3.passed:
             raise
