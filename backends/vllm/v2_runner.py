@@ -26,6 +26,7 @@ import enum
 import sys
 import types
 from dataclasses import dataclass
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .source import V2_RUNNER_FILES, VllmSource
+from .source import V2_DISPATCHER_FILES, V2_RUNNER_FILES, VllmSource
 
 INPUT_BATCH_FILE, MODEL_RUNNER_FILE, MODEL_STATE_FILE = V2_RUNNER_FILES
 #: The graph modes of ``CUDAGraphMode`` the step is built under (vLLM's names).
@@ -300,5 +301,95 @@ def _shown(value) -> str:
     return str(value)
 
 
-__all__ = ["COMPARED_FIELDS", "GRAPH_MODES", "ReleaseRunner", "RunnerGap", "RunnerStep", "field_differences",
-           "load_runner", "runner_step"]
+__all__ = ["COMPARED_FIELDS", "GRAPH_MODES", "ReleaseDispatcher", "ReleaseRunner", "RunnerGap", "RunnerStep",
+           "field_differences", "graph_descriptor", "load_dispatcher", "load_runner", "runner_step"]
+
+
+# --- the CUDA-graph dispatcher: which graph a step runs in, and its padded counts ---------------
+
+#: The dispatcher's methods run from the release (``CudaGraphManager`` of ``cudagraph_utils.py``).
+DISPATCHER_METHODS = ("_init_candidates", "_maybe_ubatch_twin", "_resolve_effective_loras", "dispatch")
+
+
+@dataclass(frozen=True)
+class ReleaseDispatcher:
+    version: str
+    graph_mode: type  # the release's CUDAGraphMode
+    manager_type: type  # a stand-in CudaGraphManager holding the release's methods
+
+
+def _top_level(path: Path, names: tuple[str, ...], namespace: dict[str, Any]) -> dict[str, Any]:
+    """The top-level classes and functions ``names`` of ``path`` run in ``namespace`` (a module's
+    dict registered in ``sys.modules``); a name the file lacks is a :class:`RunnerGap`."""
+    tree = ast.parse(path.read_text(), str(path))
+    picked = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
+    missing = sorted(set(names) - {n.name for n in picked})
+    if missing:
+        raise RunnerGap(f"{path.name}: no {', '.join(missing)}")
+    for node in picked:
+        if isinstance(node, ast.ClassDef):  # the config decorator and pydantic are not loaded
+            node.decorator_list = [d for d in node.decorator_list if ast.unparse(d).startswith("dataclass")]
+    exec(compile(ast.Module(body=picked, type_ignores=[]), str(path), "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True), namespace)
+    return namespace
+
+
+def load_dispatcher(source: VllmSource) -> ReleaseDispatcher:
+    """The release's CUDA-graph dispatcher: ``CudaGraphManager``'s ``_init_candidates`` and
+    ``dispatch`` (with the descriptor type, ``_is_compatible`` and the decode capture shapes of
+    ``config/compilation.py``), compiled from its files. A release whose dispatcher has other
+    parts (0.30.0-0.33.0 read another capture configuration) is a :class:`RunnerGap` naming them."""
+    missing = [f for f in V2_DISPATCHER_FILES if not source.path_of(f).is_file()]
+    if missing:
+        raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the dispatcher's "
+                        "files were sliced; write it again (python -m backends.vllm.source slice WHEEL -o DIR)")
+    import bisect
+    import itertools
+    from collections import defaultdict
+
+    name = f"sparse_mla_vllm_{source.version.replace('.', '_')}_v2_dispatcher"
+    module = sys.modules.get(name) or types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up
+    ns = module.__dict__
+    ns.update({"enum": enum, "bisect": bisect, "Iterable": collections.abc.Iterable,
+               "Mapping": collections.abc.Mapping, "Callable": collections.abc.Callable, "torch": torch,
+               "dataclass": dataclass, "replace": dataclasses_replace, "defaultdict": defaultdict,
+               "groupby": itertools.groupby, "product": itertools.product, "cdiv": lambda a, b: -(a // -b)})
+    _top_level(source.path_of(V2_DISPATCHER_FILES[1]),
+               ("CUDAGraphMode", "decode_cudagraph_capture_shapes", "decode_cudagraph_capture_max_tokens"), ns)
+    _top_level(source.path_of(V2_DISPATCHER_FILES[0]), ("BatchExecutionDescriptor", "_is_compatible"), ns)
+    path = source.path_of(V2_DISPATCHER_FILES[0])
+    methods = {m: _method(path, "CudaGraphManager", m, ns) for m in DISPATCHER_METHODS}
+    return ReleaseDispatcher(source.version, ns["CUDAGraphMode"], type("StandInCudaGraphManager", (), methods))
+
+
+def graph_descriptor(dispatcher: ReleaseDispatcher, cudagraph_mode: str, *, num_reqs: int, num_tokens: int,
+                     uniform_query_len: int | None, decode_request_sizes: list[int], token_sizes: list[int],
+                     max_num_reqs: int = 256):
+    """The batch descriptor the release's dispatcher gives a step of ``num_reqs`` requests and
+    ``num_tokens`` tokens (a uniform decode batch of ``uniform_query_len`` tokens each, or None)
+    under ``cudagraph_mode`` (a name of the release's ``CUDAGraphMode``: ``FULL_AND_PIECEWISE``,
+    ``FULL``, ``PIECEWISE``, ...), with graphs captured for ``decode_request_sizes`` (decode
+    graphs, per query length) and ``token_sizes`` (token-keyed graphs): one rank, no LoRA, no
+    microbatches, no varlen decode graphs."""
+    q = uniform_query_len or 1
+    manager = dispatcher.manager_type()
+    manager.__dict__.update(
+        cudagraph_mode=dispatcher.graph_mode[cudagraph_mode], decode_request_sizes=None, max_num_reqs=max_num_reqs,
+        compilation_config=SimpleNamespace(prefill_cudagraph_capture_token_sizes=token_sizes,
+                                           decode_cudagraph_capture_request_sizes=decode_request_sizes,
+                                           max_cudagraph_capture_size=max(token_sizes + [n * q for n in
+                                                                                        decode_request_sizes]),
+                                           max_decode_cudagraph_capture_tokens=None),
+        vllm_config=SimpleNamespace(uniform_decode_query_len=q, cache_config=SimpleNamespace(use_kda_recoverssm=False)),
+        decode_max_reqs={q: max_num_reqs}, decode_query_len=q, varlen_decode=False, lora_capture_cases=[0],
+        ubatch_runner=None, _lora_dispatch_map={}, _max_lora_case=0, _graphs_captured=True, _capture_descs={},
+        _decode_descs={}, _candidates={},
+    )
+    try:
+        manager._init_candidates()
+        return manager.dispatch(num_reqs, num_tokens, uniform_query_len, num_active_loras=0,
+                                max_query_len=uniform_query_len)
+    except AttributeError as exc:
+        raise RunnerGap(f"vLLM {dispatcher.version}'s CUDA-graph dispatcher reads what the stand-in manager "
+                        f"lacks: {exc}") from None
