@@ -318,11 +318,13 @@ class ReleaseDispatcher:
     manager_type: type  # a stand-in CudaGraphManager holding the release's methods
 
 
-def _top_level(path: Path, names: tuple[str, ...], namespace: dict[str, Any]) -> dict[str, Any]:
-    """The top-level classes and functions ``names`` of ``path`` run in ``namespace`` (a module's
-    dict registered in ``sys.modules``); a name the file lacks is a :class:`RunnerGap`."""
+def _top_level(path: Path, names: tuple[str, ...], namespace: dict[str, Any], optional: tuple[str, ...] = ()):
+    """The top-level classes and functions ``names`` (and those of ``optional`` the file has) of
+    ``path`` run in ``namespace`` (a module's dict registered in ``sys.modules``); a name of
+    ``names`` the file lacks is a :class:`RunnerGap`."""
     tree = ast.parse(path.read_text(), str(path))
-    picked = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
+    wanted = set(names) | set(optional)
+    picked = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in wanted]
     missing = sorted(set(names) - {n.name for n in picked})
     if missing:
         raise RunnerGap(f"{path.name}: no {', '.join(missing)}")
@@ -336,9 +338,9 @@ def _top_level(path: Path, names: tuple[str, ...], namespace: dict[str, Any]) ->
 
 def load_dispatcher(source: VllmSource) -> ReleaseDispatcher:
     """The release's CUDA-graph dispatcher: ``CudaGraphManager``'s ``_init_candidates`` and
-    ``dispatch`` (with the descriptor type, ``_is_compatible`` and the decode capture shapes of
-    ``config/compilation.py``), compiled from its files. A release whose dispatcher has other
-    parts (0.30.0-0.33.0 read another capture configuration) is a :class:`RunnerGap` naming them."""
+    ``dispatch`` (with the descriptor type, ``_is_compatible``, ``CUDAGraphMode`` and, where the
+    release has them, the decode capture shapes of ``config/compilation.py``), compiled from its
+    files; a part the release lacks is a :class:`RunnerGap` naming it."""
     missing = [f for f in V2_DISPATCHER_FILES if not source.path_of(f).is_file()]
     if missing:
         raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the dispatcher's "
@@ -354,9 +356,12 @@ def load_dispatcher(source: VllmSource) -> ReleaseDispatcher:
     ns.update({"enum": enum, "bisect": bisect, "Iterable": collections.abc.Iterable,
                "Mapping": collections.abc.Mapping, "Callable": collections.abc.Callable, "torch": torch,
                "dataclass": dataclass, "replace": dataclasses_replace, "defaultdict": defaultdict,
-               "groupby": itertools.groupby, "product": itertools.product, "cdiv": lambda a, b: -(a // -b)})
-    _top_level(source.path_of(V2_DISPATCHER_FILES[1]),
-               ("CUDAGraphMode", "decode_cudagraph_capture_shapes", "decode_cudagraph_capture_max_tokens"), ns)
+               "groupby": itertools.groupby, "product": itertools.product, "cdiv": lambda a, b: -(a // -b),
+               "round_up": lambda a, b: -(a // -b) * b,
+               "build_dynamic_sd_schedule_lookup": _Unserved("vllm.v1.spec_decode",
+                                                             "build_dynamic_sd_schedule_lookup")})
+    _top_level(source.path_of(V2_DISPATCHER_FILES[1]), ("CUDAGraphMode",), ns,
+               optional=("decode_cudagraph_capture_shapes", "decode_cudagraph_capture_max_tokens"))
     _top_level(source.path_of(V2_DISPATCHER_FILES[0]), ("BatchExecutionDescriptor", "_is_compatible"), ns)
     path = source.path_of(V2_DISPATCHER_FILES[0])
     methods = {m: _method(path, "CudaGraphManager", m, ns) for m in DISPATCHER_METHODS}
@@ -370,18 +375,21 @@ def graph_descriptor(dispatcher: ReleaseDispatcher, cudagraph_mode: str, *, num_
     ``num_tokens`` tokens (a uniform decode batch of ``uniform_query_len`` tokens each, or None)
     under ``cudagraph_mode`` (a name of the release's ``CUDAGraphMode``: ``FULL_AND_PIECEWISE``,
     ``FULL``, ``PIECEWISE``, ...), with graphs captured for ``decode_request_sizes`` (decode
-    graphs, per query length) and ``token_sizes`` (token-keyed graphs): one rank, no LoRA, no
-    microbatches, no varlen decode graphs."""
+    graphs, per query length, where the release keeps them apart: vLLM 0.34.0; earlier releases
+    derive their decode graphs from ``token_sizes``) and ``token_sizes`` (token-keyed graphs): one
+    rank, no LoRA, no microbatches, no varlen decode graphs, no dynamic speculative decoding."""
     q = uniform_query_len or 1
     manager = dispatcher.manager_type()
     manager.__dict__.update(
         cudagraph_mode=dispatcher.graph_mode[cudagraph_mode], decode_request_sizes=None, max_num_reqs=max_num_reqs,
         compilation_config=SimpleNamespace(prefill_cudagraph_capture_token_sizes=token_sizes,
+                                           cudagraph_capture_sizes=token_sizes,
                                            decode_cudagraph_capture_request_sizes=decode_request_sizes,
                                            max_cudagraph_capture_size=max(token_sizes + [n * q for n in
                                                                                         decode_request_sizes]),
                                            max_decode_cudagraph_capture_tokens=None),
-        vllm_config=SimpleNamespace(uniform_decode_query_len=q, cache_config=SimpleNamespace(use_kda_recoverssm=False)),
+        vllm_config=SimpleNamespace(uniform_decode_query_len=q, cache_config=SimpleNamespace(use_kda_recoverssm=False),
+                                    speculative_config=None),
         decode_max_reqs={q: max_num_reqs}, decode_query_len=q, varlen_decode=False, lora_capture_cases=[0],
         ubatch_runner=None, _lora_dispatch_map={}, _max_lora_case=0, _graphs_captured=True, _capture_descs={},
         _decode_descs={}, _candidates={},

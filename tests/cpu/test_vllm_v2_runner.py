@@ -189,8 +189,8 @@ TOKEN_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 @pytest.fixture(scope="module")
 def vllm_dispatcher(vllm_runner, pytestconfig):
-    """The release's ``CudaGraphManager`` dispatch (vLLM 0.34.0's parts; a release whose
-    dispatcher reads another capture configuration is skipped, naming what it lacks)."""
+    """The release's ``CudaGraphManager`` dispatch (a release without one of its parts is
+    skipped, naming the part)."""
     from pytest_sparse_mla.vllm import VLLM_SOURCE
 
     try:
