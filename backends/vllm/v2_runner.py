@@ -10,11 +10,15 @@ Two methods and one module of the release run as they ship:
   graph mode hands the attention builders (FULL the padded ones, piecewise and eager the live);
 - ``input_batch.py``: ``InputBatch``, ``InputBuffers`` and the kernels ``prepare_inputs`` launches.
 
+and the graph a step runs in, from the runner's CUDA-graph dispatcher: ``CudaGraphManager``'s
+``_init_candidates`` and ``dispatch`` (``cudagraph_utils.py``, with ``CUDAGraphMode`` of
+``config/compilation.py``), giving the padded token and request counts (:func:`graph_descriptor`).
+
 Each method is compiled from the release's source as a function (the rest of the file and its
 imports left out); a module is run without its import lines. What they read of the engine comes
 from the stand-ins below (one request per batch row, no drafts, no LoRA, no context parallelism,
-no multimodal inputs); a name they need that no stand-in gives is a :class:`RunnerGap` naming it.
-``build_attn_metadata`` is the stand-in that records what the builders would be handed.
+no multimodal inputs, one rank); a name they need that no stand-in gives is a :class:`RunnerGap`
+naming it. ``build_attn_metadata`` is the stand-in that records what the builders would be handed.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from .source import V2_DISPATCHER_FILES, V2_RUNNER_FILES, VllmSource
 INPUT_BATCH_FILE, MODEL_RUNNER_FILE, MODEL_STATE_FILE = V2_RUNNER_FILES
 #: The graph modes of ``CUDAGraphMode`` the step is built under (vLLM's names).
 GRAPH_MODES = ("NONE", "PIECEWISE", "FULL")
-#: A request's room for tokens in the stand-in request state (prompt and output).
+#: The model length ``prepare_attn`` reads (a capture's ``max_seq_len``; the steps here are not captures).
 MAX_MODEL_LEN = 1 << 20
 
 
@@ -286,8 +290,8 @@ def field_differences(model, step: RunnerStep, fields: collections.abc.Iterable[
         if ours is None or theirs is None:
             same = ours is None and theirs is None
         elif isinstance(ours, torch.Tensor) or isinstance(theirs, torch.Tensor):
-            a, b = torch.as_tensor(ours).to(torch.int64).flatten(), torch.as_tensor(theirs).to(torch.int64).flatten()
-            same = a.shape == b.shape and bool(torch.equal(a, b))
+            a, b = torch.as_tensor(ours).flatten(), torch.as_tensor(theirs).flatten()
+            same = a.shape == b.shape and bool(torch.equal(a, b))  # equal values of int32 and int64 are equal
         else:
             same = int(ours) == int(theirs)
         if not same:
