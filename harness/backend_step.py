@@ -172,9 +172,9 @@ def intended_references(outcome: StepOutcome, scenario: Scenario, inputs: Attent
 class KeptTruth:
     """The float64 truth of the last selection judged, for the next backend judged on the same
     inputs (a case judged on several backends computes it once). It serves only the same inputs
-    object, while it lives, with its tensors unchanged since (their version counters), for the
-    same selection (compared by value) and scales; a truth of more than ``max_bytes``, or of inputs
-    that cannot be referenced weakly, is not kept."""
+    object, while it lives, with its tensors and the truth's own unchanged since (their version
+    counters), for the same selection (compared by value) and scales; a truth of more than
+    ``max_bytes``, or of inputs that cannot be referenced weakly, is not kept."""
 
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
@@ -191,8 +191,9 @@ class KeptTruth:
         if self._kept is None:
             return None
         ref, versions, kept_slots, kept_mask, scales, truth = self._kept
-        same = (ref() is inputs and versions == self._versions(inputs) and scales == (kw["sm_scale"], kw["k_scale"])
-                and kept_slots.shape == slots.shape and torch.equal(kept_slots, slots) and torch.equal(kept_mask, mask))
+        same = (ref() is inputs and versions == self._versions(inputs) + tuple(t._version for t in truth)
+                and scales == (kw["sm_scale"], kw["k_scale"]) and kept_slots.shape == slots.shape
+                and torch.equal(kept_slots, slots) and torch.equal(kept_mask, mask))
         return truth if same else None
 
     def keep(self, inputs: AttentionInputs, slots: torch.Tensor, mask: torch.Tensor, kw: dict, truth) -> None:
@@ -203,7 +204,8 @@ class KeptTruth:
             ref = weakref.ref(inputs, self._forget_if_kept)
         except TypeError:  # inputs that cannot be referenced weakly (a SimpleNamespace): not kept
             return
-        self._kept = (ref, self._versions(inputs), slots.clone(), mask.clone(), (kw["sm_scale"], kw["k_scale"]), truth)
+        versions = self._versions(inputs) + tuple(t._version for t in truth)
+        self._kept = (ref, versions, slots.clone(), mask.clone(), (kw["sm_scale"], kw["k_scale"]), truth)
 
     def _forget_if_kept(self, dead: weakref.ReferenceType) -> None:
         if self._kept is not None and self._kept[0] is dead:

@@ -69,6 +69,15 @@ def test_a_cache_or_query_changed_in_place_computes_it_again(float64_calls):
     assert after_cache[0] is not before[0]
 
 
+def test_a_truth_changed_in_place_by_its_first_reader_computes_it_again(float64_calls):
+    scenario, inputs = case()
+    (first, _) = judged(scenario, inputs)
+    first[0][0, 0, 0] += 1.0  # a reader that writes into the truth it was handed
+    (second, _) = judged(scenario, inputs)
+    assert len(float64_calls) == 2
+    assert second[0] is not first[0] and float(second[0][0, 0, 0]) == float(first[0][0, 0, 0]) - 1.0
+
+
 def test_another_selection_or_scale_computes_it_again(float64_calls):
     scenario, inputs = case()
     judged(scenario, inputs)
