@@ -335,14 +335,14 @@ class _DcpGroup:
     world_size = 1
 
 
-def _triton_utils() -> dict[str, Any]:
+def triton_utils() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
     return {"triton": triton, "tl": tl, "HAS_TRITON": True}
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
@@ -439,12 +439,26 @@ class StandInWorkspaceManager:
 WORKSPACE = StandInWorkspaceManager()
 
 
-def _async_tensor_h2d(data, dtype=None, target_device=None, pin_memory=False, device=None):
-    return torch.as_tensor(np.asarray(data), dtype=dtype, device=target_device or device)
+def async_tensor_h2d(data, dtype=None, target_device=None, pin_memory=False, device=None, out=None):
+    """vLLM's host-to-device copy: a tensor of ``data`` on the device named, or ``data`` copied
+    into the first entries of ``out``."""
+    if out is None:
+        return torch.as_tensor(np.asarray(data), dtype=dtype, device=target_device or device)
+    values = torch.as_tensor(np.asarray(data), dtype=out.dtype).reshape(-1)
+    out[: values.numel()].copy_(values)
+    return out
 
 
 def _current_stream():
     return torch.cuda.current_stream() if torch.cuda.is_available() else None
+
+
+def run_release_nodes(path, nodes: list, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The statements ``nodes`` (of the release's file ``path``, parsed) run in ``namespace``,
+    compiled as the file is (postponed annotations, line numbers of the file)."""
+    exec(compile(ast.Module(body=list(nodes), type_ignores=[]), str(path), "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True), namespace)
+    return namespace
 
 
 def release_functions(source: VllmSource, relative: str, names: tuple[str, ...]) -> dict[str, Any]:
@@ -454,10 +468,8 @@ def release_functions(source: VllmSource, relative: str, names: tuple[str, ...])
     path = source.path_of(relative)
     tree = ast.parse(path.read_text())
     picked = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    module = ast.Module(body=picked, type_ignores=[])
     namespace: dict[str, Any] = {"torch": torch, "np": np, "math": math, "__name__": module_name_of(relative)}
-    exec(compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True),
-         namespace)
+    run_release_nodes(path, picked, namespace)
     return {n: namespace[n] for n in names if n in namespace}
 
 
@@ -493,7 +505,7 @@ SHIMS = (
     Shim("vllm.platforms.interface", "the capability type", {"DeviceCapability": _DeviceCapability}),
     Shim("vllm.distributed", "one rank, no context parallelism",
          {"get_dcp_group": lambda: _DcpGroup(), "is_global_first_rank": lambda: True}),
-    Shim("vllm.triton_utils", "vLLM's re-export of triton and triton.language", _triton_utils),
+    Shim("vllm.triton_utils", "vLLM's re-export of triton and triton.language", triton_utils),
     Shim("vllm.utils.flashinfer", "the FlashInfer feature probe of backend selection",
          {"has_flashinfer_sm90_nope_mla": lambda: True}),
     Shim("vllm.v1.worker.block_table", "the block-table width rule of the warm-up keys",
@@ -524,7 +536,7 @@ FLASHMLA_SHIMS = (
     Shim("vllm.utils.platform_utils", "the SM count (an H200's where torch sees no GPU)",
          {"num_compute_units": _num_compute_units}),
     Shim("vllm.utils.torch_utils", "host-to-device copies and the stream (the suite's device, one stream)",
-         {"async_tensor_h2d": _async_tensor_h2d, "current_stream": _current_stream,
+         {"async_tensor_h2d": async_tensor_h2d, "current_stream": _current_stream,
           "is_quantized_kv_cache": _is_quantized_kv_cache}),
     Shim("vllm.v1.attention.backends.mla.index_group", "HiSparse's index group (not run)",
          {"HiSparseMLAIndexGroup": StandInHiSparseIndexGroup}),

@@ -59,21 +59,18 @@ FLASHMLA_MODULE_FILES = (
     "vllm/v1/attention/backends/utils.py",
 )
 #: vLLM's V2 model runner: the step's counts, ``query_start_loc`` and ``seq_lens`` as the runner
-#: builds them and the counts each graph mode hands the attention builders (``backends.vllm.v2_runner``).
+#: builds them, the counts each graph mode hands the attention builders, and the CUDA-graph
+#: dispatcher with the graph modes it reads (``backends.vllm.v2_runner``).
 V2_RUNNER_FILES = (
     "vllm/v1/worker/gpu/input_batch.py",
     "vllm/v1/worker/gpu/model_runner.py",
     "vllm/v1/worker/gpu/model_states/default.py",
-)
-#: The V2 runner's CUDA-graph dispatcher (the graph a step runs in, its padded counts) and the
-#: graph modes and decode capture shapes it reads (``backends.vllm.v2_runner.load_dispatcher``).
-V2_DISPATCHER_FILES = (
     "vllm/v1/worker/gpu/cudagraph_utils.py",
     "vllm/config/compilation.py",
 )
 #: Compiled kernels a slice carries when the wheel has them (FlashMLA's sparse kernels).
 OPTIONAL_FILES = ("vllm/_flashmla_C.abi3.so", "vllm/_flashmla_extension_C.abi3.so")
-SLICE_MODULE_FILES = MODULE_FILES + FLASHMLA_MODULE_FILES + V2_RUNNER_FILES + V2_DISPATCHER_FILES
+SLICE_MODULE_FILES = MODULE_FILES + FLASHMLA_MODULE_FILES + V2_RUNNER_FILES
 SLICE_FILES = SLICE_MODULE_FILES + OPTIONAL_FILES
 #: The command that writes a slice with FlashMLA's kernels (named where they are missing).
 SLICE_COMMAND = "python -m backends.vllm.source slice WHEEL -o DIR"

@@ -22,13 +22,15 @@ naming it. ``build_attn_metadata`` is the stand-in that records what the builder
 """
 
 from __future__ import annotations
-import __future__
 
 import ast
+import bisect
 import collections.abc
 import enum
+import itertools
 import sys
 import types
+from collections import defaultdict
 from dataclasses import dataclass
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
@@ -38,23 +40,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from .source import V2_DISPATCHER_FILES, V2_RUNNER_FILES, VllmSource
+from .shims import async_tensor_h2d, cdiv, run_release_nodes, triton_utils
+from .source import V2_RUNNER_FILES, VllmSource
 
-INPUT_BATCH_FILE, MODEL_RUNNER_FILE, MODEL_STATE_FILE = V2_RUNNER_FILES
-#: The graph modes of ``CUDAGraphMode`` the step is built under (vLLM's names).
-GRAPH_MODES = ("NONE", "PIECEWISE", "FULL")
+INPUT_BATCH_FILE, MODEL_RUNNER_FILE, MODEL_STATE_FILE, CUDAGRAPH_FILE, COMPILATION_FILE = V2_RUNNER_FILES
+#: The runtime graph modes a step's attention metadata is built under (names of the release's
+#: ``CUDAGraphMode``).
+RUNTIME_MODES = ("NONE", "PIECEWISE", "FULL")
 #: The model length ``prepare_attn`` reads (a capture's ``max_seq_len``; the steps here are not captures).
 MAX_MODEL_LEN = 1 << 20
 
 
 class RunnerGap(ImportError):
     """The release's runner code needs something the stand-ins do not give."""
-
-
-class _CUDAGraphMode(enum.Enum):
-    NONE = 0
-    PIECEWISE = 1
-    FULL = 2
 
 
 class _Unserved:
@@ -70,33 +68,33 @@ class _Unserved:
         raise RunnerGap(f"vLLM's V2 runner code calls {self._what}, which no stand-in serves")
 
 
-def _triton() -> dict[str, Any]:
-    import triton
-    import triton.language as tl
-
-    return {"triton": triton, "tl": tl}
-
-
 def _served_imports() -> dict[tuple[str, str], Any]:
-    """What the three files import that the stand-ins serve, by (module, name)."""
-    t = _triton()
+    """What ``input_batch.py`` imports that the stand-ins serve, by (module, name)."""
+    t = triton_utils()
     return {
         ("vllm.triton_utils", "triton"): t["triton"], ("vllm.triton_utils", "tl"): t["tl"],
         ("vllm.utils", "random_uuid"): lambda: "stand-in-request",
-        ("vllm.utils.math_utils", "cdiv"): lambda a, b: -(a // -b),
-        ("vllm.config.compilation", "CUDAGraphMode"): _CUDAGraphMode,
+        ("vllm.utils.math_utils", "cdiv"): cdiv,
     }
 
 
-def _module_namespace(path: Path, module_name: str) -> dict[str, Any]:
-    """The names ``path`` defines, run without its import lines: the standard library's and
-    numpy's and torch's imports as they are, vLLM's served by :func:`_served_imports` or left
-    :class:`_Unserved`."""
+def _module(source: VllmSource, part: str) -> dict[str, Any]:
+    """A fresh module for one load of this release's runner parts, registered in ``sys.modules``
+    (dataclasses look their module up while they are made): its namespace. Each load gets its
+    own, so that a second load (another copy of the release's files) never rebinds the names an
+    earlier load's functions read."""
+    name = f"sparse_mla_vllm_{source.version.replace('.', '_')}_v2_runner_{part}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    return module.__dict__
+
+
+def _module_namespace(path: Path, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The names ``path`` defines, run in ``namespace`` without its import lines: the standard
+    library's and numpy's and torch's imports as they are, vLLM's served by
+    :func:`_served_imports` or left :class:`_Unserved`."""
     tree = ast.parse(path.read_text(), str(path))
     served = _served_imports()
-    module = sys.modules.get(module_name) or types.ModuleType(module_name)
-    sys.modules[module_name] = module  # dataclasses look their module up
-    namespace: dict[str, Any] = module.__dict__
     namespace.update({"np": np, "torch": torch, "dataclass": dataclass, "TYPE_CHECKING": False})
     body = []
     for node in tree.body:
@@ -110,9 +108,7 @@ def _module_namespace(path: Path, module_name: str) -> dict[str, Any]:
             continue
         else:
             body.append(node)
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec",
-                 flags=__future__.annotations.compiler_flag, dont_inherit=True), namespace)
-    return namespace
+    return run_release_nodes(path, body, namespace)
 
 
 def _method(path: Path, class_name: str, name: str, namespace: dict[str, Any]):
@@ -123,29 +119,54 @@ def _method(path: Path, class_name: str, name: str, namespace: dict[str, Any]):
     if method is None:
         raise RunnerGap(f"{path.name}: no {class_name}.{name}")
     method.decorator_list = []
-    exec(compile(ast.Module(body=[method], type_ignores=[]), str(path), "exec",
-                 flags=__future__.annotations.compiler_flag, dont_inherit=True), namespace)
-    return namespace[name]
+    return run_release_nodes(path, [method], namespace)[name]
+
+
+@dataclass(frozen=True)
+class ReleaseDispatcher:
+    version: str
+    graph_mode: type  # the release's CUDAGraphMode
+    manager_type: type  # a stand-in CudaGraphManager holding the release's methods
 
 
 @dataclass(frozen=True)
 class ReleaseRunner:
     version: str
+    graph_mode: type  # the release's CUDAGraphMode (config/compilation.py)
     input_batch: dict[str, Any]  # input_batch.py's names
     prepare_inputs: Any  # GPUModelRunner.prepare_inputs(self, scheduler_output, batch_req_state, batch_desc[, loras])
     prepare_attn: Any  # DefaultModelState.prepare_attn(self, input_batch, cudagraph_mode, ...)
+    dispatcher: ReleaseDispatcher  # CudaGraphManager's dispatch (cudagraph_utils.py)
     handed: list  # what each call of the stand-in build_attn_metadata was handed
 
 
+#: The dispatcher's methods run from the release (``CudaGraphManager`` of ``cudagraph_utils.py``).
+DISPATCHER_METHODS = ("_init_candidates", "_maybe_ubatch_twin", "_resolve_effective_loras", "dispatch")
+
+
 def load_runner(source: VllmSource) -> ReleaseRunner:
-    """The release's ``prepare_inputs`` and ``prepare_attn`` with ``input_batch.py``, compiled from
-    its files (:data:`V2_RUNNER_FILES`); a source without them is a :class:`RunnerGap`."""
+    """The release's ``prepare_inputs``, ``prepare_attn`` and CUDA-graph dispatcher with
+    ``input_batch.py`` and ``CUDAGraphMode``, compiled from its files (:data:`V2_RUNNER_FILES`);
+    a source without them, or a part its files lack, is a :class:`RunnerGap` naming it."""
     missing = [f for f in V2_RUNNER_FILES if not source.path_of(f).is_file()]
     if missing:
         raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the V2 runner's "
                         "files were sliced; write it again (python -m backends.vllm.source slice WHEEL -o DIR)")
-    input_batch = _module_namespace(source.path_of(INPUT_BATCH_FILE),
-                                    f"sparse_mla_vllm_{source.version.replace('.', '_')}_v2_runner_input_batch")
+    graphs = _module(source, "graphs")
+    graphs.update({"enum": enum, "bisect": bisect, "Iterable": collections.abc.Iterable,
+                   "Mapping": collections.abc.Mapping, "Callable": collections.abc.Callable, "torch": torch,
+                   "dataclass": dataclass, "replace": dataclasses_replace, "defaultdict": defaultdict,
+                   "groupby": itertools.groupby, "product": itertools.product, "cdiv": cdiv,
+                   "round_up": lambda a, b: cdiv(a, b) * b,
+                   "build_dynamic_sd_schedule_lookup": _Unserved("vllm.v1.spec_decode",
+                                                                 "build_dynamic_sd_schedule_lookup")})
+    _top_level(source.path_of(COMPILATION_FILE), ("CUDAGraphMode",), graphs,
+               optional=("decode_cudagraph_capture_shapes", "decode_cudagraph_capture_max_tokens"))
+    _top_level(source.path_of(CUDAGRAPH_FILE), ("BatchExecutionDescriptor", "_is_compatible"), graphs)
+    methods = {m: _method(source.path_of(CUDAGRAPH_FILE), "CudaGraphManager", m, graphs) for m in DISPATCHER_METHODS}
+    graph_mode = graphs["CUDAGraphMode"]
+
+    input_batch = _module_namespace(source.path_of(INPUT_BATCH_FILE), _module(source, "input_batch"))
     handed: list = []
 
     def build_attn_metadata(**kwargs):
@@ -153,15 +174,17 @@ def load_runner(source: VllmSource) -> ReleaseRunner:
         return {}
 
     runner_ns = {**{k: v for k, v in input_batch.items() if not k.startswith("__")}, "np": np, "torch": torch,
-                 "envs": SimpleNamespace(VLLM_MOE_SKIP_PADDING=False), "async_tensor_h2d": _async_tensor_h2d,
+                 "envs": SimpleNamespace(VLLM_MOE_SKIP_PADDING=False), "async_tensor_h2d": async_tensor_h2d,
                  "pcp": SimpleNamespace(maybe_partition_pcp_batch=_without_pcp)}
-    state_ns = {"torch": torch, "CUDAGraphMode": _CUDAGraphMode, "build_attn_metadata": build_attn_metadata,
+    state_ns = {"torch": torch, "CUDAGraphMode": graph_mode, "build_attn_metadata": build_attn_metadata,
                 "compute_mm_prefix_ranges": _Unserved("vllm.v1.attention.backends.utils", "compute_mm_prefix_ranges")}
     return ReleaseRunner(
         version=source.version,
+        graph_mode=graph_mode,
         input_batch=input_batch,
         prepare_inputs=_method(source.path_of(MODEL_RUNNER_FILE), "GPUModelRunner", "prepare_inputs", runner_ns),
         prepare_attn=_method(source.path_of(MODEL_STATE_FILE), "DefaultModelState", "prepare_attn", state_ns),
+        dispatcher=ReleaseDispatcher(source.version, graph_mode, type("StandInCudaGraphManager", (), methods)),
         handed=handed,
     )
 
@@ -172,15 +195,6 @@ def _without_pcp(manager, input_batch, batch_desc):
     if manager is not None:
         raise RunnerGap("prefill context parallelism: the stand-in runner has no PCP manager")
     return input_batch
-
-
-def _async_tensor_h2d(data, dtype=None, target_device=None, pin_memory=False, device=None, out=None):
-    """vLLM's host-to-device copy, on the host: into ``out``'s first entries where given."""
-    values = torch.as_tensor(np.asarray(data), dtype=dtype if out is None else out.dtype)
-    if out is None:
-        return values.to(target_device or device or "cpu")
-    out[: values.numel()].copy_(values.reshape(-1))
-    return out
 
 
 @dataclass(frozen=True)
@@ -224,9 +238,9 @@ def runner_step(runner: ReleaseRunner, q_lens: list[int], seq_lens: list[int], p
     """One step of live requests (``q_lens`` query tokens each, ``seq_lens`` tokens in context
     after them, prompts of ``prefill_lens``) through the release's ``prepare_inputs`` under the
     batch descriptor ``(graph_tokens, graph_reqs)`` (a graph's padded sizes; None: the live ones)
-    and its ``prepare_attn`` under ``mode`` (:data:`GRAPH_MODES`): what the builders are handed."""
-    if mode not in GRAPH_MODES:
-        raise ValueError(f"mode: one of {GRAPH_MODES}, got {mode!r}")
+    and its ``prepare_attn`` under ``mode`` (:data:`RUNTIME_MODES`): what the builders are handed."""
+    if mode not in RUNTIME_MODES:
+        raise ValueError(f"mode: one of {RUNTIME_MODES}, got {mode!r}")
     n, num_tokens = len(q_lens), sum(q_lens)
     max_reqs = max(n, graph_reqs or 0) + 1
     max_tokens = max(num_tokens, graph_tokens or 0) + 1
@@ -258,7 +272,7 @@ def runner_step(runner: ReleaseRunner, q_lens: list[int], seq_lens: list[int], p
     state_self = SimpleNamespace(max_model_len=MAX_MODEL_LEN, supports_mm_inputs=False, encoder_cache=None)
     del runner.handed[:]
     try:
-        runner.prepare_attn(state_self, input_batch, getattr(_CUDAGraphMode, mode), (), torch.zeros(1, 0), [[]],
+        runner.prepare_attn(state_self, input_batch, runner.graph_mode[mode], (), torch.zeros(1, 0), [[]],
                             SimpleNamespace(kv_cache_groups=[]))
     except AttributeError as exc:
         raise RunnerGap(f"vLLM {runner.version}'s prepare_attn reads what the stand-in state lacks: {exc}") from None
@@ -305,23 +319,6 @@ def _shown(value) -> str:
     return str(value)
 
 
-__all__ = ["COMPARED_FIELDS", "GRAPH_MODES", "ReleaseDispatcher", "ReleaseRunner", "RunnerGap", "RunnerStep",
-           "field_differences", "graph_descriptor", "load_dispatcher", "load_runner", "runner_step"]
-
-
-# --- the CUDA-graph dispatcher: which graph a step runs in, and its padded counts ---------------
-
-#: The dispatcher's methods run from the release (``CudaGraphManager`` of ``cudagraph_utils.py``).
-DISPATCHER_METHODS = ("_init_candidates", "_maybe_ubatch_twin", "_resolve_effective_loras", "dispatch")
-
-
-@dataclass(frozen=True)
-class ReleaseDispatcher:
-    version: str
-    graph_mode: type  # the release's CUDAGraphMode
-    manager_type: type  # a stand-in CudaGraphManager holding the release's methods
-
-
 def _top_level(path: Path, names: tuple[str, ...], namespace: dict[str, Any], optional: tuple[str, ...] = ()):
     """The top-level classes and functions ``names`` (and those of ``optional`` the file has) of
     ``path`` run in ``namespace`` (a module's dict registered in ``sys.modules``); a name of
@@ -335,41 +332,7 @@ def _top_level(path: Path, names: tuple[str, ...], namespace: dict[str, Any], op
     for node in picked:
         if isinstance(node, ast.ClassDef):  # the config decorator and pydantic are not loaded
             node.decorator_list = [d for d in node.decorator_list if ast.unparse(d).startswith("dataclass")]
-    exec(compile(ast.Module(body=picked, type_ignores=[]), str(path), "exec",
-                 flags=__future__.annotations.compiler_flag, dont_inherit=True), namespace)
-    return namespace
-
-
-def load_dispatcher(source: VllmSource) -> ReleaseDispatcher:
-    """The release's CUDA-graph dispatcher: ``CudaGraphManager``'s ``_init_candidates`` and
-    ``dispatch`` (with the descriptor type, ``_is_compatible``, ``CUDAGraphMode`` and, where the
-    release has them, the decode capture shapes of ``config/compilation.py``), compiled from its
-    files; a part the release lacks is a :class:`RunnerGap` naming it."""
-    missing = [f for f in V2_DISPATCHER_FILES if not source.path_of(f).is_file()]
-    if missing:
-        raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the dispatcher's "
-                        "files were sliced; write it again (python -m backends.vllm.source slice WHEEL -o DIR)")
-    import bisect
-    import itertools
-    from collections import defaultdict
-
-    name = f"sparse_mla_vllm_{source.version.replace('.', '_')}_v2_dispatcher"
-    module = sys.modules.get(name) or types.ModuleType(name)
-    sys.modules[name] = module  # dataclasses look their module up
-    ns = module.__dict__
-    ns.update({"enum": enum, "bisect": bisect, "Iterable": collections.abc.Iterable,
-               "Mapping": collections.abc.Mapping, "Callable": collections.abc.Callable, "torch": torch,
-               "dataclass": dataclass, "replace": dataclasses_replace, "defaultdict": defaultdict,
-               "groupby": itertools.groupby, "product": itertools.product, "cdiv": lambda a, b: -(a // -b),
-               "round_up": lambda a, b: -(a // -b) * b,
-               "build_dynamic_sd_schedule_lookup": _Unserved("vllm.v1.spec_decode",
-                                                             "build_dynamic_sd_schedule_lookup")})
-    _top_level(source.path_of(V2_DISPATCHER_FILES[1]), ("CUDAGraphMode",), ns,
-               optional=("decode_cudagraph_capture_shapes", "decode_cudagraph_capture_max_tokens"))
-    _top_level(source.path_of(V2_DISPATCHER_FILES[0]), ("BatchExecutionDescriptor", "_is_compatible"), ns)
-    path = source.path_of(V2_DISPATCHER_FILES[0])
-    methods = {m: _method(path, "CudaGraphManager", m, ns) for m in DISPATCHER_METHODS}
-    return ReleaseDispatcher(source.version, ns["CUDAGraphMode"], type("StandInCudaGraphManager", (), methods))
+    return run_release_nodes(path, picked, namespace)
 
 
 def graph_descriptor(dispatcher: ReleaseDispatcher, cudagraph_mode: str, *, num_reqs: int, num_tokens: int,
@@ -405,3 +368,7 @@ def graph_descriptor(dispatcher: ReleaseDispatcher, cudagraph_mode: str, *, num_
     except AttributeError as exc:
         raise RunnerGap(f"vLLM {dispatcher.version}'s CUDA-graph dispatcher reads what the stand-in manager "
                         f"lacks: {exc}") from None
+
+
+__all__ = ["COMPARED_FIELDS", "DISPATCHER_METHODS", "RUNTIME_MODES", "ReleaseDispatcher", "ReleaseRunner", "RunnerGap",
+           "RunnerStep", "field_differences", "graph_descriptor", "load_runner", "runner_step"]

@@ -16,7 +16,6 @@ from backends.vllm.v2_runner import (
     RunnerGap,
     field_differences,
     graph_descriptor,
-    load_dispatcher,
     load_runner,
     runner_step,
 )
@@ -187,35 +186,23 @@ DECODE_REQUEST_SIZES = [1, 2, 4, 8]
 TOKEN_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
-@pytest.fixture(scope="module")
-def vllm_dispatcher(vllm_runner, pytestconfig):
-    """The release's ``CudaGraphManager`` dispatch (a release without one of its parts is
-    skipped, naming the part)."""
-    from pytest_sparse_mla.vllm import VLLM_SOURCE
-
-    try:
-        return load_dispatcher(pytestconfig.stash[VLLM_SOURCE])
-    except RunnerGap as gap:
-        pytest.skip(f"vLLM {vllm_runner.version}'s CUDA-graph dispatcher is not the one loaded here: {gap}")
-
-
-def dispatched(dispatcher, spec, mode="FULL_AND_PIECEWISE"):
+def dispatched(runner, spec, mode="FULL_AND_PIECEWISE"):
+    """The graph the release's CUDA-graph dispatcher runs ``spec``'s live requests in."""
     live = [r for r in spec.requests if r.q_len]
     q = live[0].q_len if len({r.q_len for r in live}) == 1 and live[0].q_len <= spec.decode_threshold else None
-    return graph_descriptor(dispatcher, mode, num_reqs=len(live), num_tokens=sum(r.q_len for r in live),
+    return graph_descriptor(runner.dispatcher, mode, num_reqs=len(live), num_tokens=sum(r.q_len for r in live),
                             uniform_query_len=q, decode_request_sizes=DECODE_REQUEST_SIZES, token_sizes=TOKEN_SIZES)
 
 
 @pytest.mark.parametrize("name", list(FULL_GRAPH_STEPS))
-def test_a_uniform_decode_batch_is_padded_to_the_graph_the_releases_dispatcher_picks(vllm_runner, vllm_dispatcher,
-                                                                                     name):
+def test_a_uniform_decode_batch_is_padded_to_the_graph_the_releases_dispatcher_picks(vllm_runner, name):
     """Under ``FULL_AND_PIECEWISE`` (vLLM's default) the dispatcher runs a uniform decode batch in
     the smallest decode graph of its query length that holds it; the suite's model padded to that
     graph's token count has the graph's request count, and the step the release's runner builds
     for the graph is the model's, field by field."""
     requests, _, threshold = FULL_GRAPH_STEPS[name]
     spec = BF16.apply(batch(*requests, kpool=4, decode_threshold=threshold))
-    desc = dispatched(vllm_dispatcher, spec)
+    desc = dispatched(vllm_runner, spec)
     assert desc.cg_mode.name == "FULL", desc
     scenario = build_scenario(graph_padded(spec, desc.num_tokens), 0)
     meta = scenario.meta
@@ -225,22 +212,22 @@ def test_a_uniform_decode_batch_is_padded_to_the_graph_the_releases_dispatcher_p
 
 
 @pytest.mark.parametrize("name", list(EAGER_STEPS))
-def test_a_mixed_batch_runs_in_a_piecewise_graph_with_the_live_counts(vllm_runner, vllm_dispatcher, name):
+def test_a_mixed_batch_runs_in_a_piecewise_graph_with_the_live_counts(vllm_runner, name):
     requests, threshold = EAGER_STEPS[name]
     spec = BF16.apply(batch(*requests, kpool=4, decode_threshold=threshold))
-    desc = dispatched(vllm_dispatcher, spec)
+    desc = dispatched(vllm_runner, spec)
     assert (desc.cg_mode.name, desc.num_reqs) == ("PIECEWISE", None), desc
     scenario = build_scenario(spec, 0)
     step = step_of(vllm_runner, scenario, "PIECEWISE", desc.num_tokens)
     assert field_differences(scenario.meta, step) == [], f"vLLM {vllm_runner.version}, {name}, {desc}"
 
 
-def test_a_single_routine_full_graph_pads_mtp_requests_to_the_token_count(vllm_dispatcher):
+def test_a_single_routine_full_graph_pads_mtp_requests_to_the_token_count(vllm_runner):
     """Under ``cudagraph_mode=FULL`` (one routine for every batch) the dispatcher picks a
     token-keyed graph whose requests are padded to its token count: two MTP decodes of two tokens
     run with 4 requests, where the suite's FULL steps (``graph_padded``, the decode graphs of
     ``FULL_AND_PIECEWISE``) have 2. The suite does not build that step (docs/vllm.md)."""
     spec = BF16.apply(batch((TOPK - 1, 2), (5000, 2), kpool=4, decode_threshold=2))
-    full = dispatched(vllm_dispatcher, spec, "FULL")
+    full = dispatched(vllm_runner, spec, "FULL")
     assert (full.cg_mode.name, full.num_tokens, full.num_reqs) == ("FULL", 4, 4), full
     assert build_scenario(graph_padded(spec, full.num_tokens), 0).meta.num_reqs == 2
