@@ -218,6 +218,12 @@ class Layer(Protocol):
       that ``step`` must not read (vLLM's top-k buffer past the rows the step's metadata counts:
       a piecewise graph's padded rows, what a larger step left): a test fills them with
       :data:`UNREAD_ROW_TOKEN` after the step's inputs are staged and no output may change;
+    - ``unread_slots(step) -> list[torch.Tensor]``: the entries of the layer's kv_indices buffers
+      past the end of the step's planned spans (``kv_indptr[planned rows]`` on): no row of the
+      step reads there and its forward writes nothing there; a test plants
+      :func:`first_token_index` in them after the plan and no output may change (a kernel that
+      reads past the planned indices, as when ``sum(kv_len)`` runs beyond the indices written,
+      would attend it);
     - ``plan_step(step) -> StepOutcome``, ``launch(step, outcome)``, ``finish(step, outcome) ->
       StepOutcome``: ``step`` in three parts. ``plan_step`` runs the host part (build, plan) and
       stages the step's inputs in the layer's own device buffers; ``launch`` runs the device part
@@ -265,16 +271,34 @@ def poison(buffers: list[torch.Tensor]) -> None:
 UNREAD_ROW_TOKEN = 0
 
 
+def first_token_index(step: StepInput) -> int:
+    """The kv_indices entry that names the first token of the step's first request: a row of
+    the step's cache that request wrote (slot ids, or rows of the cache's row view where its
+    blocks lie apart). What a poisoned step plants past the planned spans
+    (``Layer.unread_slots``): a fresh buffer holds 0 there, and a kernel that reads the entry
+    attends a written row in the poisoned run and another (or none) in the clean one."""
+    return int(step.block_table[0, 0]) * block_stride_of(step.kv_cache)
+
+
 def unread_rows(layer, step) -> list[torch.Tensor]:
     """The layer's ``unread_rows(step)``, or none where the layer has no such member."""
     member = getattr(layer, "unread_rows", None)
     return list(member(step)) if callable(member) else []
 
 
+def unread_slots(layer, step) -> list[torch.Tensor]:
+    """The layer's ``unread_slots(step)``, or none where the layer has no such member."""
+    member = getattr(layer, "unread_slots", None)
+    return list(member(step)) if callable(member) else []
+
+
 def plant_in_unread_rows(layer, step) -> None:
-    """Every entry of the rows ``step`` must not read set to :data:`UNREAD_ROW_TOKEN`."""
+    """Every entry of the rows ``step`` must not read set to :data:`UNREAD_ROW_TOKEN`, and every
+    kv_indices entry past its planned spans to :func:`first_token_index`."""
     for rows in unread_rows(layer, step):
         rows.fill_(UNREAD_ROW_TOKEN)
+    for entries in unread_slots(layer, step):
+        entries.fill_(first_token_index(step))
 
 
 def planned_then_run(layer, step: StepInput) -> StepOutcome:

@@ -3,9 +3,11 @@
 
 - ``plain``: the layer as the backend opens it;
 - ``poisoned``: every byte of the layer's float workspaces :data:`backends.seam.POISON_BYTE`,
-  and the rows of its input buffers the step must not read :data:`backends.seam.UNREAD_ROW_TOKEN`,
-  after its plan, before its kernel (:class:`PoisonedLayer`), set beside a clean layer of the same
-  configuration that runs the same steps: output and LSE bit for bit the clean run's;
+  the rows of its input buffers the step must not read :data:`backends.seam.UNREAD_ROW_TOKEN`,
+  and its kv_indices past the planned spans the index of the step's first token
+  (:func:`backends.seam.first_token_index`), after its plan, before its kernel
+  (:class:`PoisonedLayer`), set beside a clean layer of the same configuration that runs the
+  same steps: output and LSE bit for bit the clean run's;
 - ``graphed``: each step's forward run eagerly, then captured in a CUDA graph and replayed on the
   same inputs (:class:`GraphedLayer`): output and LSE bit for bit the eager run's;
 - ``against-fresh``: each step also run through a fresh layer of the same configuration, which
@@ -149,8 +151,9 @@ class ModeLayer(WrappedLayer):
 
 
 class PoisonedLayer(ModeLayer):
-    """Every byte of the layer's float workspaces poisoned, and token 0 planted in the rows of its
-    input buffers the step must not read (``backends.seam.Layer.unread_rows``), after its plan,
+    """Every byte of the layer's float workspaces poisoned, token 0 planted in the rows of its
+    input buffers the step must not read (``backends.seam.Layer.unread_rows``) and the step's first token in its
+    kv_indices past the planned spans (``Layer.unread_slots``), after its plan,
     before its kernel (before the whole step where the layer has no plan/launch split); a clean
     layer of the same configuration runs the same steps beside it, and each poisoned step must be
     the clean one bit for bit."""

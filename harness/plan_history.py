@@ -134,7 +134,8 @@ def padded_history(config: KernelConfig = BF16) -> list:
 
 def check_poisoned_workspaces(judge, backend, device) -> None:
     """Each history, and :func:`padded_history`, with the layer's float workspaces poisoned and
-    token 0 planted in the rows of its input buffers the step must not read, before every kernel
+    token 0 planted in the rows of its input buffers the step must not read, and the step's first token
+    in its kv_indices past the planned spans (``backends.seam.plant_in_unread_rows``), before every kernel
     (the ``poisoned`` mode, judged): each step the clean run's output and LSE, bit for bit (the
     kept history clamps works of the kept plan short)."""
     for name, steps in {**histories(), "padded": padded_history()}.items():

@@ -104,14 +104,9 @@ class StandInWrapper:
 
     def run(self, q_nope, q_pe, ckv, kpe, ckv_scale=None, kpe_scale=None, out=None, lse=None, return_lse=False,
             **kwargs):
-        schedule = fs.read_schedule(self)
         rows, heads = q_nope.shape[0], q_nope.shape[1]
         result = torch.zeros(rows, heads, ckv.shape[-1], dtype=torch.float32, device=q_nope.device)
-        selected: dict[int, list[int]] = {}
-        indptr = self._kv_indptr_buf
-        for r, s, e in zip(schedule.row.tolist(), schedule.kv_start.tolist(), schedule.kv_end.tolist(), strict=True):
-            base = int(indptr[r])
-            selected.setdefault(r, []).extend(self.kv_indices[base + s : base + e].tolist())
+        selected = self.selected_slots(ckv)
         c_scale = 1.0 if ckv_scale is None else float(ckv_scale)
         p_scale = 1.0 if kpe_scale is None else float(kpe_scale)
         for r, slots in selected.items():
@@ -130,7 +125,40 @@ class StandInWrapper:
         return result
 
 
+    def selected_slots(self, ckv: torch.Tensor) -> dict[int, list[int]]:
+        """Per row, the kv_indices entries its work items attend (``ckv``: the cache's rows)."""
+        schedule = fs.read_schedule(self)
+        selected: dict[int, list[int]] = {}
+        indptr = self._kv_indptr_buf
+        for r, s, e in zip(schedule.row.tolist(), schedule.kv_start.tolist(), schedule.kv_end.tolist(), strict=True):
+            base = int(indptr[r])
+            selected.setdefault(r, []).extend(self.kv_indices[base + s : base + e].tolist())
+        return selected
+
+
 class StandIn06Wrapper(StandInWrapper):
+    release = "0.6"
+
+
+class ReadsPastTheLastSpan(StandInWrapper):
+    """A planted fault: the last planned row also attends the kv_indices entry just past its span
+    (``kv_indptr[row + 1]``), where the step wrote nothing (a kernel reading past the planned
+    indices; SGLang #27338: ``sum(kv_len)`` beyond ``kv_indices.numel()``), wherever that entry
+    names a written row of the cache. A fresh buffer holds slot 0 there, a row no request of the
+    tests' caches writes (NaN), so a plain run on fresh buffers attends nothing more."""
+
+    def selected_slots(self, ckv: torch.Tensor) -> dict[int, list[int]]:
+        selected = super().selected_slots(ckv)
+        if selected:
+            last = max(selected)
+            end = int(self._kv_indptr_buf[last + 1])
+            past = int(self.kv_indices[end]) if end < self.kv_indices.numel() else -1
+            if 0 <= past < ckv.shape[0] and bool(torch.isfinite(ckv[past].float()).all()):
+                selected[last].append(past)
+        return selected
+
+
+class ReadsPastTheLastSpan06(ReadsPastTheLastSpan):
     release = "0.6"
 
 

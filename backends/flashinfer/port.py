@@ -223,6 +223,12 @@ class PortLayer:
         """FlashInfer's float workspace of the layer's wrapper (split partials are written there at run)."""
         return [self.state.workspace]
 
+    def unread_slots(self, step: StepInput) -> list[torch.Tensor]:
+        """kv_indices from the end of the planned spans (``kv_indptr[planned rows]``) on: the
+        packed and compacted layouts write nothing there (the strided one's convert writes every
+        row of the buffer, so what is planted there is overwritten before the kernel)."""
+        return [self.state.kv_indices[int(self.state.planned_kv_indptr[step.planned_rows]):]]
+
     def step(self, step: StepInput) -> StepOutcome:
         return planned_then_run(self, step)
 

@@ -338,6 +338,12 @@ class VllmLayer:
         a piecewise graph's padded rows and beyond; a FULL graph's metadata counts its padded rows)."""
         return [self.topk_indices_buffer[step.meta.num_actual_tokens:]]
 
+    def unread_slots(self, step: StepInput) -> list[torch.Tensor]:
+        """kv_indices from the end of the planned spans (``kv_indptr[planned rows]``) on: every
+        design's forward writes its rows' spans only (0.30.0's strided copy ends there too)."""
+        end = int(self.state.wrapper._kv_indptr_buf[step.planned_rows])
+        return [self.state.kv_indices[end:]]
+
     def step(self, step: StepInput) -> StepOutcome:
         """build (plan, clamp), the schedule read back, then forward when the step has queries."""
         return planned_then_run(self, step)

@@ -32,7 +32,7 @@ from harness.plan_history import (
     padded_history,
 )
 from pytest_sparse_mla.backend import open_run_backend
-from tests import simulated_sm90
+from tests import fa3_stand_in, simulated_sm90
 from tests.support.backend_cases import port_case
 from tests.support.reference_wrapper import ReferenceWrapper
 
@@ -224,6 +224,23 @@ def test_poisoned_rows_catch_a_read_of_the_top_k_buffer_past_the_steps_rows(vllm
         history_run(judge, backend, name, steps, device, "plain")
     with pytest.raises(AssertionError, match=r"the poisoned run's output is not the clean run's bit for bit"):
         check_poisoned_workspaces(judge.raising_findings(), backend, device)
+
+
+@pytest.mark.vllm
+def test_poisoned_slots_catch_a_kernel_that_reads_past_the_planned_spans(vllm_backend, monkeypatch, device, judge):
+    """A kernel that also attends the kv_indices entry just past the last planned span (SGLang
+    #27338's shape: ``sum(kv_len)`` beyond the indices written) where it names a written row: a
+    plain run on fresh buffers, whose entry there is slot 0 (a row no request writes), passes;
+    with the step's first token planted past the planned spans, the judge finds the output other
+    than the clean run's (on the fresh history; where the layer's indices end with the step's
+    spans, as 0.30.0's strided ones sized for the rows, on the padded one)."""
+    bounded = vllm_backend.design == "bounded"
+    fa3_stand_in.install(monkeypatch, fa3_stand_in.ReadsPastTheLastSpan if bounded
+                         else fa3_stand_in.ReadsPastTheLastSpan06)
+    history_run(judge, vllm_backend, "fresh", histories()["fresh"], device, "plain")
+    with pytest.raises(AssertionError, match=r"(?s)history \(poisoned\).*the poisoned run's output is not the clean "
+                                             r"run's bit for bit"):
+        check_poisoned_workspaces(judge.raising_findings(), vllm_backend, device)
 
 
 @pytest.mark.vllm
