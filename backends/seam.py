@@ -29,6 +29,9 @@ when a backend is opened, so this module imports no vendor.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -134,6 +137,9 @@ class StepOutcome:
     # it before the kernel runs
     laid_out: LaidOut | None = None
     plans: int = 0  # plans made so far by the layer
+    # device-to-host synchronisations of each FlashInfer plan() the step made, in order
+    # (:func:`device_syncs_counted`; empty where none was counted: no plan made, or not on CUDA)
+    plan_syncs: list[int] = field(default_factory=list)
     reads_back: bool = False  # executed lengths come from the kernel's own schedule, not from the plan
     # False: the layer has no dense-MHA path for its prefills (FlashMLA's fp8 NoPE cache), so the
     # engine hands the sparse kernel every row, whatever the step's routing
@@ -203,6 +209,43 @@ def slots_of_cache_rows(rows: torch.Tensor, block_size: int, block_stride: int) 
     block, offset = rows.div(block_stride, rounding_mode="floor"), rows.remainder(block_stride)
     slots = torch.where(offset < block_size, block * block_size + offset, torch.full_like(rows, ROW_BETWEEN_BLOCKS))
     return torch.where(rows < 0, rows, slots)
+
+
+#: What torch warns at each device synchronisation under ``torch.cuda.set_sync_debug_mode("warn")``.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+@contextlib.contextmanager
+def device_syncs_counted(device) -> Iterator[list[int]]:
+    """Counts the CUDA synchronisations made inside the block (torch's sync debug mode: each
+    ``.item()``, each device-to-host copy, each blocking host-to-device copy) into the list it
+    yields, one entry appended when the block ends; on a device other than CUDA nothing is
+    appended."""
+    counted: list[int] = []
+    if torch.device(device).type != "cuda":
+        yield counted
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counted
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    counted.append(sum(SYNC_WARNING in str(w.message) for w in caught))
+
+
+def with_syncs_counted(plan: Callable, device, into: list[int]) -> Callable:
+    """``plan`` that appends the synchronisations of each of its calls to ``into``."""
+
+    def counted(*args, **kwargs):
+        with device_syncs_counted(device) as syncs:
+            result = plan(*args, **kwargs)
+        into.extend(syncs)
+        return result
+
+    return counted
 
 
 @runtime_checkable

@@ -30,7 +30,15 @@ from fast.layouts import check_layout
 from fast.layouts import indices_capacity as indices_capacity
 from mla_constants import KV_LORA_RANK
 
-from ..seam import LaidOut, LayerConfig, StepInput, StepOutcome, planned_then_run, spans_selection
+from ..seam import (
+    LaidOut,
+    LayerConfig,
+    StepInput,
+    StepOutcome,
+    planned_then_run,
+    spans_selection,
+    with_syncs_counted,
+)
 from . import compat, fa3_schedule
 from . import sm90_state as sm90
 from .compat import MLA_KERNELS, PAGE_COUNT_REFUSAL, MLAWrapper
@@ -216,6 +224,8 @@ class PortLayer:
         if backend.reuse_plan:
             state_config = dataclasses.replace(state_config, reuse_plan=True)
         self.state = make_attention_state(self.impl, state_config, device)
+        self.plan_syncs: list[int] = []  # device syncs of each FlashInfer plan() (counted on CUDA)
+        self.state.wrapper.plan = with_syncs_counted(self.state.wrapper.plan, device, self.plan_syncs)
         rows = max(config.max_tokens, 1)
         self.topk = torch.full((rows, config.width), -1, dtype=torch.int32, device=device)
 
@@ -250,6 +260,7 @@ class PortLayer:
             planned_lengths=planned.to(torch.int64), laid_out=laid,
         )
         expected = self.refusal_expected(planned)
+        synced_before = len(self.plan_syncs)
         try:
             state.plan(n, planned)
         except ValueError as exc:
@@ -260,6 +271,7 @@ class PortLayer:
             if expected:
                 outcome.schedule_problems.append(REFUSAL_EXPECTED)
         outcome.plans = state.plans
+        outcome.plan_syncs = self.plan_syncs[synced_before:]
         if step.runs_kernel and outcome.refusal is None:
             self._stage(step)
         return outcome

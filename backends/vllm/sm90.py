@@ -42,6 +42,7 @@ from ..seam import (
     planned_then_run,
     slots_of_cache_rows,
     spans_selection,
+    with_syncs_counted,
 )
 from .facts import CodeFeatures, facts_for, feature_problems
 from .shims import load_sm90_module, stand_ins_in_use
@@ -262,7 +263,8 @@ class VllmLayer:
                                                         device)
         self.state = self.builder.state
         self.plans = 0  # FlashInfer plan() calls made by vLLM's state (a kept plan makes none)
-        plan = self.state.wrapper.plan
+        self.plan_syncs: list[int] = []  # device syncs of each of them (counted on CUDA)
+        plan = with_syncs_counted(self.state.wrapper.plan, device, self.plan_syncs)
 
         def counted_plan(*args, **kwargs):
             self.plans += 1
@@ -353,6 +355,7 @@ class VllmLayer:
         top-k buffer."""
         rows_with_padding = step.topk_indices.shape[0]
         cam = common_metadata(step.meta, step.block_table, rows_with_padding, self.device)
+        synced_before = len(self.plan_syncs)
         self.metadata = self.build(cam)
         _, host, exact = self.host_lengths
         n = step.planned_rows
@@ -367,6 +370,7 @@ class VllmLayer:
             backend=self.backend.name, planned_rows=n, host_lengths=host.to(torch.int64), host_exact=bool(exact),
             planned_lengths=self.planned_lengths(n).to(torch.int64), executed_lengths=lengths,
             schedule_problems=problems, plans=self.plans, reads_back=True,
+            plan_syncs=self.plan_syncs[synced_before:],
         )
         if step.runs_kernel:
             self.write_topk(step.topk_indices)

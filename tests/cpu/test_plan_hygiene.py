@@ -1,0 +1,70 @@
+"""The judgement of ``harness.plan_hygiene`` on counts made by hand (counting itself needs CUDA:
+``tests/gpu/test_plan_hygiene.py``), and the counter's own behaviour off CUDA."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import backends.flashinfer.sm90_state as sm90
+import backends.seam as seam
+from backends.seam import device_syncs_counted, with_syncs_counted
+from harness.plan_hygiene import SYNC_ROWS, check_syncs_per_plan, decode_contexts, sync_count_problems
+from pytest_sparse_mla.backend import open_run_backend
+from tests.support.reference_wrapper import ReferenceWrapper
+
+
+def test_equal_counts_for_every_step_are_no_problem():
+    assert sync_count_problems({1: [3], 16: [3], 128: [3]}) == []
+
+
+def test_counts_that_grow_with_the_step_are_named_with_each_count():
+    assert sync_count_problems({1: [2], 16: [2], 128: [129]}) == [
+        "device synchronisations per plan() grow with the step (1 rows: 2, 16 rows: 2, 128 rows: 129)"]
+
+
+def test_a_step_with_no_plan_or_two_is_named():
+    assert sync_count_problems({1: [2], 16: [], 128: [2, 2]}) == [
+        "the step of 16 rows made 0 plans, not one", "the step of 128 rows made 2 plans, not one"]
+
+
+def test_nothing_is_counted_off_cuda_and_the_call_goes_through():
+    with device_syncs_counted("cpu") as counted:
+        torch.ones(3).sum().item()
+    assert counted == []
+    into: list[int] = []
+    assert with_syncs_counted(lambda a, b=0: a + b, "cpu", into)(2, b=3) == 5
+    assert into == []
+
+
+def test_the_contexts_span_the_first_tile_to_past_a_thousand_tokens():
+    contexts = decode_contexts(128)
+    assert len(contexts) == 128 and min(contexts) == 40 and max(contexts) > 1000
+
+
+@contextlib.contextmanager
+def one_sync_per_call(device):
+    """A counter that counts one synchronisation in every block, on any device."""
+    yield [1]
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    """The port on the reference wrapper, or vLLM's SM90 backend on the fa3 stand-in."""
+    if request.param == "port-fa3":
+        monkeypatch.setattr(sm90, "MLAWrapper", ReferenceWrapper)
+        monkeypatch.setattr(sm90, "WORKSPACE_BYTES", 1024)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        return open_run_backend(request.config, "port-fa3")
+    return request.getfixturevalue("vllm_on_stand_in")
+
+
+@pytest.mark.parametrize("backend", ["port-fa3", pytest.param("vllm", marks=pytest.mark.vllm)], indirect=True)
+def test_every_step_of_the_check_plans_once_and_is_judged(backend, judge, device, monkeypatch):
+    """The GPU check's sequence on the stand-ins, with a counter that counts one synchronisation
+    per plan: each step plans exactly once (the bounded design keeps no plan across these row
+    counts) and passes the judge."""
+    monkeypatch.setattr(seam, "device_syncs_counted", one_sync_per_call)
+    assert check_syncs_per_plan(judge, backend, device) == {rows: [1] for rows in SYNC_ROWS}
