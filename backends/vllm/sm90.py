@@ -377,8 +377,11 @@ class VllmLayer:
         return outcome
 
     def launch(self, step: StepInput, outcome: StepOutcome) -> None:
-        """vLLM's ``forward_mqa`` on the step's rows (convert, pack, FlashInfer's run)."""
-        q_rows = step.meta.num_decode_tokens if step.prefills_to_mha else step.topk_indices.shape[0]
+        """vLLM's ``forward_mqa`` on the rows the MLA layer hands it (``MLAAttention.forward_impl``
+        cuts q to the metadata's ``num_actual_tokens``: a piecewise graph's padded rows are cut, a
+        FULL graph's counted; the decode prefix where the prefills go to dense MHA), then
+        convert, pack and FlashInfer's run."""
+        q_rows = step.meta.num_decode_tokens if step.prefills_to_mha else step.meta.num_actual_tokens
         self.out = self.forward(step.q_nope[:q_rows], step.q_pe[:q_rows], step.kv_cache, self.metadata)
 
     def forward_again(self, step: StepInput, outcome: StepOutcome) -> torch.Tensor:

@@ -26,8 +26,10 @@ from __future__ import annotations
 import ast
 import bisect
 import collections.abc
+import contextlib
 import enum
 import itertools
+import os
 import sys
 import types
 from collections import defaultdict
@@ -152,6 +154,27 @@ def load_runner(source: VllmSource) -> ReleaseRunner:
     if missing:
         raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the V2 runner's "
                         "files were sliced; write it again (python -m backends.vllm.source slice WHEEL -o DIR)")
+    with _interpreted_kernels():
+        return _loaded_runner(source)
+
+
+@contextlib.contextmanager
+def _interpreted_kernels():
+    """The release's Triton kernels defined for Triton's interpreter (``TRITON_INTERPRET=1`` while
+    its files run; Triton reads it as a kernel is defined): the stand-in runner holds host tensors,
+    which a kernel compiled for a GPU cannot address."""
+    held = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if held is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = held
+
+
+def _loaded_runner(source: VllmSource) -> ReleaseRunner:
     graphs = _module(source, "graphs")
     graphs.update({"enum": enum, "bisect": bisect, "Iterable": collections.abc.Iterable,
                    "Mapping": collections.abc.Mapping, "Callable": collections.abc.Callable, "torch": torch,

@@ -86,6 +86,18 @@ def test_vllm_poisoned_workspaces(vllm_on_stand_in, device, judge):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["plain", "poisoned"])
+def test_vllm_piecewise_padded_step_hands_forward_mqa_the_rows_its_metadata_counts(vllm_backend, monkeypatch,
+                                                                                   device, judge, mode):
+    """vLLM's MLA layer cuts q to the metadata's ``num_actual_tokens`` before ``forward_mqa``, so
+    a piecewise graph's padded rows never reach FlashInfer's run(): on a FlashInfer that checks
+    the planned query shape at run (0.7.4; here its stand-in) the padded history passes."""
+    fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInQueryShapeWrapper if vllm_backend.design == "bounded"
+                         else fa3_stand_in.StandIn06Wrapper)
+    history_run(judge, vllm_backend, "padded", padded_history(), device, mode)
+
+
+@pytest.mark.vllm
 def test_vllm_graph_is_unsupported_on_the_simulated_machine(vllm_on_stand_in, simulated_machine, device):
     """The simulated machine's graphs hold the port's attention state alone: vLLM's capture is
     skipped with that reason here and runs on a GPU."""
