@@ -154,15 +154,16 @@ def load_runner(source: VllmSource) -> ReleaseRunner:
     if missing:
         raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the V2 runner's "
                         "files were sliced; write it again (python -m backends.vllm.source slice WHEEL -o DIR)")
-    with _interpreted_kernels():
+    with interpreted_kernels():
         return _loaded_runner(source)
 
 
 @contextlib.contextmanager
-def _interpreted_kernels():
-    """The release's Triton kernels defined for Triton's interpreter (``TRITON_INTERPRET=1`` while
-    its files run; Triton reads it as a kernel is defined): the stand-in runner holds host tensors,
-    which a kernel compiled for a GPU cannot address."""
+def interpreted_kernels():
+    """``TRITON_INTERPRET=1`` while the block runs, then as it was: the release's Triton kernels are
+    defined (Triton reads the variable as a kernel is defined) and launched for Triton's
+    interpreter while the runner's files run and while its methods are called. The stand-in
+    runner holds host tensors, which a kernel compiled for a GPU cannot address."""
     held = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -289,14 +290,16 @@ def runner_step(runner: ReleaseRunner, q_lens: list[int], seq_lens: list[int], p
     scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={}, has_structured_output_requests=False)
     extra = (0,) if "num_active_loras" in runner.prepare_inputs.__code__.co_varnames else ()
     try:
-        input_batch = runner.prepare_inputs(runner_self, scheduler_output, batch_req_state, batch_desc, *extra)
+        with interpreted_kernels():
+            input_batch = runner.prepare_inputs(runner_self, scheduler_output, batch_req_state, batch_desc, *extra)
     except AttributeError as exc:
         raise RunnerGap(f"vLLM {runner.version}'s prepare_inputs reads what the stand-in runner lacks: {exc}") from None
     state_self = SimpleNamespace(max_model_len=MAX_MODEL_LEN, supports_mm_inputs=False, encoder_cache=None)
     del runner.handed[:]
     try:
-        runner.prepare_attn(state_self, input_batch, runner.graph_mode[mode], (), torch.zeros(1, 0), [[]],
-                            SimpleNamespace(kv_cache_groups=[]))
+        with interpreted_kernels():
+            runner.prepare_attn(state_self, input_batch, runner.graph_mode[mode], (), torch.zeros(1, 0), [[]],
+                                SimpleNamespace(kv_cache_groups=[]))
     except AttributeError as exc:
         raise RunnerGap(f"vLLM {runner.version}'s prepare_attn reads what the stand-in state lacks: {exc}") from None
     (handed,) = runner.handed

@@ -6,6 +6,7 @@ The padded FULL-graph finding's premise is read from the runner's own metadata h
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -231,3 +232,18 @@ def test_a_single_routine_full_graph_pads_mtp_requests_to_the_token_count(vllm_r
     full = dispatched(vllm_runner, spec, "FULL")
     assert (full.cg_mode.name, full.num_tokens, full.num_reqs) == ("FULL", 4, 4), full
     assert build_scenario(graph_padded(spec, full.num_tokens), 0).meta.num_reqs == 2
+
+
+def test_the_runners_kernels_run_on_its_host_tensors_whatever_the_environment(pytestconfig, monkeypatch):
+    """The release's Triton kernels are defined for Triton's interpreter whatever
+    ``TRITON_INTERPRET`` says when the runner loads (unset on a GPU machine, where a kernel
+    compiled for the GPU refuses the stand-in runner's host tensors), and the variable is left
+    as it was."""
+    from pytest_sparse_mla.vllm import VLLM_SOURCE
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    runner = load_runner(pytestconfig.stash[VLLM_SOURCE])
+    assert "TRITON_INTERPRET" not in os.environ
+    scenario = build_scenario(BF16.apply(batch((300, 1), (TOPK + 6, 1), (4000, 37), kpool=4)), 0)
+    step = step_of(runner, scenario, "NONE")
+    assert field_differences(scenario.meta, step) == []
