@@ -267,6 +267,9 @@ class Layer(Protocol):
       :func:`first_token_index` in them after the plan and no output may change (a kernel that
       reads past the planned indices, as when ``sum(kv_len)`` runs beyond the indices written,
       would attend it);
+    - ``index_buffers() -> list[torch.Tensor]``: the layer's kv_indices buffers whole, as its plan
+      and its kernel read them (FlashInfer's reserved buffer), which persist between steps: a
+      test fills them with what an earlier step could have left there;
     - ``plan_step(step) -> StepOutcome``, ``launch(step, outcome)``, ``finish(step, outcome) ->
       StepOutcome``: ``step`` in three parts. ``plan_step`` runs the host part (build, plan) and
       stages the step's inputs in the layer's own device buffers; ``launch`` runs the device part
@@ -333,6 +336,12 @@ def unread_slots(layer, step) -> list[torch.Tensor]:
     """The layer's ``unread_slots(step)``, or none where the layer has no such member."""
     member = getattr(layer, "unread_slots", None)
     return list(member(step)) if callable(member) else []
+
+
+def index_buffers(layer) -> list[torch.Tensor]:
+    """The layer's ``index_buffers()``, or none where the layer has no such member."""
+    member = getattr(layer, "index_buffers", None)
+    return list(member()) if callable(member) else []
 
 
 def plant_in_unread_rows(layer, step) -> None:

@@ -178,6 +178,28 @@ class StandInQueryShapeWrapper(StandInWrapper):
         return super().run(q_nope, *args, **kwargs)
 
 
+class StandInCoverageWrapper(StandInWrapper):
+    """The stand-in with FlashInfer 0.7.4's cache coverage as it judges it
+    (``coverage_from_plan_slots``): plan() records the range of the slot ids ``kv_indices`` holds
+    over the planned spans at that moment; run() refuses a cache that does not cover it, with
+    FlashInfer's ValueError."""
+
+    coverage_from_plan_slots = True
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, *args, **kwargs):
+        super().plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, *args, **kwargs)
+        rows = int((torch.as_tensor(qo_indptr)[1:] > torch.as_tensor(qo_indptr)[:-1]).sum())
+        start, end = int(kv_indptr[0]), int(kv_indptr[rows])
+        held = kv_indices[start:end]
+        self.planned_page_range = (int(held.min()), int(held.max()) + 1) if end > start else (0, 0)
+
+    def run(self, q_nope, q_pe, ckv, *args, **kwargs):
+        low, needed = self.planned_page_range
+        if low < 0 or ckv.shape[0] < needed:
+            raise ValueError("KV cache does not cover the planned CSR page indices.")
+        return super().run(q_nope, q_pe, ckv, *args, **kwargs)
+
+
 def install(monkeypatch, wrapper_cls=StandInWrapper) -> None:
     """Make ``from flashinfer.mla import BatchMLAPagedAttentionWrapper`` give ``wrapper_cls``; on
     a torch without CUDA, nothing is being captured (its ``is_current_stream_capturing``

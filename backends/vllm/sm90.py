@@ -340,6 +340,10 @@ class VllmLayer:
         a piecewise graph's padded rows and beyond; a FULL graph's metadata counts its padded rows)."""
         return [self.topk_indices_buffer[step.meta.num_actual_tokens:]]
 
+    def index_buffers(self) -> list[torch.Tensor]:
+        """vLLM's state's kv_indices, which its plan() hands FlashInfer and forward_mqa packs."""
+        return [self.state.kv_indices]
+
     def unread_slots(self, step: StepInput) -> list[torch.Tensor]:
         """kv_indices from the end of the planned spans (``kv_indptr[planned rows]``) on: every
         design's forward writes its rows' spans only (0.30.0's strided copy ends there too)."""

@@ -11,8 +11,16 @@ import torch
 import backends.flashinfer.sm90_state as sm90
 import backends.seam as seam
 from backends.seam import device_syncs_counted, with_syncs_counted
-from harness.plan_hygiene import SYNC_ROWS, check_syncs_per_plan, decode_contexts, sync_count_problems
+from harness.plan_hygiene import (
+    SYNC_ROWS,
+    CoverageJudgedOnStaleIds,
+    check_stale_ids_at_plan,
+    check_syncs_per_plan,
+    decode_contexts,
+    sync_count_problems,
+)
 from pytest_sparse_mla.backend import open_run_backend
+from tests import fa3_stand_in
 from tests.support.reference_wrapper import ReferenceWrapper
 
 
@@ -68,3 +76,25 @@ def test_every_step_of_the_check_plans_once_and_is_judged(backend, judge, device
     counts) and passes the judge."""
     monkeypatch.setattr(seam, "device_syncs_counted", one_sync_per_call)
     assert check_syncs_per_plan(judge, backend, device) == {rows: [1] for rows in SYNC_ROWS}
+
+
+@pytest.mark.vllm
+def test_a_correct_step_after_ids_past_the_cache_runs_where_coverage_is_not_judged_at_plan(vllm_backend, monkeypatch,
+                                                                                           judge, device):
+    """On the fa3 stand-in, which reads each row's executed span only and checks no range, the
+    second step runs and passes the judge."""
+    fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInWrapper if vllm_backend.design == "bounded"
+                         else fa3_stand_in.StandIn06Wrapper)
+    check_stale_ids_at_plan(judge, vllm_backend, device)
+
+
+@pytest.mark.vllm
+def test_a_correct_step_after_ids_past_the_cache_is_refused_where_plan_records_the_range(vllm_backend, monkeypatch,
+                                                                                         judge, device):
+    """The finding through the release's own SM90 module on the stand-in of FlashInfer 0.7.4's
+    coverage check: vLLM's build() plans before forward_mqa packs the step's ids, so the plan
+    records the ids the first step left, and run() refuses the correct second step."""
+    fa3_stand_in.install(monkeypatch, fa3_stand_in.StandInCoverageWrapper)
+    with pytest.raises(CoverageJudgedOnStaleIds, match=r"the second step's run\(\) refused it \(KV cache does not "
+                                                        r"cover the planned CSR page indices"):
+        check_stale_ids_at_plan(judge, vllm_backend, device)
