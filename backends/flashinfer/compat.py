@@ -39,6 +39,7 @@ import torch
 
 from mla_constants import KV_LORA_RANK, ROPE_DIM
 
+from ..seam import SYNC_WARNING
 from .installed import PAGE_COUNT_REFUSAL as PAGE_COUNT_REFUSAL
 
 NOPE_MIN_VERSION = (0, 6, 18)
@@ -275,12 +276,17 @@ _RECORDED: list[tuple[str, str]] = []
 
 @contextmanager
 def recording():
-    """Record (not re-emit) every warning raised inside the block."""
+    """Record (not re-emit) every warning raised inside the block, except torch's warning of a
+    device synchronisation (under ``torch.cuda.set_sync_debug_mode``), which goes on to whoever
+    counts them (``backends.seam.device_syncs_counted``)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
     for w in caught:
-        _RECORDED.append((w.category.__name__, str(w.message)))
+        if SYNC_WARNING in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        else:
+            _RECORDED.append((w.category.__name__, str(w.message)))
 
 
 def recorded_warnings() -> list[tuple[str, str]]:

@@ -98,3 +98,20 @@ def test_a_correct_step_after_ids_past_the_cache_is_refused_where_plan_records_t
     with pytest.raises(CoverageJudgedOnStaleIds, match=r"the second step's run\(\) refused it \(KV cache does not "
                                                         r"cover the planned CSR page indices"):
         check_stale_ids_at_plan(judge, vllm_backend, device)
+
+
+def test_the_adapters_warning_recorder_hands_sync_warnings_on_to_the_counter():
+    """FlashInfer's adapter records the warnings its plan() raises; torch's sync warnings go on
+    to an outer recorder (the counter), the others stay recorded."""
+    import warnings
+
+    from backends.flashinfer.compat import recorded_warnings, recording
+
+    before = len(recorded_warnings())
+    with warnings.catch_warnings(record=True) as outer:
+        warnings.simplefilter("always")
+        with recording():
+            warnings.warn(seam.SYNC_WARNING, UserWarning, stacklevel=1)
+            warnings.warn("a release's own warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in outer] == [seam.SYNC_WARNING]
+    assert recorded_warnings()[before:] == [("UserWarning", "a release's own warning")]
