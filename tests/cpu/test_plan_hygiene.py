@@ -115,3 +115,35 @@ def test_the_adapters_warning_recorder_hands_sync_warnings_on_to_the_counter():
             warnings.warn("a release's own warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in outer] == [seam.SYNC_WARNING]
     assert recorded_warnings()[before:] == [("UserWarning", "a release's own warning")]
+
+
+def test_a_layer_without_index_buffers_shows_none():
+    assert seam.index_buffers(object()) == []
+
+
+def test_the_first_slot_id_past_a_cache_counts_its_blocks_rows():
+    from harness.plan_hygiene import slot_rows
+
+    assert slot_rows(torch.zeros(10, 64, 8)) == 640
+    assert slot_rows(seam.blocks_apart(torch.zeros(10, 64, 8), 96)) == 960
+
+
+@contextlib.contextmanager
+def one_more_sync_per_call(device, made=[0]):  # noqa: B006 - the calls so far, shared on purpose
+    made[0] += 1
+    yield [made[0]]
+
+
+@pytest.mark.parametrize("backend", ["port-fa3"], indirect=True)
+def test_counts_that_grow_fail_the_check_naming_the_backend_and_each_count(backend, judge, device, monkeypatch):
+    monkeypatch.setattr(seam, "device_syncs_counted", one_more_sync_per_call)
+    with pytest.raises(AssertionError, match=r"^port-fa3: device synchronisations per plan\(\) grow with the step "
+                                             r"\(1 rows: \d+, 16 rows: \d+, 128 rows: \d+\)$"):
+        check_syncs_per_plan(judge, backend, device)
+
+
+@pytest.mark.parametrize("backend", ["port-fa3"], indirect=True)
+def test_the_stale_ids_check_refuses_a_layer_that_shows_no_index_buffers(backend, judge, device):
+    """The port's layer has no ``index_buffers``: the check says so rather than passing."""
+    with pytest.raises(AssertionError, match=r"port-fa3: its layer shows no kv_indices buffers"):
+        check_stale_ids_at_plan(judge, backend, device)
