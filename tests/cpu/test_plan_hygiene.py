@@ -150,3 +150,17 @@ def test_the_stale_ids_check_refuses_a_layer_that_shows_no_index_buffers(backend
     """The port's layer has no ``index_buffers``: the check says so rather than passing."""
     with pytest.raises(AssertionError, match=r"port-fa3: its layer shows no kv_indices buffers"):
         check_stale_ids_at_plan(judge, backend, device)
+
+
+def test_the_counter_counts_sync_warnings_and_hands_every_other_warning_on():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as inner:
+        warnings.simplefilter("always")
+        warnings.warn(seam.SYNC_WARNING, UserWarning, stacklevel=1)
+        warnings.warn("a release's own warning", DeprecationWarning, stacklevel=1)
+        warnings.warn(seam.SYNC_WARNING, UserWarning, stacklevel=1)
+    with warnings.catch_warnings(record=True) as outer:
+        warnings.simplefilter("always")
+        assert seam.syncs_counted_others_passed_on(inner) == 2
+    assert [(w.category, str(w.message)) for w in outer] == [(DeprecationWarning, "a release's own warning")]
