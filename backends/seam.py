@@ -30,6 +30,7 @@ when a backend is opened, so this module imports no vendor.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ class StepOutcome:
     laid_out: LaidOut | None = None
     plans: int = 0  # plans made so far by the layer
     # device-to-host synchronisations of each FlashInfer plan() the step made, in order
-    # (:func:`device_syncs_counted`; empty where none was counted: no plan made, or not on CUDA)
+    # (:func:`device_syncs_counted`; empty where none was counted: no plan made, not on CUDA, or
+    # the step ran outside :func:`plan_syncs_counted`)
     plan_syncs: list[int] = field(default_factory=list)
     reads_back: bool = False  # executed lengths come from the kernel's own schedule, not from the plan
     # False: the layer has no dense-MHA path for its prefills (FlashMLA's fp8 NoPE cache), so the
@@ -249,10 +251,29 @@ def syncs_counted_others_passed_on(caught: list[warnings.WarningMessage]) -> int
     return syncs
 
 
+#: Whether the layers count the synchronisations of their plans now (:func:`plan_syncs_counted`).
+_COUNTING_PLAN_SYNCS = contextvars.ContextVar("counting_plan_syncs", default=False)
+
+
+@contextlib.contextmanager
+def plan_syncs_counted() -> Iterator[None]:
+    """Within the block, every layer's FlashInfer ``plan()`` wrapped by :func:`with_syncs_counted`
+    counts its synchronisations; outside it the plan runs bare (no sync debug mode, no warning
+    capture): the plans the rest of the suite makes, and the upgrade check times, cost nothing more."""
+    token = _COUNTING_PLAN_SYNCS.set(True)
+    try:
+        yield
+    finally:
+        _COUNTING_PLAN_SYNCS.reset(token)
+
+
 def with_syncs_counted(plan: Callable, device, into: list[int]) -> Callable:
-    """``plan`` that appends the synchronisations of each of its calls to ``into``."""
+    """``plan`` that appends the synchronisations of each of its calls made within
+    :func:`plan_syncs_counted` to ``into``; other calls are ``plan``'s own."""
 
     def counted(*args, **kwargs):
+        if not _COUNTING_PLAN_SYNCS.get():
+            return plan(*args, **kwargs)
         with device_syncs_counted(device) as syncs:
             result = plan(*args, **kwargs)
         into.extend(syncs)

@@ -17,7 +17,7 @@ before ``forward_mqa`` packs the step's ids: docs/findings.md#planned-page-range
 
 from __future__ import annotations
 
-from backends.seam import block_stride_of, index_buffers
+from backends.seam import block_stride_of, index_buffers, plan_syncs_counted
 
 from .case_runner import run_sequence
 from .findings import FINDINGS_DOC
@@ -50,7 +50,8 @@ def check_syncs_per_plan(judge, backend, device) -> dict[int, list[int]]:
     judged; per row count, the synchronisations of each plan its step made. Raises
     ``AssertionError`` naming :func:`sync_count_problems`."""
     steps = [decode_step(decode_contexts(rows), SYNC_SEED + i) for i, rows in enumerate((WARM_UP_ROWS, *SYNC_ROWS))]
-    _, outcomes = run_sequence(judge, backend, steps, device, what="device synchronisations per plan()")
+    with plan_syncs_counted():
+        _, outcomes = run_sequence(judge, backend, steps, device, what="device synchronisations per plan()")
     counts = {rows: list(outcome.plan_syncs) for rows, outcome in zip(SYNC_ROWS, outcomes[1:], strict=True)}
     problems = sync_count_problems(counts)
     if problems:

@@ -44,8 +44,21 @@ def test_nothing_is_counted_off_cuda_and_the_call_goes_through():
         torch.ones(3).sum().item()
     assert counted == []
     into: list[int] = []
-    assert with_syncs_counted(lambda a, b=0: a + b, "cpu", into)(2, b=3) == 5
+    with seam.plan_syncs_counted():
+        assert with_syncs_counted(lambda a, b=0: a + b, "cpu", into)(2, b=3) == 5
     assert into == []
+
+
+def test_a_plan_outside_the_count_runs_bare(monkeypatch):
+    """Outside ``plan_syncs_counted`` (every plan but the check's, the upgrade check's timed
+    plans among them) the counter is not entered; inside, each call is counted."""
+    monkeypatch.setattr(seam, "device_syncs_counted", one_sync_per_call)
+    into: list[int] = []
+    plan = with_syncs_counted(lambda: "planned", "cuda", into)
+    assert plan() == "planned" and into == []
+    with seam.plan_syncs_counted():
+        assert plan() == "planned" and plan() == "planned"
+    assert into == [1, 1] and plan() == "planned" and into == [1, 1]
 
 
 def test_the_contexts_span_the_first_tile_to_past_a_thousand_tokens():
