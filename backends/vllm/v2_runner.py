@@ -134,6 +134,7 @@ class ReleaseDispatcher:
 @dataclass(frozen=True)
 class ReleaseRunner:
     version: str
+    device: torch.device  # where the stand-in runner's tensors live and the release's kernels run
     graph_mode: type  # the release's CUDAGraphMode (config/compilation.py)
     input_batch: dict[str, Any]  # input_batch.py's names
     prepare_inputs: Any  # GPUModelRunner.prepare_inputs(self, scheduler_output, batch_req_state, batch_desc[, loras])
@@ -146,26 +147,35 @@ class ReleaseRunner:
 DISPATCHER_METHODS = ("_init_candidates", "_maybe_ubatch_twin", "_resolve_effective_loras", "dispatch")
 
 
-def load_runner(source: VllmSource) -> ReleaseRunner:
+def load_runner(source: VllmSource, device: torch.device | None = None) -> ReleaseRunner:
     """The release's ``prepare_inputs``, ``prepare_attn`` and CUDA-graph dispatcher with
-    ``input_batch.py`` and ``CUDAGraphMode``, compiled from its files (:data:`V2_RUNNER_FILES`);
-    a source without them, or a part its files lack, is a :class:`RunnerGap` naming it."""
+    ``input_batch.py`` and ``CUDAGraphMode``, compiled from its files (:data:`V2_RUNNER_FILES`),
+    its Triton kernels defined for ``device`` (None: :func:`runner_device`); a source without
+    those files, or a part its files lack, is a :class:`RunnerGap` naming it."""
     missing = [f for f in V2_RUNNER_FILES if not source.path_of(f).is_file()]
     if missing:
         raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the V2 runner's "
                         "files were sliced; write it again (python -m backends.vllm.source slice WHEEL -o DIR)")
-    with interpreted_kernels():
-        return _loaded_runner(source)
+    device = runner_device() if device is None else torch.device(device)
+    with kernels_for(device):
+        return _loaded_runner(source, device)
+
+
+def runner_device() -> torch.device:
+    """Where the stand-in runner holds its tensors and the release's Triton kernels run: the GPU
+    where one is visible (the kernels compiled for it, as the release runs them), else the host
+    under Triton's interpreter."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 @contextlib.contextmanager
-def interpreted_kernels():
-    """``TRITON_INTERPRET=1`` while the block runs, then as it was: the release's Triton kernels are
-    defined (Triton reads the variable as a kernel is defined) and launched for Triton's
-    interpreter while the runner's files run and while its methods are called. The stand-in
-    runner holds host tensors, which a kernel compiled for a GPU cannot address."""
+def kernels_for(device: torch.device):
+    """``TRITON_INTERPRET`` set for ``device`` while the block runs, then as it was: ``1`` for the
+    host (Triton's interpreter), ``0`` for a GPU (kernels compiled for it). Triton reads the
+    variable as a kernel is defined and as it is launched, so it is set while the runner's files
+    run and while its methods are called, whatever the process was started with."""
     held = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1" if torch.device(device).type == "cpu" else "0"
     try:
         yield
     finally:
@@ -175,7 +185,7 @@ def interpreted_kernels():
             os.environ["TRITON_INTERPRET"] = held
 
 
-def _loaded_runner(source: VllmSource) -> ReleaseRunner:
+def _loaded_runner(source: VllmSource, device: torch.device) -> ReleaseRunner:
     graphs = _module(source, "graphs")
     graphs.update({"enum": enum, "bisect": bisect, "Iterable": collections.abc.Iterable,
                    "Mapping": collections.abc.Mapping, "Callable": collections.abc.Callable, "torch": torch,
@@ -204,6 +214,7 @@ def _loaded_runner(source: VllmSource) -> ReleaseRunner:
                 "compute_mm_prefix_ranges": _Unserved("vllm.v1.attention.backends.utils", "compute_mm_prefix_ranges")}
     return ReleaseRunner(
         version=source.version,
+        device=device,
         graph_mode=graph_mode,
         input_batch=input_batch,
         prepare_inputs=_method(source.path_of(MODEL_RUNNER_FILE), "GPUModelRunner", "prepare_inputs", runner_ns),
@@ -237,22 +248,25 @@ class RunnerStep:
     max_seq_len: int
 
 
-def _request_state(q_lens: list[int], computed: list[int], prefill_lens: list[int], max_reqs: int):
+def _request_state(q_lens: list[int], computed: list[int], prefill_lens: list[int], max_reqs: int,
+                   device: torch.device):
     """The stand-in ``req_states``: request ``i`` in row ``i``, ``computed[i]`` tokens computed,
-    a prompt of ``prefill_lens[i]`` tokens, no drafts."""
+    a prompt of ``prefill_lens[i]`` tokens, no drafts; its ``gpu`` tensors on ``device``."""
     n = len(q_lens)
     computed_np = np.zeros(max_reqs, dtype=np.int32)
     computed_np[:n] = computed
     prefill = torch.zeros(max_reqs, dtype=torch.int32)
     prefill[:n] = torch.tensor(prefill_lens, dtype=torch.int32)
+    prefill = prefill.to(device)
     return SimpleNamespace(
-        num_computed_tokens=SimpleNamespace(gpu=torch.from_numpy(computed_np.copy())),
+        num_computed_tokens=SimpleNamespace(gpu=torch.from_numpy(computed_np.copy()).to(device)),
         num_computed_tokens_np=computed_np,
         prefill_len=SimpleNamespace(gpu=prefill),
-        next_prefill_tokens=torch.zeros((1, max_reqs), dtype=torch.int32),
-        all_token_ids=SimpleNamespace(gpu=torch.zeros((max_reqs, max(prefill_lens + [1]) + 1), dtype=torch.int32)),
-        last_sampled_tokens=torch.zeros(max_reqs, dtype=torch.int64),
-        draft_tokens=torch.zeros((max_reqs, 1), dtype=torch.int64),
+        next_prefill_tokens=torch.zeros((1, max_reqs), dtype=torch.int32, device=device),
+        all_token_ids=SimpleNamespace(gpu=torch.zeros((max_reqs, max(prefill_lens + [1]) + 1), dtype=torch.int32,
+                                                      device=device)),
+        last_sampled_tokens=torch.zeros(max_reqs, dtype=torch.int64, device=device),
+        draft_tokens=torch.zeros((max_reqs, 1), dtype=torch.int64, device=device),
         prompt_len=SimpleNamespace(gpu=prefill.clone()),
     )
 
@@ -272,10 +286,10 @@ def runner_step(runner: ReleaseRunner, q_lens: list[int], seq_lens: list[int], p
     prefilling = np.array([c < p for c, p in zip(computed, prefill_lens, strict=True)], dtype=bool)
     ib = runner.input_batch
     runner_self = SimpleNamespace(
-        input_buffers=ib["InputBuffers"](max_reqs, max_tokens, torch.device("cpu")),
-        req_states=_request_state(q_lens, computed, prefill_lens, max_reqs),
+        input_buffers=ib["InputBuffers"](max_reqs, max_tokens, runner.device),
+        req_states=_request_state(q_lens, computed, prefill_lens, max_reqs, runner.device),
         model_state=SimpleNamespace(num_new_sampled_tokens_per_step=1),
-        device=torch.device("cpu"), max_num_reqs=max_reqs, adaptive_verification=None, decode_query_len=1,
+        device=runner.device, max_num_reqs=max_reqs, adaptive_verification=None, decode_query_len=1,
         fast_prefill=None, model_config=SimpleNamespace(rswa_window=None), pcp_manager=None,
     )
     batch_req_state = SimpleNamespace(
@@ -290,15 +304,16 @@ def runner_step(runner: ReleaseRunner, q_lens: list[int], seq_lens: list[int], p
     scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={}, has_structured_output_requests=False)
     extra = (0,) if "num_active_loras" in runner.prepare_inputs.__code__.co_varnames else ()
     try:
-        with interpreted_kernels():
+        with kernels_for(runner.device):
             input_batch = runner.prepare_inputs(runner_self, scheduler_output, batch_req_state, batch_desc, *extra)
     except AttributeError as exc:
         raise RunnerGap(f"vLLM {runner.version}'s prepare_inputs reads what the stand-in runner lacks: {exc}") from None
     state_self = SimpleNamespace(max_model_len=MAX_MODEL_LEN, supports_mm_inputs=False, encoder_cache=None)
     del runner.handed[:]
     try:
-        with interpreted_kernels():
-            runner.prepare_attn(state_self, input_batch, runner.graph_mode[mode], (), torch.zeros(1, 0), [[]],
+        with kernels_for(runner.device):
+            runner.prepare_attn(state_self, input_batch, runner.graph_mode[mode], (),
+                                torch.zeros(1, 0, device=runner.device), [[]],
                                 SimpleNamespace(kv_cache_groups=[]))
     except AttributeError as exc:
         raise RunnerGap(f"vLLM {runner.version}'s prepare_attn reads what the stand-in state lacks: {exc}") from None
@@ -307,14 +322,19 @@ def runner_step(runner: ReleaseRunner, q_lens: list[int], seq_lens: list[int], p
         mode=mode,
         num_reqs=int(handed["num_reqs"]),
         num_actual_tokens=int(handed["num_tokens"]),
-        query_start_loc_cpu=handed["query_start_loc_cpu"].clone(),
-        seq_lens=handed["seq_lens"][: handed["num_reqs"]].clone(),
+        query_start_loc_cpu=_host_copy(handed["query_start_loc_cpu"]),
+        seq_lens=_host_copy(handed["seq_lens"][: handed["num_reqs"]]),
         seq_lens_cpu_upper_bound=None if handed.get("seq_lens_cpu_upper_bound") is None
-        else handed["seq_lens_cpu_upper_bound"][: handed["num_reqs"]].clone(),
-        positions=handed["positions"].clone(),
+        else _host_copy(handed["seq_lens_cpu_upper_bound"][: handed["num_reqs"]]),
+        positions=_host_copy(handed["positions"]),
         max_query_len=int(handed["max_query_len"]),
         max_seq_len=int(handed["max_seq_len"]),
     )
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of what the stand-in builder was handed (the runner's buffers change on)."""
+    return t.to("cpu", copy=True)
 
 
 #: The fields :func:`runner_step` compares, as the suite's ``StepMetadata`` names them.

@@ -17,7 +17,9 @@ from backends.vllm.v2_runner import (
     RunnerGap,
     field_differences,
     graph_descriptor,
+    kernels_for,
     load_runner,
+    runner_device,
     runner_step,
 )
 from harness.builder import build_scenario
@@ -234,16 +236,34 @@ def test_a_single_routine_full_graph_pads_mtp_requests_to_the_token_count(vllm_r
     assert build_scenario(graph_padded(spec, full.num_tokens), 0).meta.num_reqs == 2
 
 
-def test_the_runners_kernels_run_on_its_host_tensors_whatever_the_environment(pytestconfig, monkeypatch):
-    """The release's Triton kernels are defined for Triton's interpreter whatever
-    ``TRITON_INTERPRET`` says when the runner loads (unset on a GPU machine, where a kernel
-    compiled for the GPU refuses the stand-in runner's host tensors), and the variable is left
-    as it was."""
+@pytest.mark.parametrize("interpret", [None, "0", "1"], ids=["unset", "0", "1"])
+def test_the_runners_kernels_run_where_its_tensors_are_whatever_the_environment(pytestconfig, monkeypatch,
+                                                                                 interpret):
+    """The stand-in runner holds its tensors on the GPU where one is visible and on the host
+    otherwise, and the release's Triton kernels are defined and launched for that device
+    (compiled for the GPU, Triton's interpreter on the host) whatever ``TRITON_INTERPRET`` the
+    process was started with (unset on a GPU runner); the variable is left as it was."""
     from pytest_sparse_mla.vllm import VLLM_SOURCE
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if interpret is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
     runner = load_runner(pytestconfig.stash[VLLM_SOURCE])
-    assert "TRITON_INTERPRET" not in os.environ
+    assert runner.device == runner_device()
+    assert os.environ.get("TRITON_INTERPRET") == interpret
     scenario = build_scenario(BF16.apply(batch((300, 1), (TOPK + 6, 1), (4000, 37), kpool=4)), 0)
     step = step_of(runner, scenario, "NONE")
+    assert os.environ.get("TRITON_INTERPRET") == interpret
     assert field_differences(scenario.meta, step) == []
+    assert step.seq_lens.device.type == "cpu"
+
+
+@pytest.mark.parametrize("device, value", [("cpu", "1"), ("cuda", "0")])
+def test_kernels_are_defined_for_the_device_the_runner_holds(monkeypatch, device, value):
+    """Inside ``kernels_for(device)`` Triton reads the interpreter flag of that device; after it,
+    the value the process had."""
+    monkeypatch.setenv("TRITON_INTERPRET", "held")
+    with kernels_for(torch.device(device)):
+        assert os.environ["TRITON_INTERPRET"] == value
+    assert os.environ["TRITON_INTERPRET"] == "held"
