@@ -322,19 +322,14 @@ def runner_step(runner: ReleaseRunner, q_lens: list[int], seq_lens: list[int], p
         mode=mode,
         num_reqs=int(handed["num_reqs"]),
         num_actual_tokens=int(handed["num_tokens"]),
-        query_start_loc_cpu=_host_copy(handed["query_start_loc_cpu"]),
-        seq_lens=_host_copy(handed["seq_lens"][: handed["num_reqs"]]),
+        query_start_loc_cpu=handed["query_start_loc_cpu"].cpu(),
+        seq_lens=handed["seq_lens"][: handed["num_reqs"]].cpu(),
         seq_lens_cpu_upper_bound=None if handed.get("seq_lens_cpu_upper_bound") is None
-        else _host_copy(handed["seq_lens_cpu_upper_bound"][: handed["num_reqs"]]),
-        positions=_host_copy(handed["positions"]),
+        else handed["seq_lens_cpu_upper_bound"][: handed["num_reqs"]].cpu(),
+        positions=handed["positions"].cpu(),
         max_query_len=int(handed["max_query_len"]),
         max_seq_len=int(handed["max_seq_len"]),
     )
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of what the stand-in builder was handed (the runner's buffers change on)."""
-    return t.to("cpu", copy=True)
 
 
 #: The fields :func:`runner_step` compares, as the suite's ``StepMetadata`` names them.
@@ -417,4 +412,5 @@ def graph_descriptor(dispatcher: ReleaseDispatcher, cudagraph_mode: str, *, num_
 
 
 __all__ = ["COMPARED_FIELDS", "DISPATCHER_METHODS", "RUNTIME_MODES", "ReleaseDispatcher", "ReleaseRunner", "RunnerGap",
-           "RunnerStep", "field_differences", "graph_descriptor", "load_runner", "runner_step"]
+           "RunnerStep", "field_differences", "graph_descriptor", "kernels_for", "load_runner", "runner_device",
+           "runner_step"]

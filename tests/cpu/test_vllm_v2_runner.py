@@ -259,6 +259,12 @@ def test_the_runners_kernels_run_where_its_tensors_are_whatever_the_environment(
     assert step.seq_lens.device.type == "cpu"
 
 
+@pytest.mark.parametrize("visible", [True, False], ids=["gpu-visible", "no-gpu"])
+def test_the_runner_is_held_on_the_gpu_where_one_is_visible(monkeypatch, visible):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible)
+    assert runner_device() == torch.device("cuda" if visible else "cpu")
+
+
 @pytest.mark.parametrize("device, value", [("cpu", "1"), ("cuda", "0")])
 def test_kernels_are_defined_for_the_device_the_runner_holds(monkeypatch, device, value):
     """Inside ``kernels_for(device)`` Triton reads the interpreter flag of that device; after it,
