@@ -147,16 +147,16 @@ class ReleaseRunner:
 DISPATCHER_METHODS = ("_init_candidates", "_maybe_ubatch_twin", "_resolve_effective_loras", "dispatch")
 
 
-def load_runner(source: VllmSource, device: torch.device | None = None) -> ReleaseRunner:
+def load_runner(source: VllmSource) -> ReleaseRunner:
     """The release's ``prepare_inputs``, ``prepare_attn`` and CUDA-graph dispatcher with
     ``input_batch.py`` and ``CUDAGraphMode``, compiled from its files (:data:`V2_RUNNER_FILES`),
-    its Triton kernels defined for ``device`` (None: :func:`runner_device`); a source without
+    its Triton kernels defined for :func:`runner_device`; a source without
     those files, or a part its files lack, is a :class:`RunnerGap` naming it."""
     missing = [f for f in V2_RUNNER_FILES if not source.path_of(f).is_file()]
     if missing:
         raise RunnerGap(f"{source.describe()} has no {', '.join(missing)}: a slice written before the V2 runner's "
                         "files were sliced; write it again (python -m backends.vllm.source slice WHEEL -o DIR)")
-    device = runner_device() if device is None else torch.device(device)
+    device = runner_device()
     with kernels_for(device):
         return _loaded_runner(source, device)
 
