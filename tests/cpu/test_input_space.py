@@ -34,7 +34,7 @@ from pytest_sparse_mla.coverage import coverage_lines, record_input
 from pytest_sparse_mla.hypothesis_profiles import covering_strength, input_cases
 from reference import kv_len_rule, valid_counts
 from tests import bugs
-from tests.support.evolving_batch import EvolvingBatch
+from tests.support.evolving_batch import SCRIPTED_TRANSITIONS, EvolvingBatch, run_scripted
 
 
 def with_covering_examples(test):
@@ -169,6 +169,25 @@ def test_the_draw_reaches_every_transition():
     TransitionsDrawn.TestCase().runTest()
     missed = sorted(set(TRANSITIONS) - TransitionsDrawn.reached)
     assert not missed, f"transitions the draw never makes: {missed}"
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTED_TRANSITIONS))
+def test_each_scripted_transition_in_reused_buffers(impl, device, name):
+    """The scripted run of each transition a small draw may miss, planned into reused buffers on
+    the run's device: it makes its transition, and every step reads what it intends."""
+    machine = EvolvingBatch()
+    machine.impl, machine.device = impl, device
+    assert name in run_scripted(machine, name)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(SCRIPTED_TRANSITIONS) if n.startswith("idle-request-")])
+def test_a_scripted_idle_request_fails_request_ids_that_skip_it(device, name):
+    """The scripted idle-request runs are checks that can fail: request ids that skip a request
+    with no query row plan the rows after it for the wrong request."""
+    machine = EvolvingBatch()
+    machine.impl, machine.device = bugs.RequestIdsSkipEmptyRequests(), device
+    with pytest.raises(AssertionError, match="rows planned wrong"):
+        run_scripted(machine, name)
 
 
 def test_evolving_batch_in_reused_buffers(impl, device):

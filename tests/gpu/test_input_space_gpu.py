@@ -33,7 +33,7 @@ from harness.port.launch import (
 )
 from pytest_sparse_mla.coverage import record_input
 from pytest_sparse_mla.port_reports import record_errors
-from tests.support.evolving_batch import MAX_ROWS, EvolvingBatch
+from tests.support.evolving_batch import MAX_ROWS, SCRIPTED_TRANSITIONS, EvolvingBatch, run_scripted
 
 pytestmark = pytest.mark.gpu
 
@@ -112,4 +112,14 @@ def test_evolving_batch_in_one_attention_state(impl, features, regime_log):
     EvolvingBatchOnGPU.impl, EvolvingBatchOnGPU.features, EvolvingBatchOnGPU.device = impl, features, DEVICE
     EvolvingBatchOnGPU.log = regime_log
     EvolvingBatchOnGPU.TestCase().runTest()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTED_TRANSITIONS))
+def test_each_scripted_transition_in_one_attention_state(impl, features, regime_log, name):
+    """The scripted run of each transition a few drawn sequences may miss, in one attention
+    state: it makes its transition, and each step is within the budget."""
+    machine = EvolvingBatchOnGPU()
+    machine.impl, machine.features, machine.device, machine.log = impl, features, DEVICE, regime_log
+    assert name in run_scripted(machine, name)
     torch.cuda.empty_cache()

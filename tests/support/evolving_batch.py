@@ -38,6 +38,7 @@ class EvolvingBatch(RuleBasedStateMachine):
         self.previous = None  # the last step's spec
         self.largest = 0  # the most rows of any step so far
         self.prefills_turned = 0  # prefill requests of the last step that decode in the next
+        self.noted: set[str] = set()  # the transitions of its steps so far
 
     @initialize(kpool=st.sampled_from((1, 4)), block_size=st.sampled_from((64, 192, 128)),
                 layout=st.sampled_from(("strided", "packed", "compacted")), drafts=st.integers(0, 3),
@@ -155,6 +156,7 @@ class EvolvingBatch(RuleBasedStateMachine):
         self.check_spec(spec)
 
     def note_transitions(self, names) -> None:
+        self.noted |= names
         record_transitions(names)
 
     def check_spec(self, spec):
@@ -164,6 +166,53 @@ class EvolvingBatch(RuleBasedStateMachine):
         run_step_in_reused_buffers(self, scenario)
 
 
+
+
+class Draws:
+    """A scripted stand-in for Hypothesis's ``data``: each ``draw`` returns the next value given."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+#: The default profile draws a dozen sequences, which reach most transitions but not all of them;
+#: these runs of the machine (its configuration, then its rules in order, a rule's ``data`` the
+#: values it draws) each reach the transition they are named for, so every run checks every
+#: transition at least once.
+CONFIG = dict(kpool=1, block_size=64, layout="packed", drafts=0, async_=False, source="positions",
+              graph_padding=False)
+SCRIPTED_TRANSITIONS: dict[str, tuple[dict, list]] = {
+    "rejected-drafts-then-no-drafts": (
+        dict(CONFIG, drafts=2, async_=True, source="host-bound"),
+        [("join", dict(ctx=TOPK_SMALL + 1, chunk=4)), ("advance", dict(accepted=0)),
+         ("reject_every_draft_then_stop_drafting", {})]),
+    "drafts-differ-per-request": (
+        dict(CONFIG, kpool=4, drafts=2, layout="strided"),
+        [("join", dict(ctx=700, chunk=4)), ("join", dict(ctx=TOPK_SMALL + 1, chunk=4)), ("advance", dict(accepted=1)),
+         ("trim_drafts", dict(data=(0, 0)))]),
+    **{f"idle-request-{source}": (
+        dict(CONFIG, source=source, block_size=192, layout="compacted"),
+        [("join", dict(ctx=700, chunk=4)), ("join", dict(ctx=TOPK_SMALL - 1, chunk=4)), ("join", dict(ctx=5, chunk=3)),
+         ("sit_out", dict(data=(1,)))]) for source in ("host-bound", "positions", "seq-lens")},
+}
+
+
+def run_scripted(machine: EvolvingBatch, name: str) -> set[str]:
+    """The run of :data:`SCRIPTED_TRANSITIONS` ``name`` on ``machine``, its invariant checked after
+    the configuration and after each rule, as Hypothesis runs a drawn sequence: the transitions
+    its steps made."""
+    config, rules = SCRIPTED_TRANSITIONS[name]
+    machine.configure(**config)
+    machine.step_plans_the_intended_slots()
+    for rule_name, kwargs in rules:
+        if "data" in kwargs:
+            kwargs = dict(kwargs, data=Draws(*kwargs["data"]))
+        getattr(machine, rule_name)(**kwargs)
+        machine.step_plans_the_intended_slots()
+    return machine.noted
 
 
 def run_step_in_reused_buffers(state, scenario):
