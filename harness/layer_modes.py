@@ -9,7 +9,9 @@
   (:class:`PoisonedLayer`), set beside a clean layer of the same configuration that runs the
   same steps: output and LSE bit for bit the clean run's;
 - ``graphed``: each step's forward run eagerly, then captured in a CUDA graph and replayed on the
-  same inputs (:class:`GraphedLayer`): output and LSE bit for bit the eager run's;
+  same inputs, once right after the capture and once more after every block the caching
+  allocator holds free was taken and poisoned (:class:`GraphedLayer`, :func:`occupy_freed_memory`):
+  output and LSE of both replays bit for bit the eager run's;
 - ``against-fresh``: each step also run through a fresh layer of the same configuration, which
   carries no history (:class:`AgainstFreshLayer`): bit for bit where both run on the same planned
   lengths, within :data:`PLAN_HISTORY_ULPS` bf16 ULPs where they differ.
@@ -201,11 +203,32 @@ def capture_problem(layer) -> str | None:
     return None
 
 
+def occupy_freed_memory(device: torch.device) -> list[torch.Tensor]:
+    """Tensors that take every block the caching allocator of ``device`` holds free in its
+    default pool, each filled with :data:`backends.seam.POISON_BYTE` (none off CUDA, where no
+    allocator hands freed memory out again). A graph that reads or writes memory its layer
+    stopped holding after the capture (a plan's temporary, a buffer reallocated by a later plan)
+    then meets the poison, as it meets whatever the next allocation writes in an engine. Hold the
+    tensors across the replay; dropping them hands the blocks back."""
+    if device.type != "cuda":
+        return []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sizes = sorted((block["size"] for segment in torch.cuda.memory_snapshot()
+                    if segment["device"] == index and tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
+                    for block in segment["blocks"] if block["state"] == "inactive"), reverse=True)
+    held = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    poison(held)
+    return held
+
+
 class GraphedLayer(ModeLayer):
     """Each step planned on the host, its forward run eagerly (the warm-up, kept), then captured in
-    a CUDA graph and replayed on the same inputs; the outcome is the replay's (the eager output
-    poisoned in between, so a replay that writes nothing shows), which must be the eager run's
-    bit for bit. A layer that cannot be captured here raises :class:`CaptureUnsupported`."""
+    a CUDA graph and replayed on the same inputs twice: right after the capture, and again after
+    :func:`occupy_freed_memory` poisoned every block the allocator holds free (what an engine's
+    later allocations do to memory a graph should not read). The eager output is poisoned before
+    each replay, so a replay that writes nothing shows; both replays must be the eager run's bit
+    for bit, and the outcome is the second's. A layer that cannot be captured here raises
+    :class:`CaptureUnsupported`."""
 
     def step(self, step):
         reason = capture_problem(self.layer)
@@ -222,12 +245,20 @@ class GraphedLayer(ModeLayer):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.layer.launch(step, outcome)
+        replayed = self.replayed(graph, step, outcome)
+        self.problems = bitwise_problems(replayed, eager, "the graph replay", "the eager run")
+        poison([replayed.out] + ([replayed.lse] if replayed.lse is not None else []))
+        held = occupy_freed_memory(replayed.out.device)
+        churned = self.replayed(graph, step, outcome)
+        self.problems += bitwise_problems(churned, eager, "the graph replay after allocation churn", "the eager run")
+        del held
+        return churned
+
+    def replayed(self, graph, step, outcome) -> StepOutcome:
         graph.replay()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        replayed = self.layer.finish(step, outcome)
-        self.problems = bitwise_problems(replayed, eager, "the graph replay", "the eager run")
-        return replayed
+        return self.layer.finish(step, outcome)
 
 
 class AgainstFreshLayer(ModeLayer):

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from backends.flashinfer.port import REFUSAL_EXPECTED, lay_out
-from backends.seam import StepOutcome, planned_then_run, query_rows
+from backends.seam import StepOutcome, planned_then_run, poison, query_rows
 from fast.impl import FastImpl
+from harness import layer_modes
 from harness.backend_step import layer_config
 from harness.builder import build_scenario, with_shared_mtp_indices
 from harness.case_runner import Reporter, run_sequence
@@ -838,6 +839,61 @@ def test_graph_against_eager_catches_a_replay_that_leaves_its_results_out(stand_
     assert mode_verdicts(RightLayer, "graphed")[0].failure is None
     text = failure_text(mode_verdicts(layer_class, "graphed")[0])
     assert f"the graph replay's {what} is not the eager run's bit for bit" in text, text
+
+
+class StandInAllocator:
+    """A caching allocator on the CPU: the buffers a layer lets go are its free blocks, and
+    :meth:`occupy_freed_memory` (in place of ``harness.layer_modes.occupy_freed_memory``) poisons
+    them as the real one has every free block taken and poisoned."""
+
+    def __init__(self):
+        self.free = []
+
+    def let_go(self, buffer: torch.Tensor) -> None:
+        self.free.append(buffer)
+
+    def occupy_freed_memory(self, device) -> list[torch.Tensor]:
+        poison(self.free)
+        return list(self.free)
+
+
+@pytest.fixture
+def stand_in_allocator(monkeypatch):
+    allocator = StandInAllocator()
+    monkeypatch.setattr(layer_modes, "occupy_freed_memory", allocator.occupy_freed_memory)
+    return allocator
+
+
+class CaptureReadsAQueryItLetGo(RightLayer):
+    """Stages the step's query in a buffer of its own at plan time and lets it go (the allocator
+    may hand it out again) while the captured launch still reads it: right until other
+    allocations take that memory."""
+
+    allocator: StandInAllocator
+
+    def plan_step(self, step):
+        outcome = super().plan_step(step)
+        self.staged_q = step.q_nope.clone()
+        self.allocator.let_go(self.staged_q)
+        return outcome
+
+    def attend(self, step, rows, read, mask):
+        kv = AttentionInputs(step.q_nope, step.q_pe, step.kv_cache)
+        return sparse_mla_reference(self.staged_q[:rows], step.q_pe[:rows], kv.ckv, kv.kpe, read, mask=mask,
+                                    sm_scale=self.config.sm_scale, k_scale=self.config.k_scale, mode="lowp")
+
+
+def test_graph_against_eager_catches_a_replay_that_reads_memory_let_go_since_capture(
+        stand_in_graphs, stand_in_allocator, monkeypatch):
+    monkeypatch.setattr(CaptureReadsAQueryItLetGo, "allocator", stand_in_allocator, raising=False)
+    assert mode_verdicts(RightLayer, "graphed")[0].failure is None
+    text = failure_text(mode_verdicts(CaptureReadsAQueryItLetGo, "graphed")[0])
+    assert "the graph replay after allocation churn's output is not the eager run's bit for bit" in text, text
+    assert "the graph replay's output" not in text, "right after the capture the buffer still holds the query"
+
+
+def test_no_memory_is_occupied_off_cuda():
+    assert layer_modes.occupy_freed_memory(torch.device("cpu")) == []
 
 
 def nudged(out: torch.Tensor, ulps: int) -> torch.Tensor:

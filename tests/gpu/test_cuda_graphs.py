@@ -17,10 +17,12 @@ import torch
 from backends.flashinfer.compat import fa3_mla_cluster_size
 from backends.flashinfer.port import make_attention_state
 from backends.flashinfer.sm90_state import PlanDuringCaptureError
+from backends.seam import POISON_BYTE
 from harness import build_attention_inputs, build_scenario
 from harness.case_log import note_sequence, note_sequence_step
 from harness.cases import covering_config, graph_replay_sequence
 from harness.findings import STALE_CLUSTER_FINDING
+from harness.layer_modes import occupy_freed_memory
 from harness.port.launch import (
     DEVICE,
     StaticStep,
@@ -130,3 +132,18 @@ def test_capture_once_replan_and_replay(impl, features, request, regime_log, lay
                                  f"max_rows {static.max_rows}:\n" + "\n".join(stale))
     assert state.plans == len(order) + 1
     assert width == state.config.width
+
+
+@pytest.mark.parametrize("size", [4096, 3 << 20], ids=["small-pool", "large-pool"])
+def test_the_allocation_churn_takes_and_poisons_freed_memory(size):
+    """The graphed mode replays after :func:`harness.layer_modes.occupy_freed_memory`; unless it
+    takes the memory a tensor freed, a graph that reads a freed buffer replays on its old bytes
+    and passes. Both of the caching allocator's pools (blocks up to 1 MiB, and larger)."""
+    device = torch.device(DEVICE)
+    freed = torch.full((size,), 7, dtype=torch.uint8, device=device)
+    start = freed.data_ptr()
+    del freed
+    held = occupy_freed_memory(device)
+    covering = [t for t in held if t.data_ptr() <= start < t.data_ptr() + t.numel()]
+    assert covering, f"no occupied block covers the {size} bytes freed at {start:#x} ({len(held)} blocks taken)"
+    assert bool((covering[0] == POISON_BYTE).all()), "the block that covers the freed bytes is not poisoned"
