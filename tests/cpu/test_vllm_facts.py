@@ -12,7 +12,14 @@ import sys
 import pytest
 import torch
 
-from backends.vllm.facts import RELEASES, CodeFeatures, facts_for, feature_problems, version_key
+from backends.vllm.facts import (
+    RELEASES,
+    CodeFeatures,
+    facts_for,
+    facts_of_release,
+    feature_problems,
+    version_key,
+)
 from mla_constants import FIRST_SLOT, SLOT_ZERO
 from scripts.vllm_planted_bugs import FEATURE_DELETIONS, planted_copy
 from tests.support.child_runs import ROOT, pytest_run
@@ -42,11 +49,16 @@ def test_an_unknown_release_is_judged_by_the_newest_known_release_of_its_design_
 
 
 @pytest.mark.parametrize(("change", "named"), [
-    ({"design": "exact"}, "declares the bounded design; its _SM90State lacks the device clamp (_clamp_kv_end)"),
-    ({"fp8_plan_dtype": "uint8"}, "declares planning an fp8 cache as float8_e4m3fn; its builder plans it as uint8"),
-    ({"hands_block_stride": False}, "its forward_mqa hands the convert kernel no BLOCK_STRIDE_ROWS"),
-    ({"declares_block_alignment": False}, "its backend class declares no customize_spec"),
-    ({"reads_adaptive_verification": False}, "its builder reads no enable_adaptive_verification"),
+    ({"design": "exact"}, "declares the bounded design; its _SM90State lacks the device clamp (_clamp_kv_end): "
+                          "the exact design"),
+    ({"fp8_plan_dtype": "uint8"}, "declares planning an fp8 cache as float8_e4m3fn; its builder plans it as uint8 "
+                                  "(it names no float8_e4m3fn)"),
+    ({"hands_block_stride": False}, "reads the cache's block stride; its forward_mqa hands the convert kernel no "
+                                    "BLOCK_STRIDE_ROWS"),
+    ({"declares_block_alignment": False}, "declares a cache whose blocks lie apart (customize_spec with "
+                                          "align_blocks_to_rows); its backend class declares no customize_spec"),
+    ({"reads_adaptive_verification": False}, "reads adaptive verification; its builder reads no "
+                                             "enable_adaptive_verification"),
     ({"minus_one_filler": SLOT_ZERO}, f"packs a -1 inside a row's planned length as {FIRST_SLOT}; its code packs "
                                       f"it as {SLOT_ZERO}"),
     ({"flashinfer_pin": "0.7.4"}, "pins flashinfer-python 0.7.2.post1; its METADATA requires 0.7.4"),
@@ -55,9 +67,74 @@ def test_each_feature_the_code_lacks_is_named(change, named):
     facts = RELEASES["0.33.0"]
     code = dataclasses.replace(features_of(facts), **change, module_sha256="0" * 64)
     problems = feature_problems("0.33.0", facts, code)
-    assert len(problems) == 2 and named in problems[0], problems
+    assert len(problems) == 2 and problems[0] == f"vLLM 0.33.0 {named}", problems
     assert problems[1] == ("its flashinfer_mla_sparse_sm90.py (sha256 000000000000) is not the one vLLM 0.33.0 "
                            "released (480f2060f823)")
+
+
+@pytest.mark.parametrize(("change", "line"), [
+    ({"design": "bounded"}, "declares the exact design; its _SM90State has the device clamp (_clamp_kv_end): the "
+                            "bounded design"),
+    ({"fp8_plan_dtype": "float8_e4m3fn"}, "declares planning an fp8 cache as uint8; its builder plans it as "
+                                          "float8_e4m3fn"),
+    ({"hands_block_stride": True}, "reads contiguous blocks; its forward_mqa hands the convert kernel "
+                                   "BLOCK_STRIDE_ROWS"),
+    ({"declares_block_alignment": True}, "declares contiguous blocks (supported_kv_cache_layouts LBHNC alone); its "
+                                         "backend class declares customize_spec"),
+    ({"reads_adaptive_verification": True}, "reads no adaptive verification; its builder reads "
+                                            "enable_adaptive_verification"),
+    ({"minus_one_filler": FIRST_SLOT}, f"packs a -1 inside a row's planned length as {SLOT_ZERO}; its code packs it "
+                                       f"as {FIRST_SLOT}"),
+    ({"flashinfer_pin": "0.7.4"}, "pins flashinfer-python 0.6.18.post1; its METADATA requires 0.7.4"),
+], ids=["design", "fp8", "block-stride", "block-alignment", "adaptive", "filler", "pin"])
+def test_each_feature_the_code_has_beyond_its_release_is_named(change, line):
+    """The other direction: a module of 0.30.0 that shows a feature its release does not declare
+    (a newer release's module under an old name, a backport) fails with one line naming it, and
+    the module's digest named after it."""
+    facts = RELEASES["0.30.0"]
+    code = dataclasses.replace(features_of(facts), **change, module_sha256="f" * 64)
+    assert feature_problems("0.30.0", facts, code) == [
+        f"vLLM 0.30.0 {line}",
+        "its flashinfer_mla_sparse_sm90.py (sha256 ffffffffffff) is not the one vLLM 0.30.0 released (df9fe4970aa3)"]
+
+
+def test_a_module_the_release_shipped_is_not_named_beside_its_problems():
+    """The digest line comes only with a problem, and only for a module the release did not ship."""
+    facts = RELEASES["0.33.0"]
+    code = dataclasses.replace(features_of(facts), flashinfer_pin="0.7.4")
+    assert feature_problems("0.33.0", facts, code) == [
+        "vLLM 0.33.0 pins flashinfer-python 0.7.2.post1; its METADATA requires 0.7.4"]
+    assert feature_problems("0.33.0", facts, dataclasses.replace(features_of(facts), module_sha256="0" * 64)) == []
+
+
+def test_every_problem_of_a_module_is_named_at_once():
+    facts = RELEASES["0.33.0"]
+    code = CodeFeatures("exact", "uint8", False, False, False, SLOT_ZERO, "0.6.18.post1", facts.module_sha256)
+    problems = feature_problems("0.33.0", facts, code)
+    assert len(problems) == 7 and all(p.startswith("vLLM 0.33.0 ") for p in problems), problems
+
+
+def test_the_summary_a_header_prints_names_every_fact_and_where_it_comes_from():
+    assert facts_for("0.30.0", "exact").summary() == (
+        f"exact design, fp8 planned as uint8, contiguous blocks, no adaptive verification, -1 inside a row's length "
+        f"packed as {SLOT_ZERO}, pins flashinfer-python 0.6.18.post1; facts of vLLM 0.30.0 (backends/vllm/facts.py)")
+    assert facts_for("0.35.0", "bounded").summary() == (
+        f"bounded design, fp8 planned as float8_e4m3fn, any block stride, reads adaptive verification, -1 inside a "
+        f"row's length packed as {FIRST_SLOT}, pins flashinfer-python 0.7.3; vLLM 0.35.0 is not a known release "
+        f"(backends/vllm/facts.py): judged with the facts of 0.34.0, the newest known release of its bounded design")
+
+
+def test_an_unknown_release_carries_its_own_version_with_the_borrowed_facts():
+    facts = facts_of_release("0.35.0", "exact")
+    assert facts == dataclasses.replace(RELEASES["0.30.0"], release="0.35.0")
+    assert facts_of_release("0.33.0", "exact") is not RELEASES["0.33.0"]
+    assert facts_of_release("0.33.0", "exact") == RELEASES["0.33.0"]
+
+
+@pytest.mark.parametrize(("version", "key"), [("0.33.0", (0, 33, 0)), ("1.2", (1, 2)), ("0.10.1.post2", (0, 10, 1)),
+                                              ("dev", ()), ("", ()), ("10.0.0rc1", (10, 0, 0))])
+def test_a_version_is_ordered_by_its_leading_numbers(version, key):
+    assert version_key(version) == key
 
 
 def test_what_the_code_does_not_show_is_not_judged():
