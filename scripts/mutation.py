@@ -60,8 +60,9 @@ def score_lines(by_status: dict[str, str], label: str = "mutation score") -> lis
     survived = counts.get("survived", 0)
     reached = caught + survived
     score = 100.0 * caught / reached if reached else 0.0
-    lines = [f"{label}: {score:.1f} % ({caught} of {reached} mutants reached by a test caught; "
-             f"{survived} survived)",
+    timed_out = counts.get("timeout", 0)
+    lines = [f"{label}: {score:.1f} % ({caught} of {reached} mutants reached by a test caught"
+             + (f", {timed_out} of them by a timeout" if timed_out else "") + f"; {survived} survived)",
              f"not reached by any test: {counts.get('no tests', 0)}; all mutants: {len(by_status)}"]
     others = {s: n for s, n in counts.items() if s not in (*CAUGHT, "survived", "no tests")}
     if others:
@@ -77,9 +78,17 @@ def by_area(by_status: dict[str, str]) -> dict[str, dict[str, str]]:
     return areas
 
 
+#: Threads of torch's intra-op pools in mutmut's processes. Each mutant's process is forked from a
+#: server that has run torch; with pools of several threads, a forked process can park for good on
+#: a lock a thread of the server held (a test's torch call waiting on a futex, using no CPU, which
+#: mutmut's CPU-time limit never ends and its wall limit counts as a timeout: caught).
+MUTANT_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 def pytest_env(vllm: str | None) -> dict[str, str]:
-    """The environment of mutmut's run: ``--vllm`` handed to each pytest session it starts."""
-    env = dict(os.environ)
+    """The environment of mutmut's run: ``--vllm`` handed to each pytest session it starts, and
+    torch's pools of one thread (:data:`MUTANT_THREADS`)."""
+    env = dict(os.environ, **MUTANT_THREADS)
     if vllm:
         env["PYTEST_ADDOPTS"] = f"{env.get('PYTEST_ADDOPTS', '')} --vllm={Path(vllm).resolve()}".strip()
     return env
@@ -93,13 +102,21 @@ def main(argv=None) -> int:
     parser.add_argument("--retest-survivors", action="store_true",
                         help="run again only the mutants that survived the last run (mutmut keeps a mutant's result "
                              "until its code changes, so new tests reach the survivors only this way)")
+    parser.add_argument("--retest-timeouts", action="store_true",
+                        help="run again only the mutants that timed out (a timeout counts as caught: a mutant that "
+                             "makes a test loop forever; a run whose processes hung for another reason would count "
+                             "as caught too)")
     parser.add_argument("--vllm", metavar="PATH", help="the vLLM (wheel, folder or slice) the adapter's tests run "
                                                          "with; without it they skip")
     parser.add_argument("--only", metavar="GLOB", action="append", default=[],
                         help="run only the mutants whose names match (repeatable), e.g. 'backends.*'")
     args = parser.parse_args(argv)
     if not args.report_only:
-        names = survivors(statuses(mutmut("results"))) if args.retest_survivors else list(args.only)
+        names = list(args.only)
+        if args.retest_survivors or args.retest_timeouts:
+            found = statuses(mutmut("results", "--all", "true"))
+            names = sorted(n for n, s in found.items()
+                           if (args.retest_survivors and s == "survived") or (args.retest_timeouts and s == "timeout"))
         proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children),
                                *names], cwd=ROOT, env=pytest_env(args.vllm))
         if proc.returncode != 0:

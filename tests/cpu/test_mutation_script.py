@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts.mutation import by_area, pytest_env, score_lines, statuses
+from scripts.mutation import MUTANT_THREADS, by_area, pytest_env, score_lines, statuses
 
 RESULTS = """
     fast.kvlen.x_kv_lens_host__mutmut_1: killed
@@ -18,11 +18,13 @@ RESULTS = """
 
 def test_the_score_counts_caught_among_reached_per_area_and_in_all():
     found = statuses(RESULTS)
-    assert score_lines(found)[0] == "mutation score: 75.0 % (3 of 4 mutants reached by a test caught; 1 survived)"
+    assert score_lines(found)[0] == ("mutation score: 75.0 % (3 of 4 mutants reached by a test caught, 1 of them by a "
+                                     "timeout; 1 survived)")
     assert score_lines(found)[1] == "not reached by any test: 1; all mutants: 5"
     areas = by_area(found)
     assert sorted(areas) == ["backends", "fast"] and len(areas["fast"]) == 3
-    assert score_lines(areas["backends"], "  backends/")[0].startswith("  backends/: 100.0 % (1 of 1 mutants")
+    backends = score_lines(areas["backends"], "  backends/")[0]
+    assert backends == "  backends/: 100.0 % (1 of 1 mutants reached by a test caught; 0 survived)"
 
 
 def test_the_vllm_is_handed_to_every_pytest_session_mutmut_starts(monkeypatch, tmp_path):
@@ -33,3 +35,11 @@ def test_the_vllm_is_handed_to_every_pytest_session_mutmut_starts(monkeypatch, t
     monkeypatch.delenv("PYTEST_ADDOPTS")
     assert "PYTEST_ADDOPTS" not in pytest_env(None)
     assert pytest_env("rel/dir")["PYTEST_ADDOPTS"] == f"--vllm={Path('rel/dir').resolve()}"
+
+
+def test_every_process_mutmut_starts_runs_torch_on_one_thread(monkeypatch):
+    """Each mutant's process is forked from a server that has run torch: pools of one thread, so
+    that no forked process waits for good on a lock another thread held (a hang counted caught)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    env = pytest_env(None)
+    assert {k: env[k] for k in MUTANT_THREADS} == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
