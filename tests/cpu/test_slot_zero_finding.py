@@ -24,6 +24,7 @@ from harness.device_inputs import build_attention_inputs
 from harness.findings.vllm import SLOT_ZERO, SlotZeroLoaded
 from harness.judge import judge_step
 from harness.spec import batch
+from mla_constants import FIRST_SLOT
 from mla_constants import SLOT_ZERO as SLOT_ZERO_FILLER
 
 #: A vLLM backend as the judge sees one (a vLLM family name and 0.31.0's facts: slot 0 packed past a
@@ -171,3 +172,28 @@ def test_a_finding_of_an_early_step_does_not_hide_a_later_failure(loads, off, ra
     assert type(caught.value) is raised, caught.value
     if raised is AssertionError:
         assert "step 1 of the sequence's 2" in str(caught.value)
+
+
+def bad_slot_rows(loaded: dict, nan_at: int | None, *, on_flashinfer=True, filler=SLOT_ZERO_FILLER) -> list[int]:
+    """The rows vLLM's findings name as loading a non-finite slot 0, for a layer that loaded
+    ``loaded`` (row -> slots past its executed length) from a cache of 3 blocks of 4 slots, 8
+    values each, whose slot 0 holds a NaN at ``nan_at`` (none: finite)."""
+    from harness.findings import for_backend
+
+    outcome = object()
+    cache = torch.zeros(3, 4, 8)
+    if nan_at is not None:
+        cache[0, 0, nan_at] = float("nan")
+    backend = SimpleNamespace(name="vllm-0.31.0", version="0.31.0", minus_one_filler=filler)
+    layer = SimpleNamespace(on_flashinfer=on_flashinfer,
+                            slots_loaded_past_length=lambda o: loaded if o is outcome else {})
+    return for_backend(backend).rows_loading_a_bad_slot(backend, layer, outcome, SimpleNamespace(kv_cache=cache))
+
+
+def test_the_rows_named_are_those_that_loaded_slot_0_where_it_is_not_finite():
+    loaded = {0: (0,), 1: (5,), 2: (7, 0)}
+    assert bad_slot_rows(loaded, nan_at=6) == [0, 2], "a NaN anywhere in slot 0's row (past the block size too)"
+    assert bad_slot_rows(loaded, nan_at=None) == [], "slot 0 finite: loading it changes nothing"
+    assert bad_slot_rows({1: (5,)}, nan_at=6) == [], "no row loaded slot 0"
+    assert bad_slot_rows(loaded, nan_at=6, on_flashinfer=False) == [], "not FlashInfer's kernel"
+    assert bad_slot_rows(loaded, nan_at=6, filler=FIRST_SLOT) == [], "a release that packs the first slot there"

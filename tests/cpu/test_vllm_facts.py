@@ -15,6 +15,7 @@ import torch
 from backends.vllm.facts import (
     RELEASES,
     CodeFeatures,
+    digest_problem,
     facts_for,
     facts_of_release,
     feature_problems,
@@ -112,6 +113,21 @@ def test_every_problem_of_a_module_is_named_at_once():
     code = CodeFeatures("exact", "uint8", False, False, False, SLOT_ZERO, "0.6.18.post1", facts.module_sha256)
     problems = feature_problems("0.33.0", facts, code)
     assert len(problems) == 7 and all(p.startswith("vLLM 0.33.0 ") for p in problems), problems
+
+
+def test_a_release_of_a_design_the_table_does_not_know_is_judged_by_the_newest_release():
+    judged = facts_for("0.40.0", "paged")
+    assert judged.facts is RELEASES["0.34.0"]
+    assert judged.borrowed.endswith("judged with the facts of 0.34.0, the newest known release of its paged design")
+
+
+def test_a_digest_is_judged_only_against_a_release_the_table_knows():
+    shipped = RELEASES["0.33.0"].module_sha256
+    assert digest_problem("0.99.0", shipped) is None
+    assert digest_problem(None, shipped) is None
+    assert digest_problem("0.30.0", None) is None
+    assert digest_problem("0.30.0", "a" * 64) is None, "a module no release shipped is the replay's to name"
+    assert digest_problem("0.30.0", shipped).startswith("'backend.release' is 0.30.0, but 'backend.module_digest'")
 
 
 def test_the_summary_a_header_prints_names_every_fact_and_where_it_comes_from():
