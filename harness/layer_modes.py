@@ -245,16 +245,16 @@ class GraphedLayer(ModeLayer):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.layer.launch(step, outcome)
-        replayed = self.replayed(graph, step, outcome)
+        replayed = self._replay(graph, step, outcome)
         self.problems = bitwise_problems(replayed, eager, "the graph replay", "the eager run")
         poison([replayed.out] + ([replayed.lse] if replayed.lse is not None else []))
         held = occupy_freed_memory(replayed.out.device)
-        churned = self.replayed(graph, step, outcome)
+        churned = self._replay(graph, step, outcome)
         self.problems += bitwise_problems(churned, eager, "the graph replay after allocation churn", "the eager run")
         del held
         return churned
 
-    def replayed(self, graph, step, outcome) -> StepOutcome:
+    def _replay(self, graph, step, outcome) -> StepOutcome:
         graph.replay()
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -21,6 +21,7 @@ from harness.backend_step import intended_references
 from harness.builder import build_scenario
 from harness.case_runner import Reporter, run_sequence
 from harness.device_inputs import build_attention_inputs
+from harness.findings import for_backend
 from harness.findings.vllm import SLOT_ZERO, SlotZeroLoaded
 from harness.judge import judge_step
 from harness.spec import batch
@@ -178,8 +179,6 @@ def bad_slot_rows(loaded: dict, nan_at: int | None, *, on_flashinfer=True, fille
     """The rows vLLM's findings name as loading a non-finite slot 0, for a layer that loaded
     ``loaded`` (row -> slots past its executed length) from a cache of 3 blocks of 4 slots, 8
     values each, whose slot 0 holds a NaN at ``nan_at`` (none: finite)."""
-    from harness.findings import for_backend
-
     outcome = object()
     cache = torch.zeros(3, 4, 8)
     if nan_at is not None:

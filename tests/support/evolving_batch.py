@@ -182,19 +182,19 @@ class Draws:
 #: these runs of the machine (its configuration, then its rules in order, a rule's ``data`` the
 #: values it draws) each reach the transition they are named for, so every run checks every
 #: transition at least once.
-CONFIG = dict(kpool=1, block_size=64, layout="packed", drafts=0, async_=False, source="positions",
+SCRIPTED_BASE = dict(kpool=1, block_size=64, layout="packed", drafts=0, async_=False, source="positions",
               graph_padding=False)
 SCRIPTED_TRANSITIONS: dict[str, tuple[dict, list]] = {
     "rejected-drafts-then-no-drafts": (
-        dict(CONFIG, drafts=2, async_=True, source="host-bound"),
+        dict(SCRIPTED_BASE, drafts=2, async_=True, source="host-bound"),
         [("join", dict(ctx=TOPK_SMALL + 1, chunk=4)), ("advance", dict(accepted=0)),
          ("reject_every_draft_then_stop_drafting", {})]),
     "drafts-differ-per-request": (
-        dict(CONFIG, kpool=4, drafts=2, layout="strided"),
+        dict(SCRIPTED_BASE, kpool=4, drafts=2, layout="strided"),
         [("join", dict(ctx=700, chunk=4)), ("join", dict(ctx=TOPK_SMALL + 1, chunk=4)), ("advance", dict(accepted=1)),
          ("trim_drafts", dict(data=(0, 0)))]),
     **{f"idle-request-{source}": (
-        dict(CONFIG, source=source, block_size=192, layout="compacted"),
+        dict(SCRIPTED_BASE, source=source, block_size=192, layout="compacted"),
         [("join", dict(ctx=700, chunk=4)), ("join", dict(ctx=TOPK_SMALL - 1, chunk=4)), ("join", dict(ctx=5, chunk=3)),
          ("sit_out", dict(data=(1,)))]) for source in ("host-bound", "positions", "seq-lens")},
 }
