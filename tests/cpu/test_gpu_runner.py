@@ -190,6 +190,60 @@ def test_a_matrix_pair_whose_vllm_was_not_given_fails_the_job():
     assert rows[0]["problems"] == ["missing: vLLM 0.31.0 not given (--vllm or DIR/vllm)"]
 
 
+def test_the_simulated_matrix_runs_each_vllm_release_once_and_the_rest_once_in_all():
+    """On the simulated SM90 machine FlashInfer is a stand-in: a vLLM release paired with several
+    FlashInfer releases runs once, what does not depend on vLLM runs in the first session only,
+    FlashMLA with its pair's release only; every session runs the simulated machine's files
+    without the large batches and without asking for a GPU; a release the matrix names and
+    nobody gave is missing, and fails the job."""
+    matrix = {"0.6.18.post1": ("0.30.0",), "0.7.0.post1": ("0.31.0",), "0.7.2.post1": ("0.33.0",),
+              "0.7.4": ("0.33.0", "0.34.0")}
+    axis = [_axis("0.33.0", flashmla=True), _axis("0.30.0", design="exact"), _axis("0.34.0", flashmla=True)]
+    sessions = runner.simulated_sessions(axis, matrix, "0.33.0")
+    assert [(s.vllm.version if s.vllm else None, s.missing, s.marks) for s in sessions] == [
+        ("0.30.0", None, "not gpu_large"), (None, "0.31.0", "not gpu_large"),
+        ("0.33.0", None, "not gpu_large and vllm"),
+        ("0.34.0", None, "not gpu_large and vllm and not flashmla")]
+    assert all(s.simulated for s in sessions)
+    assert sessions[2].label == "vLLM 0.33.0 + FlashMLA on simulated SM90 (-m 'not gpu_large and vllm')"
+    assert sessions[2].pytest_args() == [*runner.SIMULATED_FILES, "--vllm=/w/vllm-0.33.0", "-m",
+                                         "not gpu_large and vllm"]
+    assert runner.not_run(sessions[1]).problem() == "vLLM 0.31.0 not given (--vllm or DIR/vllm)"
+    assert runner.with_incompatibility(sessions[0]) == sessions[0]  # no FlashInfer release to be incompatible with
+    command = runner.build_pytest_command(Path("j.xml"), sessions[2].pytest_args(), simulated=True)
+    assert "--require-gpu-tier" not in command and command[command.index("tests.simulated_sm90") - 1] == "-p"
+    assert "--require-gpu-tier" in runner.build_pytest_command(Path("j.xml"), [])
+    first_missing = runner.simulated_sessions([_axis("0.31.0")], {"a": ("0.30.0", "0.31.0")}, "0.33.0")
+    assert [s.marks for s in first_missing] == ["not gpu_large", "not gpu_large"]  # the first that runs is in full
+    alone = runner.simulated_sessions([_axis("0.33.0", flashmla=True)])
+    assert [s.marks for s in alone] == ["not gpu_large"]  # CI's one wheel: everything, FlashMLA included
+    without = runner.simulated_sessions([None])
+    assert [(s.vllm, s.pytest_args()) for s in without] == [(None, [*runner.SIMULATED_FILES, "-m", "not gpu_large"])]
+
+
+def test_the_simulated_files_are_the_gpu_tiers():
+    root = _PATH.parents[1]
+    assert all((root / f).is_file() and f.startswith("tests/gpu/") for f in runner.SIMULATED_FILES)
+
+
+@pytest.mark.parametrize("argv", [["--simulated", "--release", "0.7.4", "--wheels", "w"],
+                                  ["--simulated", "--vllm", "v", "--pair", "0.33.0:0.7.4"],
+                                  ["--simulated", "--cold-and-warm"], ["--simulated", "--jit-cache", "j"]])
+def test_the_simulated_machine_refuses_what_it_cannot_do(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        runner.parse_args(argv)
+    assert exited.value.code == 2
+    assert "--simulated installs and builds nothing" in capsys.readouterr().err
+
+
+def test_a_failed_run_prints_its_failing_tests():
+    log = "\n".join(["....F", "FAILED tests/gpu/test_a.py::test_x[p] - AssertionError: regime C row 3",
+                     "ERROR tests/gpu/test_b.py::test_y - RuntimeError", "  FAILED inside a message", "1 failed"])
+    assert runner.failure_lines(log) == ["FAILED tests/gpu/test_a.py::test_x[p] - AssertionError: regime C row 3",
+                                         "ERROR tests/gpu/test_b.py::test_y - RuntimeError"]
+    assert runner.failure_lines(log, limit=1) == runner.failure_lines(log)[:1]
+
+
 def test_sessions_at_once_start_with_the_heaviest():
     axis = [_axis("0.31.0"), _axis("0.32.0"), _axis("0.33.0", flashmla=True), _axis("0.34.0", flashmla=True)]
     sessions = runner.matrix_sessions({"0.7.0.post1": ("0.31.0", "0.32.0"), "0.7.4": ("0.33.0", "0.34.0")},
