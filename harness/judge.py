@@ -184,7 +184,7 @@ def judge_holes(verdict: Verdict, backend, scenario: Scenario, inputs: Attention
     if finding is not None:
         filler = for_backend(backend).hole_filler(backend, inputs.q_nope.device) if inputs is not None else None
         rows = measure_hole_rows(outcome, scenario, sorted(attended), inputs, filler)
-        verdict.failure = TopkHolesAttended(finding + "\n" + "\n".join(row.describe() for row in rows))
+        verdict.failure = TopkHolesAttended(f"{verdict.where}\n{finding}\n" + "\n".join(row.describe() for row in rows))
 
 
 def judge_shared_mtp(verdict: Verdict, backend, scenario: Scenario, inputs: AttentionInputs | None,

@@ -18,6 +18,7 @@ mutmut keeps its results in ``mutants/`` (ignored by git): a second run re-tests
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import subprocess
@@ -94,6 +95,15 @@ def pytest_env(vllm: str | None) -> dict[str, str]:
     return env
 
 
+def to_retest(by_status: dict[str, str], survived: bool, timed_out: bool, only: list[str]) -> list[str]:
+    """The mutants to run again: those that survived (``survived``) or timed out (``timed_out``),
+    of them only those whose names match a glob of ``only`` where it names any."""
+    wanted = {"survived"} if survived else set()
+    wanted |= {"timeout"} if timed_out else set()
+    return sorted(name for name, status in by_status.items()
+                  if status in wanted and (not only or any(fnmatch.fnmatchcase(name, glob) for glob in only)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1, help="mutants tested at once")
@@ -109,14 +119,14 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm", metavar="PATH", help="the vLLM (wheel, folder or slice) the adapter's tests run "
                                                          "with; without it they skip")
     parser.add_argument("--only", metavar="GLOB", action="append", default=[],
-                        help="run only the mutants whose names match (repeatable), e.g. 'backends.*'")
+                        help="run only the mutants whose names match (repeatable), e.g. 'backends.*'; with "
+                        "--retest-survivors or --retest-timeouts, only those of them")
     args = parser.parse_args(argv)
     if not args.report_only:
         names = list(args.only)
         if args.retest_survivors or args.retest_timeouts:
             found = statuses(mutmut("results", "--all", "true"))
-            names = sorted(n for n, s in found.items()
-                           if (args.retest_survivors and s == "survived") or (args.retest_timeouts and s == "timeout"))
+            names = to_retest(found, args.retest_survivors, args.retest_timeouts, args.only)
         proc = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children),
                                *names], cwd=ROOT, env=pytest_env(args.vllm))
         if proc.returncode != 0:

@@ -53,6 +53,7 @@ from harness.topk_holes import TopkHoles, with_topk_holes
 from mla_constants import FIRST_SLOT, INVALID, KV_LORA_RANK
 from mla_constants import SLOT_ZERO as SLOT_ZERO_FILLER
 from reference import sparse_mla_reference
+from reference.budget import FLOAT32_EPS
 from reference.rules import convert_rule, request_ids_per_row, valid_counts, valid_first
 from tests.bugs import CompactionPlansPrefix, KpoolFromWrongSpec
 
@@ -207,8 +208,13 @@ def verdict_of(layer_class, spec=DECODES, *, seed: int = SEED, holes=None, scena
 
 
 def failure_text(verdict) -> str:
+    """The failure's message, which names the step it failed: the verdict's place (the step's
+    rows and regimes, the backend as it describes itself, led by a sequence's step) is in it."""
     assert verdict.failure is not None, "the judge passed the step"
-    return str(verdict.failure)
+    text = str(verdict.failure)
+    assert verdict.backend and f"; {verdict.backend} (" in verdict.where, (verdict.backend, verdict.where)
+    assert verdict.where in text, f"the failure does not name its step ({verdict.where}):\n{text}"
+    return text
 
 
 def test_the_right_stand_in_passes_every_step_the_faults_are_planted_in():
@@ -383,6 +389,22 @@ def test_output_comparison_catches_an_lse_off():
     text = failure_text(verdict)
     assert "stand-in's output vs (a) beyond the error budget" in text and "\nlse: max err" in text, text
     assert [c.name for c in verdict.comparisons if not c.ok] == ["lse"]
+
+
+class LseInsideFa2sFloor(RightLayer):
+    """Row ROW's LSE 300 float32 ulps of the largest |LSE| above what it should be: beyond the LSE
+    floor of an attention kernel without its own (32 ulps), inside fa2's (2048)."""
+
+    def attend(self, step, rows, read, mask):
+        out, lse = super().attend(step, rows, read, mask)
+        lse[ROW] += 300 * FLOAT32_EPS * float(lse[:rows].abs().max())
+        return out, lse
+
+
+def test_the_lse_is_judged_by_the_floor_of_the_kernel_the_backend_declares():
+    assert verdict_of(LseInsideFa2sFloor, kernel="fa2").passed
+    verdict = verdict_of(LseInsideFa2sFloor)
+    assert "\nlse: max err" in failure_text(verdict) and verdict.rows_at_fault == [ROW]
 
 
 #: Decodes whose raw scores sit 0 and 4096 from zero, row by row.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts.mutation import MUTANT_THREADS, by_area, pytest_env, score_lines, statuses
+from scripts.mutation import MUTANT_THREADS, by_area, pytest_env, score_lines, statuses, to_retest
 
 RESULTS = """
     fast.kvlen.x_kv_lens_host__mutmut_1: killed
@@ -43,3 +43,15 @@ def test_every_process_mutmut_starts_runs_torch_on_one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     env = pytest_env(None)
     assert {k: env[k] for k in MUTANT_THREADS} == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def test_a_retest_runs_the_survivors_or_timeouts_of_the_mutants_named():
+    found = {"harness.judge.x_judge_step__mutmut_1": "survived", "harness.judge.x_judge_step__mutmut_2": "killed",
+             "harness.judge.x_measured__mutmut_1": "timeout", "harness.findings.x_a__mutmut_1": "survived"}
+    assert to_retest(found, True, False, []) == ["harness.findings.x_a__mutmut_1",
+                                                          "harness.judge.x_judge_step__mutmut_1"]
+    assert to_retest(found, True, False, ["harness.judge*"]) == ["harness.judge.x_judge_step__mutmut_1"]
+    assert to_retest(found, True, True, ["harness.judge*"]) == ["harness.judge.x_judge_step__mutmut_1",
+                                                                          "harness.judge.x_measured__mutmut_1"]
+    assert to_retest(found, False, True, []) == ["harness.judge.x_measured__mutmut_1"]
+    assert to_retest(found, False, False, []) == []
