@@ -586,8 +586,8 @@ def matrix_sessions(matrix: dict[str, tuple[str, ...]], flashmla_pair: tuple[str
 def simulated_sessions(axis: list[VllmAxis | None], matrix: dict[str, tuple[str, ...]] | None = None,
                        flashmla_version: str | None = None) -> list[Session]:
     """The sessions on the simulated SM90 machine, the large batches left out of each. FlashInfer is
-    a stand-in there, so what does not depend on vLLM runs once, in the first session that has a
-    vLLM, and each further vLLM gets a session of its vLLM tests alone (``-m vllm``). One per vLLM
+    a stand-in there, so what does not depend on vLLM runs once, in the first session that runs,
+    and each further vLLM gets a session of its vLLM tests alone (``-m vllm``). One per vLLM
     of the axis; with ``matrix``, one per vLLM release it names, in its order (a release paired
     with several FlashInfer releases once), a release ``axis`` lacks a session that is missing,
     and FlashMLA judged with ``flashmla_version`` alone, as in the GPU matrix."""
