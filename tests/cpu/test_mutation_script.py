@@ -49,9 +49,9 @@ def test_a_retest_runs_the_survivors_or_timeouts_of_the_mutants_named():
     found = {"harness.judge.x_judge_step__mutmut_1": "survived", "harness.judge.x_judge_step__mutmut_2": "killed",
              "harness.judge.x_measured__mutmut_1": "timeout", "harness.findings.x_a__mutmut_1": "survived"}
     assert to_retest(found, True, False, []) == ["harness.findings.x_a__mutmut_1",
-                                                          "harness.judge.x_judge_step__mutmut_1"]
+                                                 "harness.judge.x_judge_step__mutmut_1"]
     assert to_retest(found, True, False, ["harness.judge*"]) == ["harness.judge.x_judge_step__mutmut_1"]
     assert to_retest(found, True, True, ["harness.judge*"]) == ["harness.judge.x_judge_step__mutmut_1",
-                                                                          "harness.judge.x_measured__mutmut_1"]
+                                                                "harness.judge.x_measured__mutmut_1"]
     assert to_retest(found, False, True, []) == ["harness.judge.x_measured__mutmut_1"]
     assert to_retest(found, False, False, []) == []

@@ -183,7 +183,7 @@ class Draws:
 #: values it draws) each reach the transition they are named for, so every run checks every
 #: transition at least once.
 SCRIPTED_BASE = dict(kpool=1, block_size=64, layout="packed", drafts=0, async_=False, source="positions",
-              graph_padding=False)
+                     graph_padding=False)
 SCRIPTED_TRANSITIONS: dict[str, tuple[dict, list]] = {
     "rejected-drafts-then-no-drafts": (
         dict(SCRIPTED_BASE, drafts=2, async_=True, source="host-bound"),
