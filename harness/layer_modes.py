@@ -203,21 +203,58 @@ def capture_problem(layer) -> str | None:
     return None
 
 
+#: Requests up to this many bytes are served from the caching allocator's small pool (segments of
+#: 2 MiB), larger ones from its large pool (c10's ``kSmallSize``).
+SMALL_POOL_REQUEST_BYTES = 1 << 20
+#: Rounds of :func:`occupy_freed_memory`: a block taken by a request smaller than itself is split,
+#: and the rest it leaves free is taken in the next round.
+OCCUPY_ROUNDS = 4
+
+
+def requests_taking_free_blocks(segments: list[dict], device_index: int, stream: int) -> list[int]:
+    """Request sizes in bytes, largest first, that take every free (``inactive``) block of the
+    caching allocator's default pool on ``device_index`` handed out to ``stream`` (the allocator
+    hands a block only to requests of the stream it was freed on), from the segments of
+    ``torch.cuda.memory_snapshot()``. A block of a small segment is asked for in pieces of at most
+    :data:`SMALL_POOL_REQUEST_BYTES` (a whole free small segment, 2 MiB, asked for at once would be
+    served from the large pool), a block of a large segment whole."""
+    sizes = []
+    for segment in segments:
+        if (segment["device"] != device_index or tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+                or segment.get("stream", stream) != stream):
+            continue
+        for block in segment["blocks"]:
+            if block["state"] != "inactive":
+                continue
+            if segment.get("segment_type") == "small":
+                whole, rest = divmod(block["size"], SMALL_POOL_REQUEST_BYTES)
+                sizes += [SMALL_POOL_REQUEST_BYTES] * whole + ([rest] if rest else [])
+            else:
+                sizes.append(block["size"])
+    return sorted(sizes, reverse=True)
+
+
 def occupy_freed_memory(device: torch.device) -> list[torch.Tensor]:
     """Tensors that take every block the caching allocator of ``device`` holds free in its
-    default pool, each filled with :data:`backends.seam.POISON_BYTE` (none off CUDA, where no
-    allocator hands freed memory out again). A graph that reads or writes memory its layer
-    stopped holding after the capture (a plan's temporary, a buffer reallocated by a later plan)
-    then meets the poison, as it meets whatever the next allocation writes in an engine. Hold the
-    tensors across the replay; dropping them hands the blocks back."""
+    default pool for the current stream (:func:`requests_taking_free_blocks`, again on what a
+    round left free, at most :data:`OCCUPY_ROUNDS` rounds), each filled with
+    :data:`backends.seam.POISON_BYTE` (none off CUDA, where no allocator hands freed memory out
+    again). A graph that reads or writes memory its layer stopped holding after the capture (a
+    plan's temporary, a buffer reallocated by a later plan) then meets the poison, as it meets
+    whatever the next allocation writes in an engine. Hold the tensors across the replay;
+    dropping them hands the blocks back."""
     if device.type != "cuda":
         return []
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sizes = sorted((block["size"] for segment in torch.cuda.memory_snapshot()
-                    if segment["device"] == index and tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
-                    for block in segment["blocks"] if block["state"] == "inactive"), reverse=True)
-    held = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
-    poison(held)
+    stream = torch.cuda.current_stream(index).cuda_stream
+    held = []
+    for _ in range(OCCUPY_ROUNDS):
+        sizes = requests_taking_free_blocks(torch.cuda.memory_snapshot(), index, stream)
+        if not sizes:
+            break
+        taken = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+        poison(taken)
+        held += taken
     return held
 
 

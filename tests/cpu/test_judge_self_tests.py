@@ -918,6 +918,27 @@ def test_no_memory_is_occupied_off_cuda():
     assert layer_modes.occupy_freed_memory(torch.device("cpu")) == []
 
 
+def snapshot_segment(kind: str, blocks: list[tuple[int, str]], *, device=0, stream=0, pool=(0, 0)) -> dict:
+    """One segment as ``torch.cuda.memory_snapshot()`` lists it: its blocks as (bytes, state)."""
+    return {"device": device, "stream": stream, "segment_type": kind, "segment_pool_id": pool,
+            "blocks": [{"size": size, "state": state} for size, state in blocks]}
+
+
+def test_the_churn_asks_for_each_free_block_of_the_streams_default_pool_from_the_pool_that_serves_it():
+    mib = 1 << 20
+    segments = [
+        snapshot_segment("large", [(3 * mib, "inactive"), (5 * mib, "active_allocated"), (12 * mib, "inactive")]),
+        snapshot_segment("small", [(2 * mib, "inactive")]),
+        snapshot_segment("small", [(4096, "active_allocated"), (mib + 512, "inactive"), (512, "inactive")]),
+        snapshot_segment("large", [(20 * mib, "inactive")], stream=77),
+        snapshot_segment("large", [(20 * mib, "inactive")], device=1),
+        snapshot_segment("large", [(20 * mib, "inactive")], pool=(1, 3)),
+    ]
+    assert layer_modes.requests_taking_free_blocks(segments, 0, 0) == [12 * mib, 3 * mib, mib, mib, mib, 512, 512]
+    assert layer_modes.requests_taking_free_blocks(segments, 0, 77) == [20 * mib]
+    assert layer_modes.requests_taking_free_blocks(segments, 2, 0) == []
+
+
 def nudged(out: torch.Tensor, ulps: int) -> torch.Tensor:
     """``out`` with its first element ``ulps`` bf16 values further from zero."""
     out = out.clone()
