@@ -4,10 +4,21 @@ outcome, failure text included, is the child's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 import fast.convert
-from pytest_sparse_mla.interpreter import child_environment, child_verdict, interpreter_problem, runs_in_a_child
+from pytest_sparse_mla.interpreter import (
+    child_environment,
+    child_verdict,
+    interpreter_problem,
+    runs_in_a_child,
+    skip_discarded_overflow_checks,
+)
 
 MARKED = """
 import os
@@ -83,3 +94,50 @@ def test_a_machine_whose_interpreter_cannot_run_the_kernel_skips_marked_tests_wi
                                           "-p", "no:xdist", "-rs")
     result.assert_outcomes(passed=1, skipped=2)
     assert "Triton's interpreter cannot run it (probe)" in "\n".join(result.outlines)
+
+
+@triton.jit
+def _int32_arithmetic(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    a = tl.load(a_ptr + i)
+    b = tl.load(b_ptr + i)
+    tl.store(out_ptr + i, a * b + a - b)
+
+
+def int32_arithmetic(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(a)
+    _int32_arithmetic[(1,)](a, b, out, N=a.numel())
+    return out
+
+
+@pytest.mark.interpreter
+def test_the_interpreter_computes_the_same_int32_results_without_the_overflow_checks_it_drops(monkeypatch):
+    from triton.runtime import interpreter
+
+    a = torch.tensor([7, 1 << 20, -(1 << 30), (1 << 31) - 1] * 4, dtype=torch.int32)
+    b = torch.tensor([3, 1 << 12, 5, -2] * 4, dtype=torch.int32)
+    wrapped = torch.from_numpy(a.numpy() * b.numpy() + a.numpy() - b.numpy())  # numpy int32 wraps
+    options = interpreter.interpreter_builder.options
+    monkeypatch.setattr(interpreter.interpreter_builder, "options",
+                        dataclasses.replace(options, sanitize_overflow=True))
+    checked = int32_arithmetic(a, b)
+    assert skip_discarded_overflow_checks()
+    assert interpreter.interpreter_builder.options.sanitize_overflow is False
+    assert torch.equal(int32_arithmetic(a, b), checked) and torch.equal(checked, wrapped)
+    assert not skip_discarded_overflow_checks(), "a second call finds nothing to change"
+
+
+def test_an_interpreter_that_asserts_keeps_its_overflow_checks(monkeypatch):
+    from triton.runtime import interpreter
+
+    asserting = dataclasses.replace(interpreter.interpreter_builder.options, debug=True, sanitize_overflow=True)
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", asserting)
+    assert not skip_discarded_overflow_checks()
+    assert interpreter.interpreter_builder.options is asserting
+
+
+@pytest.mark.interpreter
+def test_a_test_under_the_interpreter_runs_without_the_checks_it_drops():
+    from triton.runtime import interpreter
+
+    assert interpreter.interpreter_builder.options.sanitize_overflow is False
