@@ -38,9 +38,8 @@ def skip_discarded_overflow_checks() -> bool:
     sub and mul (the operation again in int64 and its bounds compared) that it then drops: the
     check ends in a device assert, which the interpreter runs only under its ``debug`` option, and
     it never sets that option. The kernels' results are the same (int32 arithmetic wraps as
-    compiled); about half of the interpreter's time on vLLM's index-remap kernel goes. Nothing
-    changes where the interpreter does assert (``debug`` on) or has no such option. Whether it
-    was changed."""
+    compiled) and the work on vLLM's index-remap kernel less. Nothing changes where the
+    interpreter does assert (``debug`` on) or has no such option. Whether it was changed."""
     try:
         from triton.runtime import interpreter
     except ImportError:
