@@ -727,7 +727,6 @@ def main(argv: list[str] | None = None) -> int:
     caches: dict[str, Path] = {}
     for release in releases:
         env = dict(base_env)
-        cache = (args.jit_cache.resolve() if args.jit_cache else work / "jit") / release
         if args.wheels and not args.simulated:
             site = work / "site" / release
             try:
@@ -743,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         if not args.simulated:  # the simulated machine builds nothing
+            cache = (args.jit_cache.resolve() if args.jit_cache else work / "jit") / release
             env["FLASHINFER_WORKSPACE_BASE"] = str(cache)
             caches[release] = cache
         envs[release] = env
@@ -753,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"=== {session.label}: not run: {session.not_run or 'vLLM ' + session.missing + ' not given'}",
                   flush=True)
             runs.append(not_run(session))
-    building = {r: envs[r] for r in dict.fromkeys(s.release for s in runnable)}
+    building = {r: envs[r] for r in dict.fromkeys(s.release for s in runnable) if r in caches}
     walls: dict[str, dict] = {}
     for phase in phases:
         started = time.monotonic()
@@ -761,9 +761,8 @@ def main(argv: list[str] | None = None) -> int:
             for release in building:
                 shutil.rmtree(caches[release], ignore_errors=True)
         for release in building:
-            if release in caches:
-                caches[release].mkdir(parents=True, exist_ok=True)
-        builds = prebuild(building, out, phase) if building and args.wheels and not args.simulated else None
+            caches[release].mkdir(parents=True, exist_ok=True)
+        builds = prebuild(building, out, phase) if building and args.wheels else None
         runs += run_sessions(runnable, envs, phase, out, extra, args.timeout_s, args.jobs)
         walls[phase] = {"builds_s": builds, "wall_s": round(time.monotonic() - started, 1)}
         print(f"=== {phase}: {len(runnable)} session(s) in {walls[phase]['wall_s']:.0f} s"
